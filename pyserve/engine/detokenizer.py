@@ -1,0 +1,130 @@
+"""Incremental detokenization and stop strings, one coroutine on the loop thread.
+
+Text is decoded with a small window of context tokens so that word-initial spaces and
+multi-byte characters come out exactly as a full decode would: a chunk is emitted only when
+the window's text grew and does not end in U+FFFD (an incomplete UTF-8 sequence). This is the
+prefix/read-offset technique used by HF text-generation-inference and vLLM, written here anew.
+Text that could be the start of a stop string is held back until it cannot, so the streamed
+chunks always concatenate to the final text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable
+
+from pyserve.engine.scheduler import TokenOut
+from pyserve.io_struct import GenerateOutput
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class DecodeState:
+    """Per-request text state: all output ids, decoded text, what has been sent."""
+
+    def __init__(self, stop_strs: list[str], skip_special_tokens: bool) -> None:
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""
+        self.sent_len = 0
+        self.sent_ids = 0
+        self.stop_strs = stop_strs
+        self.skip_special_tokens = skip_special_tokens
+        self.finish_reason: dict[str, Any] | None = None
+
+
+class Detokenizer:
+    """Consumes TokenOut lists from the scheduler; delivers GenerateOutput chunks.
+
+    `deliver(output)` hands a chunk to the request's consumer; `finish(rid, reason)` tells the
+    scheduler a stop string ended the request.
+    """
+
+    def __init__(self, tokenizer: Any, deliver: Callable[[GenerateOutput], None],
+                 finish: Callable[[str, dict[str, Any]], None]) -> None:
+        self.tokenizer = tokenizer
+        self.deliver = deliver
+        self.finish = finish
+        self.states: dict[str, DecodeState] = {}
+        self.queue: asyncio.Queue[list[TokenOut]] = asyncio.Queue()
+
+    def register(self, rid: str, stop_strs: list[str], skip_special_tokens: bool) -> None:
+        self.states[rid] = DecodeState(stop_strs, skip_special_tokens)
+
+    def forget(self, rid: str) -> None:
+        self.states.pop(rid, None)
+
+    async def run(self) -> None:
+        while True:
+            outs = await self.queue.get()
+            for out in outs:
+                self.handle(out)
+
+    def handle(self, out: TokenOut) -> None:
+        state = self.states.get(out.rid)
+        if state is None or state.finish_reason is not None:
+            return  # unknown, or already ended by a stop string: extra tokens are dropped
+        state.ids.extend(out.ids_delta)
+        finished = out.finish_reason is not None
+        self._decode(state, flush=finished)
+        if not finished and self._match_stop(state):
+            self.finish(out.rid, state.finish_reason)  # type: ignore[arg-type]
+            finished = True
+        else:
+            state.finish_reason = out.finish_reason
+        if finished:
+            self._match_stop(state)  # a stop string in the flushed tail still counts
+        emit_len = len(state.text) if finished else len(state.text) - self._holdback(state)
+        delta = state.text[state.sent_len:emit_len]
+        if not delta and not finished and len(state.ids) == state.sent_ids:
+            return
+        ids_delta = state.ids[state.sent_ids:]
+        state.sent_len = max(state.sent_len, emit_len)
+        state.sent_ids = len(state.ids)
+        if finished:
+            self.states.pop(out.rid, None)
+        self.deliver(GenerateOutput(
+            rid=out.rid, text=state.text[:state.sent_len], text_delta=delta,
+            output_ids=list(state.ids), ids_delta=ids_delta, prompt_tokens=out.prompt_tokens,
+            cached_tokens=out.cached_tokens, finish_reason=state.finish_reason,
+        ))
+
+    def _decode(self, state: DecodeState, flush: bool) -> None:
+        if state.finish_reason is not None:
+            return
+        decode = self.tokenizer.decode
+        skip = state.skip_special_tokens
+        prefix_text = decode(state.ids[state.prefix_offset:state.read_offset], skip_special_tokens=skip)
+        new_text = decode(state.ids[state.prefix_offset:], skip_special_tokens=skip)
+        if len(new_text) > len(prefix_text) and (flush or not new_text.endswith(REPLACEMENT_CHAR)):
+            state.text += new_text[len(prefix_text):]
+            state.prefix_offset = state.read_offset
+            state.read_offset = len(state.ids)
+
+    def _match_stop(self, state: DecodeState) -> bool:
+        """Cut the text at the earliest stop string, if any; returns True when one matched."""
+        if state.finish_reason is not None and state.finish_reason.get("type") == "stop" \
+                and isinstance(state.finish_reason.get("matched"), str):
+            return False
+        best: tuple[int, str] | None = None
+        for stop in state.stop_strs:
+            pos = state.text.find(stop, max(0, state.sent_len - len(stop)))
+            if pos != -1 and (best is None or pos < best[0]):
+                best = (pos, stop)
+        if best is None:
+            return False
+        state.text = state.text[:best[0]]
+        state.finish_reason = {"type": "stop", "matched": best[1]}
+        return True
+
+    @staticmethod
+    def _holdback(state: DecodeState) -> int:
+        """Length of the longest text suffix that is a proper prefix of a stop string."""
+        longest = 0
+        for stop in state.stop_strs:
+            for n in range(min(len(stop) - 1, len(state.text)), longest, -1):
+                if state.text.endswith(stop[:n]):
+                    longest = n
+                    break
+        return longest

@@ -1,0 +1,137 @@
+"""`Engine`: pyserve in-process, without HTTP, for Python programs.
+
+The Engine runs an EngineCore on its own thread with its own uvloop event loop, so it works
+from plain synchronous code and from any asyncio loop. Outputs are dicts in the same shape
+as /generate: {"text", "output_ids", "meta_info": {...}}; streamed chunks carry the text so
+far (cumulative), like /generate's stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any, AsyncIterator, Iterator
+
+from pyserve.config import ServerArgs
+from pyserve.engine.engine_core import EngineCore
+from pyserve.io_struct import GenerateReqInput
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+
+        return uvloop.new_event_loop()
+    except ImportError:  # Windows
+        return asyncio.new_event_loop()
+
+
+class Engine:
+    """Load a model and generate from Python.
+
+    `Engine(model_path=..., **server_args)` takes ServerArgs fields as keyword arguments and
+    blocks until the model is loaded. Raises ServerArgsError for bad arguments and whatever
+    loading raises. Thread-safe: calls may come from any thread or loop.
+    """
+
+    def __init__(self, server_args: ServerArgs | None = None, **kwargs: Any) -> None:
+        self.server_args = server_args or ServerArgs(**kwargs)
+        self.core = EngineCore(self.server_args)
+        self._loop = _new_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="pyserve-engine-loop",
+                                        daemon=True)
+        self._thread.start()
+        try:
+            self._call(self.core.start())
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    def _call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    @staticmethod
+    def _request(prompt: str | list[str] | None, sampling_params: Any, input_ids: Any,
+                 stream: bool) -> GenerateReqInput:
+        return GenerateReqInput(text=prompt, input_ids=input_ids, sampling_params=sampling_params,
+                                stream=stream)
+
+    def generate(self, prompt: str | list[str] | None = None,
+                 sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+                 input_ids: list[int] | list[list[int]] | None = None,
+                 stream: bool = False) -> Any:
+        """Generate from one prompt (dict), a list (list of dicts) or, with stream=True, one
+        prompt as an iterator of chunk dicts. Raises pydantic.ValidationError for malformed
+        parameters and InvalidRequestError for requests the model cannot serve."""
+        obj = self._request(prompt, sampling_params, input_ids, stream)
+        if stream:
+            return self._stream_sync(obj)
+        outs = self._call(self.core.generate_all(obj.split()))
+        dicts = [o.to_native() for o in outs]
+        return dicts if obj.is_batch else dicts[0]
+
+    def _stream_sync(self, obj: GenerateReqInput) -> Iterator[dict[str, Any]]:
+        agen = self.core.generate(obj.split()[0]).__aiter__()
+        try:
+            while True:
+                try:
+                    out = self._call(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+                yield out.to_native()
+        finally:
+            self._call(agen.aclose())
+
+    async def async_generate(self, prompt: str | list[str] | None = None,
+                             sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+                             input_ids: list[int] | list[list[int]] | None = None,
+                             stream: bool = False) -> Any:
+        """Like generate, awaitable from any event loop; with stream=True returns an async
+        iterator of chunk dicts."""
+        obj = self._request(prompt, sampling_params, input_ids, stream)
+        if stream:
+            return self._stream_async(obj)
+        fut = asyncio.run_coroutine_threadsafe(self.core.generate_all(obj.split()), self._loop)
+        outs = await asyncio.wrap_future(fut)
+        dicts = [o.to_native() for o in outs]
+        return dicts if obj.is_batch else dicts[0]
+
+    async def _stream_async(self, obj: GenerateReqInput) -> AsyncIterator[dict[str, Any]]:
+        agen = self.core.generate(obj.split()[0]).__aiter__()
+
+        async def on_engine(coro: Any) -> Any:
+            return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+
+        try:
+            while True:
+                try:
+                    out = await on_engine(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+                yield out.to_native()
+        finally:
+            await on_engine(agen.aclose())
+
+    def get_server_info(self) -> dict[str, Any]:
+        async def info() -> dict[str, Any]:
+            return self.core.get_server_info()
+        return self._call(info())
+
+    def shutdown(self) -> None:
+        """Stop the engine and its threads. Idempotent."""
+        if self._loop.is_closed():
+            return
+        if self._thread.is_alive():
+            self._call(self.core.shutdown())
+        self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+        self._loop.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()

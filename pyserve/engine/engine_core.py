@@ -1,0 +1,197 @@
+"""`EngineCore`: builds and runs the serving pipeline on the event loop it is started on.
+
+Start-up (model load, KV pool sizing) runs in an executor so the loop stays responsive; then
+the scheduler and detokenizer run as tasks on the same loop as the HTTP server. The HTTP app
+(`create_app`) and the Python `Engine` both drive an EngineCore.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any, AsyncIterator
+
+import torch
+
+from pyserve.config import ServerArgs
+from pyserve.engine.scheduler import Scheduler
+from pyserve.engine.tokenizer_manager import TokenizerManager
+from pyserve.engine.worker import ModelWorker
+from pyserve.errors import InvalidRequestError
+from pyserve.io_struct import GenerateOutput, SingleReq
+from pyserve.mem_cache.kv_cache import KVCache
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """The pipeline: TokenizerManager -> Scheduler -> ModelWorker -> Detokenizer.
+
+    All methods run on the loop that called `start()`, except `start` work done in executors.
+    """
+
+    def __init__(self, server_args: ServerArgs) -> None:
+        self.server_args = server_args
+        self.started = False
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        """Load the tokenizer and model, size the KV pool, start the scheduler. Raises what
+        loading raises (missing files, unsupported architecture)."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._load)
+        args = self.server_args
+        runner = self.model_runner
+        self.kv_cache = KVCache(runner.max_total_num_tokens, args.max_running_requests,
+                                self.context_len, disable_radix_cache=args.disable_radix_cache)
+        self.worker = ModelWorker(runner)
+        self.scheduler = Scheduler(self.kv_cache, self.worker, runner.device, self.context_len,
+                                   args.max_running_requests, args.max_prefill_tokens,
+                                   emit=self._emit, stats_interval_s=args.stats_interval_s)
+        mc = runner.model_config
+        self.tokenizer_manager = TokenizerManager(
+            self.tokenizer, self.scheduler, self.context_len, runner.max_total_num_tokens,
+            vocab_size=mc.vocab_size, eos_token_ids=frozenset(mc.eos_token_ids))
+        self._tasks = [
+            asyncio.create_task(self.scheduler.run(), name="pyserve-scheduler"),
+            asyncio.create_task(self.tokenizer_manager.detokenizer.run(), name="pyserve-detokenizer"),
+        ]
+        for task in self._tasks:
+            task.add_done_callback(_log_task_death)
+        self.started = True
+        self.start_time = time.time()
+
+    def _load(self) -> None:
+        from pyserve.model_executor.model_runner import ModelRunner
+        from pyserve.model_loader.default_model import default_model_path
+        from pyserve.model_loader.tokenizer import get_tokenizer
+
+        args = self.server_args
+        if args.random_seed is not None:
+            torch.manual_seed(args.random_seed)
+        self.model_path = args.model_path or default_model_path()
+        if not os.path.exists(self.model_path):
+            raise FileNotFoundError(f"--model-path {self.model_path!r} does not exist")
+        logger.info("loading tokenizer from %s", args.tokenizer_path or self.model_path)
+        self.tokenizer = get_tokenizer(self.model_path, args.tokenizer_path)
+        if args.chat_template:
+            with open(args.chat_template, encoding="utf-8") as f:
+                self.tokenizer.chat_template = f.read()
+        logger.info("loading model from %s", self.model_path)
+        self.model_runner = ModelRunner(
+            self.model_path, dtype=args.dtype, device=args.resolved_device,
+            context_length=args.context_length, max_total_tokens=args.max_total_tokens,
+            mem_fraction_static=args.mem_fraction_static, random_seed=args.random_seed)
+        mc = self.model_runner.model_config
+        self.context_len = mc.context_len
+        self.model_name = args.served_model_name or _default_name(self.model_path)
+        logger.info("model %s (%s) loaded: dtype=%s device=%s context_length=%d",
+                    self.model_name, mc.architecture, str(self.model_runner.dtype).removeprefix("torch."),
+                    self.model_runner.device, self.context_len)
+        logger.info("KV pool: %d tokens, %.1f MiB", self.model_runner.max_total_num_tokens,
+                    self.model_runner.kv_cache_bytes / 2**20)
+
+    async def shutdown(self) -> None:
+        if not self.started:
+            return
+        self.started = False
+        await self.scheduler.stop()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.get_running_loop().run_in_executor(None, self.worker.shutdown)
+        self.tokenizer_manager.executor.shutdown(wait=False)
+
+    def _emit(self, outs: list) -> None:
+        self.tokenizer_manager.detokenizer.queue.put_nowait(outs)
+
+    # ---- requests ----------------------------------------------------------------------------
+    def generate(self, req: SingleReq) -> AsyncIterator[GenerateOutput]:
+        """Outputs of one request (all chunks if req.stream, else the final one)."""
+        if not self.started:
+            raise RuntimeError("the engine is not running")
+        return self.tokenizer_manager.generate(req)
+
+    async def generate_all(self, reqs: list[SingleReq]) -> list[GenerateOutput]:
+        """Final outputs of several non-streamed requests, run concurrently, in order.
+        Validates every request before starting any (InvalidRequestError)."""
+        for r in reqs:
+            await self.tokenizer_manager.tokenize(r)
+
+        async def final(r: SingleReq) -> GenerateOutput:
+            out = None
+            async for out in self.generate(r):
+                pass
+            assert out is not None
+            return out
+
+        return list(await asyncio.gather(*(final(r) for r in reqs)))
+
+    async def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+        """The prompt text for chat `messages`. Raises InvalidRequestError when the model
+        has no chat template or the template rejects the messages."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError(
+                "this model has no chat template; start the server with --chat-template FILE",
+                param="messages")
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(
+                self.tokenizer_manager.executor,
+                lambda: self.tokenizer.apply_chat_template(
+                    messages, tokenize=False, add_generation_prompt=True, **kwargs))
+        except Exception as exc:  # jinja errors: the template refused these messages
+            raise InvalidRequestError(f"chat template failed: {exc}", param="messages") from exc
+
+    # ---- introspection -------------------------------------------------------------------------
+    def get_model_info(self) -> dict[str, Any]:
+        mc = self.model_runner.model_config
+        return {
+            "model_path": self.model_path,
+            "tokenizer_path": self.server_args.tokenizer_path or self.model_path,
+            "served_model_name": self.model_name,
+            "architecture": mc.architecture,
+            "is_generation": True,
+            "context_length": self.context_len,
+            "vocab_size": mc.vocab_size,
+        }
+
+    def get_server_info(self) -> dict[str, Any]:
+        kv = self.kv_cache
+        sched = self.scheduler
+        info = {k: v for k, v in vars(self.server_args).items()}
+        info.update({
+            "version": _version(),
+            "device": self.model_runner.device,
+            "max_total_num_tokens": kv.max_total_tokens,
+            "kv_free_slots": kv.free_slots(),
+            "kv_total_slots": kv.max_total_tokens,
+            "kv_evictable_slots": kv.tree.evictable_size(),
+            "kv_protected_slots": kv.tree.protected_size(),
+            "kv_cache_bytes": self.model_runner.kv_cache_bytes,
+            "num_running_reqs": len(sched.running),
+            "num_waiting_reqs": len(sched.waiting),
+            "num_generated_tokens": sched.num_generated_tokens,
+        })
+        return info
+
+
+def _default_name(model_path: str) -> str:
+    base = os.path.basename(model_path.rstrip("/"))
+    return base.removesuffix(".gguf")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pyserve")
+    except PackageNotFoundError:
+        return "0.0.0+local"
+
+
+def _log_task_death(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("engine task %s died", task.get_name(), exc_info=task.exception())

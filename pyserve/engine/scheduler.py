@@ -1,0 +1,234 @@
+"""The scheduler task: continuous batching over the Rust KV core, one step at a time.
+
+Each tick: drop finished/aborted requests (their KV goes to the radix cache or back to the
+allocator), admit waiting requests into a prefill (EXTEND) batch if any fit, else run one
+DECODE step for all running requests. The step runs on the worker thread; while it runs the
+loop serves HTTP, tokenizes and detokenizes. Loop thread only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from pyserve.engine.schedule_batch import Req, ScheduleBatch
+from pyserve.engine.schedule_policy import PrefillAdder
+from pyserve.engine.worker import ModelWorker
+from pyserve.io_struct import TokenizedGenerateReq
+from pyserve.mem_cache.kv_cache import KVCache
+from pyserve.model_executor.forward_batch import ForwardMode
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TokenOut:
+    """New token ids of one request after one step (to the detokenizer)."""
+
+    rid: str
+    ids_delta: list[int]
+    finish_reason: dict[str, Any] | None
+    prompt_tokens: int
+    cached_tokens: int
+
+
+class Scheduler:
+    """Owns the waiting queue, the running requests and the KV bookkeeping."""
+
+    def __init__(self, kv_cache: KVCache, worker: ModelWorker, device: str, context_len: int,
+                 max_running_requests: int, max_prefill_tokens: int,
+                 emit: Callable[[list[TokenOut]], None], stats_interval_s: float = 10.0) -> None:
+        self.kv_cache = kv_cache
+        self.worker = worker
+        self.device = device
+        self.context_len = context_len
+        self.max_running_requests = max_running_requests
+        self.max_prefill_tokens = max_prefill_tokens
+        self.emit = emit
+        self.stats_interval_s = stats_interval_s
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.reqs: dict[str, Req] = {}
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self.num_generated_tokens = 0
+        self._last_stats = (time.monotonic(), 0)
+
+    # ---- called by the tokenizer manager / detokenizer (loop thread) ------------------------
+    def add_request(self, treq: TokenizedGenerateReq) -> None:
+        sp = treq.sampling_params
+        room = self.context_len - len(treq.input_ids)
+        max_new = room if sp.max_new_tokens is None else min(sp.max_new_tokens, room)
+        req = Req(treq.rid, treq.input_ids, sp, max_new, treq.stop_token_ids)
+        self.reqs[req.rid] = req
+        if max_new == 0:
+            req.finish_reason = {"type": "length", "length": 0}
+            self._finish(req, emit=True)
+            return
+        self.waiting.append(req)
+        self._wake.set()
+
+    def finish_request(self, rid: str, finish_reason: dict[str, Any]) -> None:
+        """End a request now (client gone, or a stop string matched). Its KV is released at
+        the next tick; tokens computed meanwhile are dropped. Unknown rids are ignored."""
+        req = self.reqs.get(rid)
+        if req is None or req.finished:
+            return
+        req.finish_reason = finish_reason
+        if req.req_pool_idx is None:  # still waiting: nothing allocated
+            self.waiting.remove(req)
+            self._finish(req, emit=True)
+        self._wake.set()
+
+    def is_idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+
+    # ---- the loop ------------------------------------------------------------------------------
+    async def run(self) -> None:
+        while not self._stopping:
+            self._release_finished()
+            self._maybe_log_stats()
+            batch = self._get_next_batch()
+            if batch is None:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=self.stats_interval_s)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            try:
+                next_ids = await self.worker.submit(batch.to_forward_batch(self.device))
+            except Exception as exc:
+                for req in batch.reqs:
+                    req.kv_len = len(req.fill_ids()) if batch.forward_mode is ForwardMode.EXTEND else req.kv_len + 1
+                    if not req.finished:
+                        req.finish_reason = {"type": "abort", "message": f"model step failed: {exc}"}
+                        self.emit([self._out(req, [])])
+                self._join_running(batch)
+                continue
+            self._process_batch_result(batch, next_ids)
+        for req in list(self.waiting) + self.running:
+            req.finish_reason = req.finish_reason or {"type": "abort", "message": "server shutting down"}
+            self.emit([self._out(req, [])])
+
+    def _get_next_batch(self) -> ScheduleBatch | None:
+        if self.waiting:
+            adder = PrefillAdder(self.kv_cache, self.running, self.max_running_requests,
+                                 self.max_prefill_tokens)
+            admitted = adder.admit_from(self.waiting)
+            if admitted:
+                batch = self._extend_batch(admitted)
+                if batch is not None:
+                    return batch
+        if self.running:
+            return self._decode_batch()
+        return None
+
+    def _extend_batch(self, reqs: list[Req]) -> ScheduleBatch | None:
+        fill = [r.fill_ids() for r in reqs]
+        prefix_lens = [r.prefix_len for r in reqs]
+        extend_lens = [len(f) - p for f, p in zip(fill, prefix_lens)]
+        arrays = self.kv_cache.prepare_extend([r.req_pool_idx for r in reqs], prefix_lens, extend_lens)
+        if arrays is None:  # admission raced with reservations: put them back
+            for req in reversed(reqs):
+                self._unadmit(req)
+                self.waiting.appendleft(req)
+            return None
+        input_ids = [t for f, p in zip(fill, prefix_lens) for t in f[p:]]
+        return ScheduleBatch(ForwardMode.EXTEND, reqs, input_ids, arrays,
+                             seq_lens=[len(f) for f in fill],
+                             extend_prefix_lens=prefix_lens, extend_lens=extend_lens)
+
+    def _decode_batch(self) -> ScheduleBatch | None:
+        while self.running:
+            reqs = self.running
+            arrays = self.kv_cache.prepare_decode([r.req_pool_idx for r in reqs], [r.kv_len for r in reqs])
+            if arrays is not None:
+                return ScheduleBatch(ForwardMode.DECODE, list(reqs), [r.output_ids[-1] for r in reqs],
+                                     arrays, seq_lens=[r.kv_len + 1 for r in reqs])
+            self._retract()
+        return None
+
+    def _retract(self) -> None:
+        """The pool is full even after eviction: send the newest request back to the waiting
+        queue, freeing its KV; it resumes later by prefilling prompt + output so far."""
+        req = self.running.pop()
+        self.kv_cache.release_req(req.req_pool_idx, req.kv_len, req.prefix_len, req.last_node)
+        req.req_pool_idx, req.prefix_len, req.last_node, req.kv_len = None, 0, 0, 0
+        req.num_retractions += 1
+        self.waiting.appendleft(req)
+        logger.warning("KV pool full: retracted request %s (%d tokens so far)", req.rid, req.seq_len)
+
+    def _unadmit(self, req: Req) -> None:
+        self.kv_cache.release_req(req.req_pool_idx, req.prefix_len, req.prefix_len, req.last_node)
+        req.req_pool_idx, req.prefix_len, req.last_node = None, 0, 0
+
+    def _process_batch_result(self, batch: ScheduleBatch, next_ids: list[int]) -> None:
+        outs = []
+        extend = batch.forward_mode is ForwardMode.EXTEND
+        for req, token in zip(batch.reqs, next_ids):
+            req.kv_len = len(req.fill_ids()) if extend else req.kv_len + 1
+            if req.finished:  # ended while the step ran: drop the extra token
+                continue
+            req.output_ids.append(token)
+            self.num_generated_tokens += 1
+            req.check_finished()
+            if not req.finished and req.seq_len >= self.context_len:
+                req.finish_reason = {"type": "length", "length": len(req.output_ids)}
+            outs.append(self._out(req, [token]))
+        self._join_running(batch)
+        if outs:
+            self.emit(outs)
+
+    def _join_running(self, batch: ScheduleBatch) -> None:
+        if batch.forward_mode is ForwardMode.EXTEND:
+            self.running.extend(batch.reqs)
+
+    def _release_finished(self) -> None:
+        """Return the KV of finished requests: cached for normal finishes, freed for aborts."""
+        if not any(r.finished for r in self.running):
+            return
+        keep = []
+        for req in self.running:
+            if not req.finished:
+                keep.append(req)
+                continue
+            if req.finish_reason.get("type") == "abort":
+                self.kv_cache.release_req(req.req_pool_idx, req.kv_len, req.prefix_len, req.last_node)
+            else:
+                self.kv_cache.cache_finished_req(req.req_pool_idx, req.kv_token_ids(),
+                                                 req.prefix_len, req.last_node)
+            req.req_pool_idx = None
+            self._finish(req, emit=False)
+        self.running = keep
+
+    def _finish(self, req: Req, emit: bool) -> None:
+        """Forget a finished request. `emit`: tell the detokenizer (when no step did)."""
+        self.reqs.pop(req.rid, None)
+        if emit:
+            self.emit([self._out(req, [])])
+
+    def _out(self, req: Req, ids: list[int]) -> TokenOut:
+        return TokenOut(req.rid, ids, req.finish_reason, len(req.origin_input_ids), req.cached_tokens)
+
+    def _maybe_log_stats(self) -> None:
+        now = time.monotonic()
+        last_t, last_n = self._last_stats
+        if now - last_t < self.stats_interval_s:
+            return
+        self._last_stats = (now, self.num_generated_tokens)
+        if self.is_idle() and self.num_generated_tokens == last_n:
+            return
+        total = self.kv_cache.max_total_tokens
+        used = total - self.kv_cache.free_slots()
+        logger.info("running=%d queued=%d kv_used=%d/%d (%.1f%%) gen_throughput=%.1f tok/s",
+                    len(self.running), len(self.waiting), used, total, 100.0 * used / total,
+                    (self.num_generated_tokens - last_n) / (now - last_t))

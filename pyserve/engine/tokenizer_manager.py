@@ -1,0 +1,115 @@
+"""`TokenizerManager`: from a request to a stream of outputs, on the loop thread.
+
+It tokenizes in an executor thread (the loop never runs a tokenizer), checks the request
+against the model's limits, keeps a `ReqState` per `rid`, hands the tokenized request to the
+scheduler and yields the detokenizer's outputs. Leaving the output iterator early (a client
+disconnect) aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator
+
+from pyserve.engine.detokenizer import Detokenizer
+from pyserve.engine.scheduler import Scheduler
+from pyserve.errors import InvalidRequestError
+from pyserve.io_struct import GenerateOutput, SingleReq, TokenizedGenerateReq
+
+
+class ReqState:
+    """Outputs of one request waiting for its consumer."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[GenerateOutput] = asyncio.Queue()
+        self.finished = False
+
+
+class TokenizerManager:
+    """Tokenizes, validates, tracks and aborts requests. Loop thread only."""
+
+    def __init__(self, tokenizer: Any, scheduler: Scheduler, context_len: int,
+                 max_total_tokens: int, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.context_len = context_len
+        self.max_total_tokens = max_total_tokens
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyserve-tokenizer")
+        self.states: dict[str, ReqState] = {}
+        self.detokenizer = Detokenizer(tokenizer, self._deliver, scheduler.finish_request)
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self.executor, lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    async def tokenize(self, req: SingleReq) -> TokenizedGenerateReq:
+        """Token ids of the request, validated. Raises InvalidRequestError."""
+        if req.input_ids is not None:
+            ids = list(req.input_ids)
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"input_ids contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})",
+                    param="input_ids")
+        else:
+            ids = await self.encode(req.text or "", req.add_special_tokens)
+        if not ids:
+            raise InvalidRequestError("the prompt is empty (no tokens)", param="prompt")
+        if len(ids) >= self.context_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens; this model's context length is "
+                f"{self.context_len}, which must also leave room for at least one output token",
+                param="prompt", code="context_length_exceeded")
+        if len(ids) >= self.max_total_tokens:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens but the KV pool holds {self.max_total_tokens}",
+                param="prompt", code="context_length_exceeded")
+        sp = req.sampling_params
+        stop_ids = set(sp.stop_token_ids or ())
+        if not sp.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        return TokenizedGenerateReq(req.rid, ids, sp, frozenset(stop_ids))
+
+    async def generate(self, req: SingleReq) -> AsyncIterator[GenerateOutput]:
+        """Yield outputs: every chunk when req.stream, else only the final one.
+
+        Raises InvalidRequestError before anything is yielded when the request is invalid.
+        Closing the iterator before the end aborts the request and frees its KV.
+        """
+        if req.rid in self.states:
+            raise InvalidRequestError(f"a request with rid {req.rid!r} is already running", param="rid")
+        treq = await self.tokenize(req)
+        if req.rid in self.states:
+            raise InvalidRequestError(f"a request with rid {req.rid!r} is already running", param="rid")
+        state = ReqState()
+        self.states[req.rid] = state
+        self.detokenizer.register(req.rid, req.sampling_params.stop_strs,
+                                  req.sampling_params.skip_special_tokens)
+        self.scheduler.add_request(treq)
+        try:
+            while True:
+                out = await state.queue.get()
+                if out.finished:
+                    state.finished = True
+                    yield out
+                    return
+                if req.stream:
+                    yield out
+        finally:
+            self.states.pop(req.rid, None)
+            if not state.finished:
+                self.abort_request(req.rid)
+
+    def abort_request(self, rid: str) -> None:
+        """Stop a request and free what it holds; its consumer gets no more output."""
+        self.detokenizer.forget(rid)
+        self.scheduler.finish_request(rid, {"type": "abort", "message": "aborted by the client"})
+
+    def _deliver(self, out: GenerateOutput) -> None:
+        state = self.states.get(out.rid)
+        if state is not None:
+            state.queue.put_nowait(out)

@@ -1,0 +1,50 @@
+"""pyserve's exception hierarchy, in one place.
+
+* `PyserveError`: base of the errors raised by pyserve's Python code.
+  * `InvalidRequestError`: the client sent a request pyserve cannot serve (HTTP 400).
+* `CoreError` (from the Rust core, `pyserve._rs`): a caller broke a contract of the KV
+  bookkeeping; a pyserve bug, never the client's fault. Subclasses:
+  `UnknownRequestError` (unknown req_pool_idx or radix node id), `DoubleFreeError`,
+  `ShapeError` (mismatched lengths, index out of range), `InvariantError` (lock underflow,
+  inconsistent tree).
+"""
+
+from __future__ import annotations
+
+from pyserve._rs import (
+    CoreError,
+    DoubleFreeError,
+    InvariantError,
+    ShapeError,
+    UnknownRequestError,
+)
+
+
+class PyserveError(Exception):
+    """Base class of errors raised by pyserve's Python code."""
+
+
+class InvalidRequestError(PyserveError, ValueError):
+    """A request pyserve cannot serve; the server answers 400 with an OpenAI-style error body.
+
+    `param` names the offending field (dotted path) if known; `code` is a machine-readable
+    reason such as "context_length_exceeded".
+    """
+
+    def __init__(self, message: str, param: str | None = None,
+                 code: str | int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+__all__ = [
+    "PyserveError",
+    "InvalidRequestError",
+    "CoreError",
+    "UnknownRequestError",
+    "DoubleFreeError",
+    "ShapeError",
+    "InvariantError",
+]

@@ -1,0 +1,6 @@
+"""Attention backends: store new K/V into the paged KV pool and attend over each request's
+cached tokens. `torch_native` is the reference backend (CPU and CUDA)."""
+
+from pyserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+__all__ = ["TorchNativeAttnBackend"]

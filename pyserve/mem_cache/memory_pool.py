@@ -1,0 +1,92 @@
+"""The KV cache tensors: one K and one V buffer per layer, indexed by KV slot.
+
+Slot allocation (which request owns which slot) lives in the Rust `TokenToKVPoolAllocator`;
+this module only owns the bytes. Slot 0 is a padding slot that never holds a real token (padded
+batches write there harmlessly); real slots are 1..size.
+Only the worker thread touches these tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class MHATokenToKVPool:
+    """Per-layer K/V buffers for multi-head (incl. grouped-query) attention.
+
+    k_buffer[layer], v_buffer[layer]: [size + 1, num_kv_heads, head_dim] `dtype` on `device`,
+    zero-initialised.
+
+    Raises ValueError if any dimension is not positive.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: str | torch.device,
+    ) -> None:
+        for name, value in (
+            ("size", size),
+            ("num_layers", num_layers),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+        ):
+            if int(value) <= 0:
+                raise ValueError(f"MHATokenToKVPool: {name} must be > 0, got {value}")
+        self.size = int(size)
+        self.num_layers = int(num_layers)
+        self.num_kv_heads = int(num_kv_heads)
+        self.head_dim = int(head_dim)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (self.size + 1, self.num_kv_heads, self.head_dim)
+        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_token_for(
+        num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        """Bytes one token's K and V take across all layers (used to size the pool)."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * num_kv_heads * head_dim * elem
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of K plus V per token slot across all layers."""
+        return self.bytes_per_token_for(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes held by all buffers, padding slot included."""
+        return self.bytes_per_token * (self.size + 1)
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        """K buffer of `layer_id`: [size + 1, num_kv_heads, head_dim] (a view, not a copy)."""
+        return self.k_buffer[layer_id]
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        """V buffer of `layer_id`: [size + 1, num_kv_heads, head_dim] (a view, not a copy)."""
+        return self.v_buffer[layer_id]
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K buffer, V buffer) of `layer_id`."""
+        return self.k_buffer[layer_id], self.v_buffer[layer_id]
+
+    def set_kv_buffer(
+        self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Write new tokens' K and V into their slots (mutates this layer's buffers).
+
+        loc: [num_tokens] int64 slot ids in 0..size, on the pool device
+        k, v: [num_tokens, num_kv_heads, head_dim]; cast to the pool dtype.
+        """
+        if k.dtype != self.dtype:
+            k = k.to(self.dtype)
+            v = v.to(self.dtype)
+        self.k_buffer[layer_id][loc] = k
+        self.v_buffer[layer_id][loc] = v

@@ -1,0 +1,143 @@
+"""ModelRunner: owns the model, its KV cache tensors and the attention backend on one device,
+and turns a ForwardBatch into logits and next token ids.
+
+Thread model (DESIGN.md section 1): exactly ONE worker thread calls `forward` and `sample`
+after construction; the runner holds no locks and must not be shared between threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from pyserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from pyserve.layers.sampler import sample as sample_tokens
+from pyserve.mem_cache.memory_pool import MHATokenToKVPool
+from pyserve.model_executor.forward_batch import ForwardBatch, SamplingBatchInfo
+from pyserve.model_loader.config import ModelConfig
+from pyserve.model_loader.weights import load_model
+
+logger = logging.getLogger(__name__)
+
+# On CPU the pool is capped at this many full-length sequences so tests and laptops keep RAM.
+CPU_MAX_SEQUENCES_IN_POOL = 8
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Free memory of `device` in bytes: `torch.cuda.mem_get_info` on CUDA, available
+    physical pages (os.sysconf SC_AVPHYS_PAGES * SC_PAGE_SIZE) on CPU."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+
+
+class ModelRunner:
+    """Loads a model (HF folder or .gguf file) and runs forward passes and sampling.
+
+    model_path: HF folder or .gguf file.
+    dtype: "auto" (float32 on CPU, bfloat16 on CUDA), "float32", "bfloat16", "float16".
+    context_length: override of the model's context length (see ModelConfig.from_path).
+    max_total_tokens: KV pool size in tokens; None derives it from free memory:
+      (free memory after loading the weights) * mem_fraction_static, divided by the bytes one
+      token's K/V take; on CPU further capped at 8 * context_len.
+    random_seed: seeds the global torch RNG (sampling of requests without their own seed).
+    load_progress: show tqdm bars while loading weights.
+
+    Attributes: model_config, model, device (str: "cpu", "cuda", "cuda:1"), dtype
+    (torch.dtype), kv_pool (MHATokenToKVPool), max_total_num_tokens (real slots
+    1..max_total_num_tokens; slot 0 is padding), kv_cache_bytes, attn_backend.
+    Raises ModelNotFoundError for a missing path, ValueError for an unsupported architecture or
+    dtype, and ValueError when memory leaves no room for a KV cache.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str | torch.dtype = "auto",
+        device: str = "cpu",
+        context_length: int | None = None,
+        max_total_tokens: int | None = None,
+        mem_fraction_static: float = 0.85,
+        random_seed: int | None = None,
+        load_progress: bool = True,
+    ) -> None:
+        if not 0.0 < mem_fraction_static <= 1.0:
+            raise ValueError(f"mem_fraction_static must be in (0, 1], got {mem_fraction_static}")
+        torch_device = torch.device(device)
+        self.device: str = str(torch_device)  # a plain string: callers log and JSON-encode it
+        if random_seed is not None:
+            torch.manual_seed(random_seed)
+        self.model_config = ModelConfig.from_path(
+            model_path, dtype=dtype, device=torch_device, context_length=context_length
+        )
+        self.dtype = self.model_config.dtype
+        self.model = load_model(self.model_config, torch_device, progress=load_progress)
+        self.max_total_num_tokens = self._kv_pool_size(
+            torch_device, max_total_tokens, mem_fraction_static
+        )
+        cfg = self.model_config
+        self.kv_pool = MHATokenToKVPool(
+            self.max_total_num_tokens, cfg.num_hidden_layers, cfg.num_key_value_heads,
+            cfg.head_dim, self.dtype, torch_device,
+        )
+        self.kv_cache_bytes = self.kv_pool.total_bytes
+        self.attn_backend = TorchNativeAttnBackend(self.kv_pool)
+        logger.info(
+            "KV cache: %d tokens, %.1f MiB (%s, %s)", self.max_total_num_tokens,
+            self.kv_cache_bytes / 2**20, self.dtype, self.device,
+        )
+
+    def _kv_pool_size(self, device: torch.device, max_total_tokens: int | None,
+                      mem_fraction_static: float) -> int:
+        cfg = self.model_config
+        per_token = MHATokenToKVPool.bytes_per_token_for(
+            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.dtype
+        )
+        if max_total_tokens is not None:
+            if int(max_total_tokens) <= 0:
+                raise ValueError(f"max_total_tokens must be > 0, got {max_total_tokens}")
+            return int(max_total_tokens)
+        free = available_memory_bytes(device)
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        if device.type == "cuda":
+            # mem_get_info already excludes the loaded weights.
+            budget = int(free * mem_fraction_static)
+        else:
+            budget = int(free * mem_fraction_static) - weight_bytes
+        num_tokens = budget // per_token
+        derivation = (
+            f"free {free / 2**20:.0f} MiB x {mem_fraction_static} "
+            f"{'' if device.type == 'cuda' else f'- weights {weight_bytes / 2**20:.0f} MiB '}"
+            f"/ {per_token} B per token = {num_tokens} tokens"
+        )
+        if device.type != "cuda":
+            cap = CPU_MAX_SEQUENCES_IN_POOL * cfg.context_len
+            if num_tokens > cap:
+                num_tokens = cap
+                derivation += f", capped on CPU at {CPU_MAX_SEQUENCES_IN_POOL} x context_len = {cap}"
+        logger.info("KV pool size: %s", derivation)
+        if num_tokens <= 0:
+            raise ValueError(f"not enough memory for a KV cache: {derivation}")
+        return int(num_tokens)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Compute the new tokens of `batch` (EXTEND or DECODE) under torch.inference_mode().
+
+        Writes their K/V into kv_pool at batch.out_cache_loc (mutates the pool).
+        Returns logits [B, vocab] float32 on the device, for the last new token of each request.
+        Worker thread only. Raises ValueError for inconsistent batch lengths.
+        """
+        with torch.inference_mode():
+            self.attn_backend.init_forward_metadata(batch)
+            return self.model(batch, self.attn_backend)
+
+    def sample(self, logits: torch.Tensor, sampling_info: SamplingBatchInfo) -> torch.Tensor:
+        """Next token ids [B] int64 on the device: argmax where temperature == 0, else
+        temperature, top-k, top-p and torch.multinomial with the request's generator when
+        given (see pyserve.layers.sampler.sample). Worker thread only."""
+        with torch.inference_mode():
+            return sample_tokens(logits, sampling_info)

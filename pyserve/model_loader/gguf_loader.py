@@ -1,0 +1,106 @@
+"""Stream the tensors of a GGUF file as (HF parameter name, torch tensor) pairs.
+
+Quantized tensors are dequantized with `gguf.quants.dequantize` to float32 (the same routine
+transformers uses, so the values are identical) and then cast to the run dtype.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import gguf
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from pyserve.model_loader.gguf_reader import open_gguf
+
+# llama.cpp tensor names (gguf-py constants.py TENSOR_NAMES) -> HF Llama parameter names.
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+def gguf_name_to_hf(name: str) -> str:
+    """Map a llama.cpp tensor name (e.g. `blk.3.attn_q.weight`) to its HF Llama name
+    (`model.layers.3.self_attn.q_proj.weight`). Raises ValueError for an unknown name."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    match = _BLOCK_RE.match(name)
+    if match is None or match.group(2) not in _BLOCK_NAMES:
+        raise ValueError(f"GGUF tensor {name!r} has no Llama equivalent")
+    layer, kind, suffix = match.groups()
+    return f"model.layers.{layer}.{_BLOCK_NAMES[kind]}.{suffix}"
+
+
+def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo the row permutation llama.cpp's convert_hf_to_gguf.py applies to Llama q/k weights.
+
+    The converter stores, within each head, the two rotary halves interleaved (rows
+    0, h, 1, h+1, ... with h = head_dim / 2), because ggml's rope pairs adjacent dims. HF's
+    rotate-half convention pairs dim i with i + h, so the rows are put back in half-major order.
+
+    weight: [num_heads * head_dim, in_features] (or [num_heads * head_dim] for a bias)
+    num_heads: query heads for q_proj, key/value heads for k_proj.
+    Returns a new tensor of the same shape. Raises ValueError if rows do not split into heads
+    of even size.
+    """
+    rows = weight.shape[0]
+    if rows % (2 * num_heads):
+        raise ValueError(f"cannot split {rows} rows into {num_heads} heads of even size")
+    half = rows // num_heads // 2
+    rest = weight.shape[1:]
+    return (
+        weight.reshape(num_heads, half, 2, *rest).transpose(1, 2).reshape(rows, *rest).contiguous()
+    )
+
+
+def iter_gguf_weights(
+    path: str,
+    num_heads: int,
+    num_kv_heads: int,
+    dtype: torch.dtype,
+    progress: bool = True,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (hf_name, tensor) for every tensor of the GGUF file at `path`, in file order.
+
+    Tensors come out with their HF shape ([out_features, in_features] for linear weights;
+    GGUF lists dims innermost first, the dequantized numpy array is already row-major
+    [rows, cols]), dequantized to float32 then cast to `dtype`, on CPU.
+    q_proj/k_proj rows are unpermuted (see `unpermute_qk`).
+    progress: show a tqdm bar (it hides itself when stderr is not a TTY).
+    Raises ValueError for an unknown tensor name or for `rope_freqs` (Llama 3 rope factors,
+    not supported), NotImplementedError for a quantization type gguf-py cannot dequantize.
+    """
+    reader = open_gguf(path)
+    bar = tqdm(reader.tensors, desc="Loading GGUF tensors", unit="tensor", disable=not progress or None)
+    for tensor in bar:
+        if tensor.name == "rope_freqs.weight":
+            raise ValueError("GGUF rope_freqs (Llama 3 rope scaling) is not supported")
+        hf_name = gguf_name_to_hf(tensor.name)
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        # GGUF shapes list the innermost dim first; HF wants them outermost first.
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        # Copy only when the array is a read-only view of the memory-mapped file (F32 tensors).
+        owned = np.require(array, dtype=np.float32, requirements=["C", "W", "O"])
+        weight = torch.from_numpy(owned).reshape(shape)
+        if hf_name.endswith("q_proj.weight") or hf_name.endswith("q_proj.bias"):
+            weight = unpermute_qk(weight, num_heads)
+        elif hf_name.endswith("k_proj.weight") or hf_name.endswith("k_proj.bias"):
+            weight = unpermute_qk(weight, num_kv_heads)
+        yield hf_name, weight.to(dtype)

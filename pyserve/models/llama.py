@@ -1,0 +1,186 @@
+"""The Llama decoder-only transformer (also SmolLM2, TinyLlama, Mistral-style GQA checkpoints
+with the Llama layout), computing only new tokens against a paged KV cache.
+
+Architecture: Touvron et al., "LLaMA" (2023) and "Llama 2" (2023): pre-norm RMSNorm, rotary
+position embedding, grouped-query attention, SwiGLU MLP, optional tied LM head. Parameter
+names follow the HF checkpoint layout so weights load by name; q/k/v and gate/up are kept as
+separate projections (as in the checkpoint) so results match the reference bit for bit as far
+as the matmul library allows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pyserve.layers.activation import get_act_fn
+from pyserve.layers.layernorm import RMSNorm
+from pyserve.layers.logits_processor import LogitsProcessor
+from pyserve.layers.rotary_embedding import RotaryEmbedding
+from pyserve.model_executor.forward_batch import ForwardBatch
+from pyserve.model_loader.config import rope_parameters
+from pyserve_kernels import apply_rotary_pos_emb
+
+
+def _linear(in_f: int, out_f: int, bias: bool, dtype: torch.dtype, device: Any) -> nn.Linear:
+    layer = nn.Linear(in_f, out_f, bias=bias, dtype=dtype, device=device)
+    layer.requires_grad_(False)
+    return layer
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention of one layer: q/k/v projections, rotary, paged attention, o projection.
+
+    forward(hidden [T, hidden], cos/sin [T, head_dim], forward_batch, attn_backend)
+    -> [T, hidden].
+    """
+
+    def __init__(self, config: Any, layer_id: int, dtype: torch.dtype, device: Any) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.scaling = self.head_dim ** -0.5
+        bias = bool(getattr(config, "attention_bias", False))
+        hidden = config.hidden_size
+        self.q_proj = _linear(hidden, self.num_heads * self.head_dim, bias, dtype, device)
+        self.k_proj = _linear(hidden, self.num_kv_heads * self.head_dim, bias, dtype, device)
+        self.v_proj = _linear(hidden, self.num_kv_heads * self.head_dim, bias, dtype, device)
+        self.o_proj = _linear(self.num_heads * self.head_dim, hidden, bias, dtype, device)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                forward_batch: ForwardBatch, attn_backend: Any) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        out = attn_backend.forward(q, k, v, self.layer_id, self.scaling, forward_batch)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU MLP: down(act(gate(x)) * up(x)). forward([T, hidden]) -> [T, hidden]."""
+
+    def __init__(self, config: Any, dtype: torch.dtype, device: Any) -> None:
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        hidden, inter = config.hidden_size, config.intermediate_size
+        self.gate_proj = _linear(hidden, inter, bias, dtype, device)
+        self.up_proj = _linear(hidden, inter, bias, dtype, device)
+        self.down_proj = _linear(inter, hidden, bias, dtype, device)
+        self.act_fn = get_act_fn(getattr(config, "hidden_act", "silu"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = torch.cat((self.gate_proj(x), self.up_proj(x)), dim=-1)
+        return self.down_proj(self.act_fn(gate_up))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.))."""
+
+    def __init__(self, config: Any, layer_id: int, dtype: torch.dtype, device: Any) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.self_attn = LlamaAttention(config, layer_id, dtype, device)
+        self.mlp = LlamaMLP(config, dtype, device)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                forward_batch: ForwardBatch, attn_backend: Any) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, forward_batch,
+                                         attn_backend)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm. forward -> hidden [T, hidden]."""
+
+    def __init__(self, config: Any, dtype: torch.dtype, device: Any) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype,
+                                         device=device)
+        self.embed_tokens.requires_grad_(False)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, dtype, device) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings,
+                                          rope_parameters(config), device=device)
+
+    def forward(self, forward_batch: ForwardBatch, attn_backend: Any) -> torch.Tensor:
+        hidden = self.embed_tokens(forward_batch.input_ids)
+        cos, sin = self.rotary_emb.get_cos_sin(forward_batch.positions)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, forward_batch, attn_backend)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama with an LM head; computes the next-token logits of each request in a batch.
+
+    LlamaForCausalLM(config, dtype, device): config is an HF LlamaConfig (or any config with
+    the same fields); parameters are created in `dtype` on `device` (uninitialised until
+    `load_weights`).
+    """
+
+    def __init__(self, config: Any, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.model = LlamaModel(config, dtype, device)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = _linear(config.hidden_size, config.vocab_size, False, dtype, device)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    def lm_head_weight(self) -> torch.Tensor:
+        """[vocab, hidden]: the embedding matrix when tied, else lm_head.weight."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @torch.inference_mode()
+    def forward(self, forward_batch: ForwardBatch, attn_backend: Any) -> torch.Tensor:
+        """Run the new tokens of `forward_batch` through the model.
+
+        attn_backend: e.g. TorchNativeAttnBackend over the KV pool, already given
+          `init_forward_metadata(forward_batch)`; K/V of the new tokens are written into the
+          pool at forward_batch.out_cache_loc (mutates the pool).
+        Returns logits [B, vocab] float32 of the last new token of each request.
+        """
+        hidden = self.model(forward_batch, attn_backend)
+        return self.logits_processor(hidden, self.lm_head_weight(), forward_batch)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (HF names) into the parameters.
+
+        Ignores `rotary_emb.inv_freq` buffers and, when the head is tied, `lm_head.weight`.
+        Raises KeyError for an unknown name, ValueError for a shape mismatch or for parameters
+        the checkpoint did not provide.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue
+            if name not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
+            param = params[name]
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(tensor.to(dtype=param.dtype))
+            loaded.add(name)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} parameters, e.g. {missing[:3]}")

@@ -1,0 +1,30 @@
+"""Map HF `architectures` names (config.json) to pyserve model classes."""
+
+from __future__ import annotations
+
+import importlib
+
+# architecture name -> (module, class name); imported lazily so one broken model file does not
+# break the others.
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("pyserve.models.llama", "LlamaForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    """Sorted names of all supported architectures."""
+    return sorted(_MODELS)
+
+
+def get_model_class(architecture: str) -> type:
+    """The model class for `architecture` (e.g. "LlamaForCausalLM").
+
+    Raises ValueError naming the supported architectures when it is not supported.
+    """
+    if architecture not in _MODELS:
+        raise ValueError(
+            f"model architecture {architecture!r} is not supported; "
+            f"supported: {', '.join(supported_architectures())}"
+        )
+    module_name, class_name = _MODELS[architecture]
+    return getattr(importlib.import_module(module_name), class_name)

@@ -1,0 +1,54 @@
+"""Per-request sampling parameters of the native API (`sampling_params` of /generate)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class SamplingParams(BaseModel):
+    """How to sample one request's output. Validation errors become HTTP 400.
+
+    max_new_tokens: output tokens at most (0 returns at once with no output); None means
+        "up to the context length".
+    temperature:    0 means greedy; > 0 scales logits before sampling.
+    top_p:          nucleus mass in (0, 1].
+    top_k:          keep the k most likely tokens; -1 means all.
+    stop:           strings that end the output; the matched string is not part of the text.
+    stop_token_ids: token ids that end the output (in addition to the model's EOS).
+    ignore_eos:     keep going past EOS (benchmarks).
+    skip_special_tokens: drop special tokens from the text.
+    seed:           makes a sampled (temperature > 0) request reproducible.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: int | None = Field(default=128, ge=0)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = -1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    seed: int | None = None
+
+    @field_validator("top_k")
+    @classmethod
+    def _check_top_k(cls, v: int) -> int:
+        if v == 0 or v < -1:
+            raise ValueError("top_k must be -1 (all tokens) or >= 1")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        items = [v] if isinstance(v, str) else (v or [])
+        if any(s == "" for s in items):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    @property
+    def stop_strs(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)

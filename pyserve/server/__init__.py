@@ -1,0 +1,1 @@
+"""HTTP: the Starlette app factory, native and OpenAI-compatible routes, and the launcher."""

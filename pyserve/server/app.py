@@ -1,0 +1,35 @@
+"""`create_app(server_args)`: the Starlette app; its lifespan starts and stops the engine, so
+the app can be mounted in any ASGI server (uvicorn, hypercorn, or inside another app)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import AsyncIterator
+
+from starlette.applications import Starlette
+
+from pyserve.config import ServerArgs
+from pyserve.engine.engine_core import EngineCore
+from pyserve.server import native
+from pyserve.server.errors import EXCEPTION_HANDLERS
+from pyserve.server.openai import serving
+
+
+def create_app(server_args: ServerArgs | None = None) -> Starlette:
+    """The pyserve ASGI app. The model loads when the app's lifespan starts (ASGI lifespan
+    protocol), on the server's event loop, and the engine stops when the lifespan ends.
+    `app.state.engine` is the EngineCore."""
+    args = server_args or ServerArgs()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        engine = EngineCore(args)
+        await engine.start()
+        app.state.engine = engine
+        try:
+            yield
+        finally:
+            await engine.shutdown()
+
+    return Starlette(routes=native.ROUTES + serving.ROUTES, lifespan=lifespan,
+                     exception_handlers=EXCEPTION_HANDLERS)

@@ -1,0 +1,74 @@
+"""OpenAI-style error responses: {"error": {"message", "type", "param", "code"}} with a 4xx
+status for anything the client sent wrong, 500 only for pyserve's own bugs."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from pyserve.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error",
+                   param: str | None = None, code: str | int | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status)
+
+
+def validation_message(exc: ValidationError) -> tuple[str, str | None]:
+    """A one-line message and the dotted path of the first invalid field."""
+    err = exc.errors()[0]
+    loc = [str(p) for p in err.get("loc", ()) if not str(p).startswith(("function-", "list["))]
+    # drop pydantic's union branch names (e.g. 'str', 'list[str]') from the path
+    loc = [p for p in loc if p not in ("str", "int", "float", "bool", "SamplingParams")]
+    param = ".".join(loc) or None
+    msg = err.get("msg", "invalid value")
+    return (f"{param}: {msg}" if param else msg), param
+
+
+async def parse_json(request: Request) -> Any:
+    """The request body as JSON; InvalidRequestError when it is not JSON."""
+    body = await request.body()
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from exc
+
+
+async def handle_invalid_request(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, InvalidRequestError)
+    return error_response(400, str(exc), param=exc.param, code=exc.code)
+
+
+async def handle_validation_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ValidationError)
+    message, param = validation_message(exc)
+    return error_response(400, message, param=param)
+
+
+async def handle_http_exception(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, HTTPException)
+    type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return error_response(exc.status_code, str(exc.detail), type_=type_)
+
+
+async def handle_internal_error(request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("internal error on %s %s", request.method, request.url.path)
+    return error_response(500, f"internal server error: {type(exc).__name__}: {exc}",
+                          type_="internal_server_error")
+
+
+EXCEPTION_HANDLERS: dict[Any, Any] = {
+    InvalidRequestError: handle_invalid_request,
+    ValidationError: handle_validation_error,
+    HTTPException: handle_http_exception,
+    Exception: handle_internal_error,
+}

@@ -1,0 +1,160 @@
+"""Route handlers of the OpenAI-compatible API: chat completions, completions, models.
+
+Responses follow the OpenAI API's shapes (ids, `object`, `created`, `usage` with
+`prompt_tokens_details.cached_tokens`); streams send `chat.completion.chunk` /
+`text_completion` deltas and end with `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from pyserve.engine.engine_core import EngineCore
+from pyserve.io_struct import GenerateOutput, SingleReq
+from pyserve.server.errors import parse_json
+from pyserve.server.native import anext_or_none, engine_of
+from pyserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pyserve.server.sse import sse_response, until_disconnect
+
+
+def finish_reason(out: GenerateOutput) -> str | None:
+    if out.finish_reason is None:
+        return None
+    kind = out.finish_reason.get("type")
+    return "length" if kind == "length" else "stop" if kind == "stop" else "abort"
+
+
+def usage(outs: list[GenerateOutput]) -> dict[str, Any]:
+    prompt = sum(o.prompt_tokens for o in outs)
+    completion = sum(len(o.output_ids) for o in outs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in outs)}}
+
+
+def model_name(engine: EngineCore, requested: str | None) -> str:
+    return requested or engine.model_name
+
+
+async def chat_completions(request: Request) -> Response:
+    body = ChatCompletionRequest.model_validate(await parse_json(request))
+    body.check_supported()
+    engine = engine_of(request)
+    prompt = await engine.apply_chat_template([m.to_template() for m in body.messages])
+    req = SingleReq(text=prompt, input_ids=None, sampling_params=body.sampling_params(body.max_new_tokens),
+                    stream=body.stream, add_special_tokens=False)
+    rid = f"chatcmpl-{req.rid}"
+    created = int(time.time())
+    name = model_name(engine, body.model)
+    if body.stream:
+        stream = engine.generate(req)
+        first = await anext_or_none(stream)
+        return sse_response(_chat_chunks(first, stream, rid, created, name, body.include_usage))
+    outs = await until_disconnect(request, engine.generate_all([req]))
+    out = outs[0]
+    return JSONResponse({
+        "id": rid, "object": "chat.completion", "created": created, "model": name,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
+                     "logprobs": None, "finish_reason": finish_reason(out),
+                     "matched_stop": (out.finish_reason or {}).get("matched")}],
+        "usage": usage([out]),
+    })
+
+
+async def _chat_chunks(first: GenerateOutput | None, rest: AsyncIterator[GenerateOutput], rid: str,
+                       created: int, name: str, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+    def chunk(delta: dict[str, Any], reason: str | None) -> dict[str, Any]:
+        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
+                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+
+    try:
+        yield chunk({"role": "assistant", "content": ""}, None)
+        out = first
+        while out is not None:
+            if out.text_delta:
+                yield chunk({"content": out.text_delta}, None)
+            if out.finished:
+                yield chunk({}, finish_reason(out))
+                if include_usage:
+                    yield {"id": rid, "object": "chat.completion.chunk", "created": created,
+                           "model": name, "choices": [], "usage": usage([out])}
+                return
+            out = await anext_or_none(rest)
+    finally:
+        await rest.aclose()
+
+
+async def completions(request: Request) -> Response:
+    body = CompletionRequest.model_validate(await parse_json(request))
+    body.check_supported()
+    engine = engine_of(request)
+    reqs = [SingleReq(text=text, input_ids=ids, sampling_params=body.sampling_params(body.max_tokens),
+                      stream=body.stream) for text, ids in body.prompts()]
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    name = model_name(engine, body.model)
+    prefixes = [await _echo_prefix(engine, r) for r in reqs] if body.echo else [""] * len(reqs)
+    if body.stream:
+        stream = engine.generate(reqs[0])
+        first = await anext_or_none(stream)
+        return sse_response(_completion_chunks(first, stream, rid, created, name,
+                                               body.include_usage, prefixes[0]))
+    outs = await until_disconnect(request, engine.generate_all(reqs))
+    return JSONResponse({
+        "id": rid, "object": "text_completion", "created": created, "model": name,
+        "choices": [{"index": i, "text": prefixes[i] + o.text, "logprobs": None,
+                     "finish_reason": finish_reason(o), "matched_stop": (o.finish_reason or {}).get("matched")}
+                    for i, o in enumerate(outs)],
+        "usage": usage(outs),
+    })
+
+
+async def _echo_prefix(engine: EngineCore, req: SingleReq) -> str:
+    if req.text is not None:
+        return req.text
+    return engine.tokenizer.decode(req.input_ids or [])
+
+
+async def _completion_chunks(first: GenerateOutput | None, rest: AsyncIterator[GenerateOutput],
+                             rid: str, created: int, name: str, include_usage: bool,
+                             echo: str) -> AsyncIterator[dict[str, Any]]:
+    def chunk(text: str, reason: str | None) -> dict[str, Any]:
+        return {"id": rid, "object": "text_completion", "created": created, "model": name,
+                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]}
+
+    try:
+        if echo:
+            yield chunk(echo, None)
+        out = first
+        while out is not None:
+            if out.text_delta or out.finished:
+                yield chunk(out.text_delta, finish_reason(out))
+            if out.finished:
+                if include_usage:
+                    yield {"id": rid, "object": "text_completion", "created": created, "model": name,
+                           "choices": [], "usage": usage([out])}
+                return
+            out = await anext_or_none(rest)
+    finally:
+        await rest.aclose()
+
+
+async def list_models(request: Request) -> Response:
+    engine = engine_of(request)
+    return JSONResponse({"object": "list", "data": [{
+        "id": engine.model_name, "object": "model", "created": int(engine.start_time),
+        "owned_by": "pyserve", "root": engine.model_path,
+        "max_model_len": engine.context_len}]})
+
+
+ROUTES = [
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/models", list_models, methods=["GET"]),
+]

@@ -1,0 +1,67 @@
+//! Conversion of Python inputs (numpy arrays, lists, tuples, anything `numpy.asarray`
+//! accepts with an integer dtype) into Rust vectors, and of Rust vectors into numpy arrays.
+//!
+//! Inputs are copied into owned vectors before the GIL is released, so no Python thread can
+//! write to a buffer while Rust reads it. Outputs are handed to numpy without a copy.
+
+use numpy::{PyArray1, PyReadonlyArray1};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+
+/// Reads a 1-D integer sequence as `i64`.
+///
+/// Raises `TypeError` for non-integer input (floats are refused rather than truncated).
+pub fn i64_vec(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
+    if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
+        return Ok(a.as_array().to_vec());
+    }
+    if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i32>>() {
+        return Ok(a.as_array().iter().map(|&x| i64::from(x)).collect());
+    }
+    if let Ok(v) = obj.extract::<Vec<i64>>() {
+        return Ok(v);
+    }
+    let np = obj.py().import("numpy")?;
+    let arr = np.call_method1("asarray", (obj,))?;
+    let kind: String = arr.getattr("dtype")?.getattr("kind")?.extract()?;
+    let ndim: usize = arr.getattr("ndim")?.extract()?;
+    if !matches!(kind.as_str(), "i" | "u") || ndim != 1 {
+        return Err(PyTypeError::new_err(format!(
+            "expected a 1-D sequence of integers, got {} with dtype kind '{kind}' and ndim {ndim}",
+            obj.get_type().name()?
+        )));
+    }
+    let arr = arr.call_method1("astype", ("int64",))?;
+    let a = arr.extract::<PyReadonlyArray1<'_, i64>>()?;
+    Ok(a.as_array().to_vec())
+}
+
+/// Reads a 1-D integer sequence of token ids as `i32`; `ValueError` if one does not fit.
+pub fn i32_vec(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i32>> {
+    if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i32>>() {
+        return Ok(a.as_array().to_vec());
+    }
+    i64_vec(obj)?
+        .into_iter()
+        .map(|x| {
+            i32::try_from(x)
+                .map_err(|_| PyValueError::new_err(format!("token id {x} overflows i32")))
+        })
+        .collect()
+}
+
+/// Reads a 1-D integer sequence of indices or lengths; `ValueError` on a negative entry.
+pub fn usize_vec(obj: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
+    i64_vec(obj)?
+        .into_iter()
+        .map(|x| {
+            usize::try_from(x)
+                .map_err(|_| PyValueError::new_err(format!("negative index or length {x}")))
+        })
+        .collect()
+}
+
+/// Hands `v` to numpy as a 1-D int64 array without copying its elements.
+pub fn to_array(py: Python<'_>, v: Vec<i64>) -> Bound<'_, PyArray1<i64>> {
+    PyArray1::from_vec(py, v)
+}

@@ -1,0 +1,84 @@
+"""Shared test fixtures: paths of the real small models and a real pyserve server process."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("PYSERVE_SHARED", REPO.parent / "shared"))
+STORIES_PATH = SHARED / "models" / "stories260k"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m pyserve serve ...` in a subprocess, on a free port, logs to a file."""
+
+    def __init__(self, args: list[str], log_path: Path) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pyserve", "serve", "--port", str(self.port), *args],
+            stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO)
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"server not ready after {timeout_s}s:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self._log.close()
+
+
+def start_server(tmp_path_factory: pytest.TempPathFactory, name: str, args: list[str]) -> ServerProcess:
+    server = ServerProcess(args, tmp_path_factory.mktemp(name) / "server.log")
+    try:
+        server.wait_ready()
+    except Exception:
+        server.stop()
+        raise
+    return server
+
+
+@pytest.fixture(scope="session")
+def stories_path() -> Path:
+    assert (STORIES_PATH / "config.json").exists(), f"missing {STORIES_PATH}"
+    return STORIES_PATH
+
+
+@pytest.fixture(scope="session")
+def stories_reference(stories_path: Path) -> list[dict]:
+    return json.loads((stories_path / "greedy_reference.json").read_text())["cases"]

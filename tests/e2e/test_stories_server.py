@@ -1,0 +1,172 @@
+"""End to end on a real server with the real stories260k weights: exact greedy tokens,
+streaming equals non-streaming under concurrency, errors, and KV returned after a disconnect."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import socket
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import start_server
+
+POOL_TOKENS = 4096
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, stories_path):
+    srv = start_server(tmp_path_factory, "stories", [
+        "--model-path", str(stories_path), "--max-total-tokens", str(POOL_TOKENS),
+        "--max-running-requests", "32", "--stats-interval-s", "1"])
+    yield srv
+    srv.stop()
+
+
+def post(server, path: str, body, timeout: float = 120) -> httpx.Response:
+    return httpx.post(server.base_url + path, json=body, timeout=timeout)
+
+
+def wait_idle(server, timeout_s: float = 30) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = httpx.get(server.base_url + "/get_server_info").json()
+        if info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0:
+            return info
+        assert time.monotonic() < deadline, info
+        time.sleep(0.05)
+
+
+def test_greedy_equals_hf_reference(server, stories_reference):
+    assert len(stories_reference) == 5
+    for case in stories_reference:
+        r = post(server, "/generate", {
+            "input_ids": case["input_ids"],
+            "sampling_params": {"temperature": 0, "max_new_tokens": case["max_new_tokens"],
+                                "ignore_eos": case["ignore_eos"]}})
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["output_ids"] == case["output_ids"], case["prompt"]
+        assert out["meta_info"]["completion_tokens"] == len(case["output_ids"])
+        assert out["meta_info"]["prompt_tokens"] == len(case["input_ids"])
+        assert out["meta_info"]["finish_reason"] == {"type": "length", "length": case["max_new_tokens"]}
+
+
+def test_text_prompt_batch_equals_single(server, stories_reference):
+    prompts = [c["prompt"] for c in stories_reference if c["prompt"]][:3]
+    params = {"temperature": 0, "max_new_tokens": 20, "ignore_eos": True}
+    batch = post(server, "/generate", {"text": prompts, "sampling_params": params}).json()
+    assert len(batch) == 3
+    for prompt, out in zip(prompts, batch):
+        single = post(server, "/generate", {"text": prompt, "sampling_params": params}).json()
+        assert out["output_ids"] == single["output_ids"]
+        assert out["text"] == single["text"]
+
+
+def _stream_completion(server, prompt: str, max_tokens: int) -> tuple[str, str | None]:
+    text, reason = "", None
+    with httpx.stream("POST", server.base_url + "/v1/completions", timeout=120, json={
+            "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}) as r:
+        assert r.status_code == 200
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+    for ln in lines[:-1]:
+        chunk = json.loads(ln.removeprefix("data: "))
+        text += chunk["choices"][0]["text"]
+        reason = chunk["choices"][0]["finish_reason"] or reason
+    return text, reason
+
+
+def test_16_concurrent_streams_equal_non_streamed(server):
+    prompts = [f"Once upon a time, there was a {w}" for w in (
+        "cat", "dog", "girl", "boy", "tree", "bird", "ball", "car",
+        "fish", "king", "queen", "frog", "sun", "moon", "cake", "box")]
+    with cf.ThreadPoolExecutor(16) as pool:
+        streamed = list(pool.map(lambda p: _stream_completion(server, p, 48), prompts))
+    for prompt, (text, reason) in zip(prompts, streamed):
+        full = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 48, "temperature": 0}).json()
+        assert text == full["choices"][0]["text"]
+        assert reason == full["choices"][0]["finish_reason"]
+        assert full["usage"]["completion_tokens"] <= 48
+    assert len({t for t, _ in streamed}) > 1
+
+
+def test_generate_stream_is_sse_with_cumulative_text(server):
+    body = {"text": "Lily had a", "stream": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}}
+    with httpx.stream("POST", server.base_url + "/generate", json=body, timeout=60) as r:
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(ln.removeprefix("data: ")) for ln in lines[:-1]]
+    final = post(server, "/generate", {**body, "stream": False}).json()
+    assert chunks[-1]["text"] == final["text"]
+    assert chunks[-1]["output_ids"] == final["output_ids"]
+    assert [len(c["output_ids"]) for c in chunks] == sorted(len(c["output_ids"]) for c in chunks)
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
+
+
+@pytest.mark.parametrize("raw, status, param", [
+    (b"{not json", 400, None),
+    (json.dumps({"text": "hi", "sampling_params": {"max_new_tokens": -1}}).encode(), 400,
+     "sampling_params.max_new_tokens"),
+    (json.dumps({"text": "hi", "sampling_params": {"temperature": "hot"}}).encode(), 400,
+     "sampling_params.temperature"),
+    (json.dumps({"text": "word " * 600}).encode(), 400, "prompt"),
+    (json.dumps({"input_ids": [1, 99999]}).encode(), 400, "input_ids"),
+    (json.dumps({"sampling_params": {}}).encode(), 400, None),
+])
+def test_bad_requests_get_error_objects(server, raw, status, param):
+    r = httpx.post(server.base_url + "/generate", content=raw, timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error"
+    assert err["param"] == param
+    assert err["message"]
+    ok = post(server, "/generate", {"text": "Tom", "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
+    assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 3
+
+
+def test_openai_errors(server):
+    r = post(server, "/v1/completions", {"prompt": "hi", "temperature": "hot"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
+    r = post(server, "/v1/completions", {"prompt": "hi", "n": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    r = httpx.get(server.base_url + "/nope")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+def test_disconnect_mid_stream_returns_kv(server):
+    idle = wait_idle(server)
+    assert idle["kv_total_slots"] == POOL_TOKENS
+    body = json.dumps({"text": "The little dog ran", "stream": True,
+                       "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0}})
+    request = (f"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(body)}\r\n\r\n{body}").encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(request)
+        received = b""
+        while received.count(b"data: ") < 3:
+            received += sock.recv(4096)
+        mid = httpx.get(server.base_url + "/get_server_info").json()
+        assert mid["num_running_reqs"] == 1
+        assert mid["kv_free_slots"] < idle["kv_free_slots"]
+    after = wait_idle(server)
+    assert after["kv_free_slots"] == idle["kv_free_slots"]
+    assert after["kv_protected_slots"] == 0
+
+
+def test_info_routes(server, stories_path):
+    models = httpx.get(server.base_url + "/v1/models").json()
+    assert models["data"][0]["id"] == "stories260k"
+    info = httpx.get(server.base_url + "/get_model_info").json()
+    assert info["model_path"] == str(stories_path)
+    assert info["context_length"] == 512
+    sinfo = httpx.get(server.base_url + "/get_server_info").json()
+    assert sinfo["kv_total_slots"] == POOL_TOKENS
+    assert sinfo["max_total_num_tokens"] == POOL_TOKENS

@@ -1,0 +1,113 @@
+"""The in-process Engine on stories260k: sync and async generation, streaming, seeded
+sampling, abort, and KV accounting (free + evictable == pool once idle)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pyserve import Engine, InvalidRequestError
+
+POOL = 2048
+
+
+@pytest.fixture(scope="module")
+def engine(stories_path):
+    eng = Engine(model_path=str(stories_path), max_total_tokens=POOL, max_running_requests=8)
+    yield eng
+    eng.shutdown()
+
+
+def test_generate_matches_reference(engine, stories_reference):
+    for case in stories_reference:
+        out = engine.generate(input_ids=case["input_ids"], sampling_params={
+            "temperature": 0, "max_new_tokens": case["max_new_tokens"], "ignore_eos": True})
+        assert out["output_ids"] == case["output_ids"]
+        assert out["text"] == case["text"]
+
+
+def test_batch_more_than_max_running(engine, stories_reference):
+    cases = stories_reference * 3  # 15 requests > 8 running slots: some wait, all finish
+    outs = engine.generate(input_ids=[c["input_ids"] for c in cases], sampling_params=[
+        {"temperature": 0, "max_new_tokens": 30, "ignore_eos": True} for _ in cases])
+    for case, out in zip(cases, outs):
+        assert out["output_ids"] == case["output_ids"][:30]
+
+
+def test_stream_chunks_concatenate(engine):
+    params = {"temperature": 0, "max_new_tokens": 25, "ignore_eos": True}
+    chunks = list(engine.generate("Once upon a time", params, stream=True))
+    final = engine.generate("Once upon a time", params)
+    assert chunks[-1]["text"] == final["text"]
+    assert chunks[-1]["output_ids"] == final["output_ids"]
+    assert len(chunks) > 1
+
+
+def test_async_generate_and_stream(engine):
+    params = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
+
+    async def main():
+        single = await engine.async_generate("The cat", params)
+        chunks = [c async for c in await engine.async_generate("The cat", params, stream=True)]
+        return single, chunks
+
+    single, chunks = asyncio.run(main())
+    assert chunks[-1]["output_ids"] == single["output_ids"]
+    assert len(single["output_ids"]) == 10
+
+
+def test_seeded_sampling_is_reproducible(engine):
+    params = {"temperature": 1.0, "top_p": 0.9, "top_k": 50, "max_new_tokens": 20, "seed": 7,
+              "ignore_eos": True}
+    a = engine.generate("The dog", params)
+    b = engine.generate(["The dog", "A bird flew"], [params, {**params, "seed": 8}])[0]
+    assert a["output_ids"] == b["output_ids"]
+
+
+def test_stop_token_and_max_new_tokens_zero(engine, stories_reference):
+    case = stories_reference[0]
+    stop_at = case["output_ids"][5]
+    out = engine.generate(input_ids=case["input_ids"], sampling_params={
+        "temperature": 0, "max_new_tokens": 50, "stop_token_ids": [stop_at], "ignore_eos": True})
+    first = case["output_ids"].index(stop_at)
+    assert out["output_ids"] == case["output_ids"][:first + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_at}
+    zero = engine.generate("Hi", {"max_new_tokens": 0})
+    assert zero["output_ids"] == [] and zero["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+
+
+def test_invalid_request_raises_typed_error(engine):
+    with pytest.raises(InvalidRequestError) as exc:
+        engine.generate(input_ids=[1] * 600)
+    assert exc.value.code == "context_length_exceeded"
+    assert engine.generate("Hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+
+
+def test_abort_frees_kv_and_idle_accounting(engine):
+    async def stream_then_drop():
+        agen = await engine.async_generate("Tim", {"max_new_tokens": 300, "ignore_eos": True}, stream=True)
+        got = 0
+        async for _ in agen:
+            got += 1
+            if got == 3:
+                break
+        await agen.aclose()
+        return got
+
+    assert asyncio.run(stream_then_drop()) == 3
+    for _ in range(200):
+        info = engine.get_server_info()
+        if info["num_running_reqs"] == 0 and info["kv_protected_slots"] == 0:
+            break
+        asyncio.run(asyncio.sleep(0.02))
+    assert info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0
+    assert info["kv_protected_slots"] == 0
+    assert info["kv_free_slots"] + info["kv_evictable_slots"] == POOL
+
+
+def test_prefix_cache_reports_cached_tokens(engine):
+    prefix = list(range(5, 105))
+    engine.generate(input_ids=[1] + prefix + [7], sampling_params={"max_new_tokens": 1})
+    out = engine.generate(input_ids=[1] + prefix + [9], sampling_params={"max_new_tokens": 1})
+    assert out["meta_info"]["cached_tokens"] == 101

@@ -1,0 +1,92 @@
+"""ModelRunner plumbing: KV pool layout and sizing, dtype resolution, the model registry and
+error cases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pyserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from pyserve.mem_cache.memory_pool import MHATokenToKVPool
+from pyserve.model_executor.forward_batch import ForwardBatch, ForwardMode, SamplingBatchInfo
+from pyserve.model_executor.model_runner import ModelRunner
+from pyserve.model_loader import ModelConfig, ModelNotFoundError, resolve_dtype
+from pyserve.models.llama import LlamaForCausalLM
+from pyserve.models.registry import get_model_class, supported_architectures
+
+
+def test_kv_pool_layout_and_writes() -> None:
+    pool = MHATokenToKVPool(10, num_layers=3, num_kv_heads=2, head_dim=4, dtype=torch.float32, device="cpu")
+    assert pool.get_key_buffer(2).shape == (11, 2, 4)
+    assert pool.get_value_buffer(0).shape == (11, 2, 4)
+    assert pool.bytes_per_token == 2 * 3 * 2 * 4 * 4
+    assert pool.total_bytes == 11 * 192
+    k = torch.arange(16, dtype=torch.float32).reshape(2, 2, 4)
+    pool.set_kv_buffer(1, torch.tensor([7, 3]), k, -k)
+    assert torch.equal(pool.get_key_buffer(1)[7], k[0]) and torch.equal(pool.get_key_buffer(1)[3], k[1])
+    assert torch.equal(pool.get_value_buffer(1)[3], -k[1])
+    assert torch.count_nonzero(pool.get_key_buffer(0)) == 0
+    assert torch.count_nonzero(pool.get_key_buffer(1)) == 15  # k[0][0][0] is 0
+    bf = MHATokenToKVPool(10, 3, 2, 4, torch.bfloat16, "cpu")
+    assert bf.bytes_per_token == 96
+    with pytest.raises(ValueError, match="size"):
+        MHATokenToKVPool(0, 3, 2, 4, torch.float32, "cpu")
+
+
+def test_resolve_dtype() -> None:
+    assert resolve_dtype("auto", "cpu") == torch.float32
+    assert resolve_dtype("auto", "cuda") == torch.bfloat16
+    assert resolve_dtype("float16", "cpu") == torch.float16
+    assert resolve_dtype(torch.bfloat16, "cpu") == torch.bfloat16
+    with pytest.raises(ValueError, match="unknown dtype"):
+        resolve_dtype("int4", "cpu")
+
+
+def test_registry() -> None:
+    assert get_model_class("LlamaForCausalLM") is LlamaForCausalLM
+    assert supported_architectures() == ["LlamaForCausalLM"]
+    with pytest.raises(ValueError, match=r"'GPT2LMHeadModel' is not supported; supported: LlamaForCausalLM"):
+        get_model_class("GPT2LMHeadModel")
+
+
+def test_missing_model_path(tmp_path) -> None:
+    with pytest.raises(ModelNotFoundError, match="does not exist"):
+        ModelConfig.from_path(str(tmp_path / "nope"))
+    with pytest.raises(ModelNotFoundError):
+        ModelRunner(str(tmp_path / "nope.gguf"))
+
+
+def test_pool_size_derived_and_capped_on_cpu(stories_path) -> None:
+    runner = ModelRunner(str(stories_path), load_progress=False, random_seed=0)
+    # Plenty of RAM: the CPU cap of 8 full-length (512-token) sequences applies.
+    assert runner.max_total_num_tokens == 8 * 512
+    assert runner.kv_pool.get_key_buffer(4).shape == (4097, 4, 8)
+    assert runner.kv_cache_bytes == 4097 * 2 * 5 * 4 * 8 * 4
+    assert (runner.device, runner.dtype) == ("cpu", torch.float32)
+    assert ModelRunner(str(stories_path), context_length=64, load_progress=False).max_total_num_tokens == 512
+    with pytest.raises(ValueError, match="not enough memory"):
+        ModelRunner(str(stories_path), mem_fraction_static=1e-9, load_progress=False)
+    with pytest.raises(ValueError, match="mem_fraction_static"):
+        ModelRunner(str(stories_path), mem_fraction_static=0.0)
+
+
+def test_runner_forward_and_sample(stories_path) -> None:
+    runner = ModelRunner(str(stories_path), max_total_tokens=64, load_progress=False)
+    t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+    batch = ForwardBatch(ForwardMode.EXTEND, 2, t([1, 403, 407, 1]), t([0, 1, 2, 0]), t([1, 2, 3, 4]),
+                         t([3, 1]), t([0, 3, 4]), t([1, 2, 3, 4]),
+                         extend_prefix_lens=t([0, 0]), extend_seq_lens=t([3, 1]))
+    logits = runner.forward(batch)
+    assert logits.shape == (2, 512) and logits.dtype == torch.float32
+    info = SamplingBatchInfo(torch.zeros(2), torch.ones(2), torch.full((2,), 512))
+    # greedy_reference.json case 0: from <s> the greedy ids run 403, 407, 261, ...
+    assert runner.sample(logits, info).tolist() == [261, 403]
+
+
+def test_inconsistent_batch_raises() -> None:
+    backend = TorchNativeAttnBackend(MHATokenToKVPool(8, 1, 1, 2, torch.float32, "cpu"))
+    t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+    batch = ForwardBatch(ForwardMode.EXTEND, 1, t([5, 6]), t([0, 1]), t([1, 2]), t([3]), t([0, 3]),
+                         t([1, 2, 3]), extend_prefix_lens=t([0]), extend_seq_lens=t([2]))
+    with pytest.raises(ValueError, match="prefix 0 \\+ extend 2 != seq_len 3"):
+        backend.init_forward_metadata(batch)
