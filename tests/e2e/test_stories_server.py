@@ -141,15 +141,33 @@ def test_openai_errors(server):
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
 
 
+def _raw_post(port: int, path: str, body: str) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall((f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {len(body)}\r\n\r\n{body}").encode())
+    return sock
+
+
+def test_disconnect_while_waiting_for_non_streamed_reply_returns_kv(server):
+    idle = wait_idle(server)
+    body = json.dumps({"text": "The big tree", "sampling_params": {"max_new_tokens": 450, "ignore_eos": True}})
+    sock = _raw_post(server.port, "/generate", body)
+    deadline = time.monotonic() + 10
+    while httpx.get(server.base_url + "/get_server_info").json()["num_running_reqs"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    sock.close()
+    after = wait_idle(server)
+    assert after["kv_free_slots"] == idle["kv_free_slots"]
+    assert after["num_generated_tokens"] - idle["num_generated_tokens"] < 450
+
+
 def test_disconnect_mid_stream_returns_kv(server):
     idle = wait_idle(server)
     assert idle["kv_total_slots"] == POOL_TOKENS
     body = json.dumps({"text": "The little dog ran", "stream": True,
                        "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0}})
-    request = (f"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-               f"Content-Length: {len(body)}\r\n\r\n{body}").encode()
-    with socket.create_connection(("127.0.0.1", server.port)) as sock:
-        sock.sendall(request)
+    with _raw_post(server.port, "/generate", body) as sock:
         received = b""
         while received.count(b"data: ") < 3:
             received += sock.recv(4096)
