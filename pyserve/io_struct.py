@@ -19,7 +19,7 @@ from pyserve.sampling_params import SamplingParams
 class GenerateReqInput(BaseModel):
     """Body of POST /generate: exactly one of `text` and `input_ids`, single or a list."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
@@ -41,6 +41,8 @@ class GenerateReqInput(BaseModel):
                 value = getattr(self, name)
                 if isinstance(value, list) and len(value) != n:
                     raise ValueError(f"'{name}' has {len(value)} entries for {n} prompts")
+            if isinstance(self.rid, list) and len(set(self.rid)) != n:
+                raise ValueError("the rids of a batch must be unique")
         else:
             if isinstance(self.sampling_params, list) or isinstance(self.rid, list):
                 raise ValueError("a list of sampling_params or rid needs a list of prompts")

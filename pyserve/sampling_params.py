@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# Temperatures below this sample greedily (SGLang uses the same cut-off).
+GREEDY_TEMPERATURE = 1e-5
 
 
 class SamplingParams(BaseModel):
@@ -10,7 +15,8 @@ class SamplingParams(BaseModel):
 
     max_new_tokens: output tokens at most (0 returns at once with no output); None means
         "up to the context length".
-    temperature:    0 means greedy; > 0 scales logits before sampling.
+    temperature:    0 means greedy; > 0 scales logits before sampling (below
+                    GREEDY_TEMPERATURE it is treated as greedy: dividing by it overflows).
     top_p:          nucleus mass in (0, 1].
     top_k:          keep the k most likely tokens; -1 means all.
     stop:           strings that end the output; the matched string is not part of the text.
@@ -20,17 +26,18 @@ class SamplingParams(BaseModel):
     seed:           makes a sampled (temperature > 0) request reproducible.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     max_new_tokens: int | None = Field(default=128, ge=0)
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = -1
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    seed: int | None = None
+    # torch.Generator.manual_seed's range
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
 
     @field_validator("top_k")
     @classmethod
@@ -46,6 +53,10 @@ class SamplingParams(BaseModel):
         if any(s == "" for s in items):
             raise ValueError("stop strings must not be empty")
         return v
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def stop_strs(self) -> list[str]:

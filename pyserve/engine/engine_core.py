@@ -20,7 +20,7 @@ from pyserve.engine.scheduler import Scheduler
 from pyserve.engine.tokenizer_manager import TokenizerManager
 from pyserve.engine.worker import ModelWorker
 from pyserve.errors import InvalidRequestError
-from pyserve.io_struct import GenerateOutput, SingleReq
+from pyserve.io_struct import GenerateOutput, SingleReq, TokenizedGenerateReq
 from pyserve.mem_cache.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
@@ -117,17 +117,26 @@ class EngineCore:
     async def generate_all(self, reqs: list[SingleReq]) -> list[GenerateOutput]:
         """Final outputs of several non-streamed requests, run concurrently, in order.
         Validates every request before starting any (InvalidRequestError)."""
-        for r in reqs:
-            await self.tokenizer_manager.tokenize(r)
+        rids = [r.rid for r in reqs]
+        if len(set(rids)) != len(rids):
+            raise InvalidRequestError("the rids of a batch must be unique", param="rid")
+        tokenized = [await self.tokenizer_manager.tokenize(r) for r in reqs]
 
-        async def final(r: SingleReq) -> GenerateOutput:
+        async def final(r: SingleReq, t: TokenizedGenerateReq) -> GenerateOutput:
             out = None
-            async for out in self.generate(r):
+            async for out in self.tokenizer_manager.generate(r, t):
                 pass
-            assert out is not None
+            assert out is not None  # generate always ends with a finished output
             return out
 
-        return list(await asyncio.gather(*(final(r) for r in reqs)))
+        tasks = [asyncio.ensure_future(final(r, t)) for r, t in zip(reqs, tokenized)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:  # one failed or we were cancelled: abort the others too
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
 
     async def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
         """The prompt text for chat `messages`. Raises InvalidRequestError when the model

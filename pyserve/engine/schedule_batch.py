@@ -93,11 +93,12 @@ class ScheduleBatch:
             return tensor.to(device, non_blocking=True) if device != "cpu" else tensor
 
         params = [r.sampling_params for r in self.reqs]
-        vocab_all = 1 << 30
+        all_tokens = 1 << 30  # top_k at or above the vocabulary size keeps every token
         sampling = SamplingBatchInfo(
-            temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            temperatures=torch.tensor([0.0 if p.is_greedy else p.temperature for p in params],
+                                      dtype=torch.float32, device=device),
             top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            top_ks=torch.tensor([p.top_k if p.top_k > 0 else vocab_all for p in params],
+            top_ks=torch.tensor([min(p.top_k, all_tokens) if p.top_k > 0 else all_tokens for p in params],
                                 dtype=torch.int64, device=device),
             generators=[r.generator for r in self.reqs],
         )

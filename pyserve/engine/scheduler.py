@@ -61,7 +61,8 @@ class Scheduler:
     # ---- called by the tokenizer manager / detokenizer (loop thread) ------------------------
     def add_request(self, treq: TokenizedGenerateReq) -> None:
         sp = treq.sampling_params
-        room = self.context_len - len(treq.input_ids)
+        # A request must fit alone in both the context and the KV pool.
+        room = min(self.context_len, self.kv_cache.max_total_tokens) - len(treq.input_ids)
         max_new = room if sp.max_new_tokens is None else min(sp.max_new_tokens, room)
         req = Req(treq.rid, treq.input_ids, sp, max_new, treq.stop_token_ids)
         self.reqs[req.rid] = req
@@ -159,7 +160,13 @@ class Scheduler:
 
     def _retract(self) -> None:
         """The pool is full even after eviction: send the newest request back to the waiting
-        queue, freeing its KV; it resumes later by prefilling prompt + output so far."""
+        queue, freeing its KV; it resumes later by prefilling prompt + output so far. A lone
+        request cannot be helped by retraction: it finishes with reason length."""
+        if len(self.running) == 1:
+            self.running[0].finish_reason = {"type": "length", "length": len(self.running[0].output_ids)}
+            self.emit([self._out(self.running[0], [])])
+            self._release_finished()
+            return
         req = self.running.pop()
         self.kv_cache.release_req(req.req_pool_idx, req.kv_len, req.prefix_len, req.last_node)
         req.req_pool_idx, req.prefix_len, req.last_node, req.kv_len = None, 0, 0, 0
@@ -212,7 +219,8 @@ class Scheduler:
 
     def _finish(self, req: Req, emit: bool) -> None:
         """Forget a finished request. `emit`: tell the detokenizer (when no step did)."""
-        self.reqs.pop(req.rid, None)
+        if self.reqs.get(req.rid) is req:  # the rid may already name a newer request
+            del self.reqs[req.rid]
         if emit:
             self.emit([self._out(req, [])])
 

@@ -56,7 +56,14 @@ class TokenizerManager:
                     f"input_ids contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})",
                     param="input_ids")
         else:
-            ids = await self.encode(req.text or "", req.add_special_tokens)
+            text = req.text or ""
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise InvalidRequestError(
+                    f"the prompt is not valid Unicode (a lone surrogate at character {exc.start})",
+                    param="prompt") from exc
+            ids = await self.encode(text, req.add_special_tokens)
         if not ids:
             raise InvalidRequestError("the prompt is empty (no tokens)", param="prompt")
         if len(ids) >= self.context_len:
@@ -74,15 +81,15 @@ class TokenizerManager:
             stop_ids |= self.eos_token_ids
         return TokenizedGenerateReq(req.rid, ids, sp, frozenset(stop_ids))
 
-    async def generate(self, req: SingleReq) -> AsyncIterator[GenerateOutput]:
+    async def generate(self, req: SingleReq,
+                       tokenized: TokenizedGenerateReq | None = None) -> AsyncIterator[GenerateOutput]:
         """Yield outputs: every chunk when req.stream, else only the final one.
 
+        `tokenized`: the result of `tokenize(req)` when the caller already has it.
         Raises InvalidRequestError before anything is yielded when the request is invalid.
         Closing the iterator before the end aborts the request and frees its KV.
         """
-        if req.rid in self.states:
-            raise InvalidRequestError(f"a request with rid {req.rid!r} is already running", param="rid")
-        treq = await self.tokenize(req)
+        treq = tokenized or await self.tokenize(req)
         if req.rid in self.states:
             raise InvalidRequestError(f"a request with rid {req.rid!r} is already running", param="rid")
         state = ReqState()

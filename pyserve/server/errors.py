@@ -34,12 +34,18 @@ def validation_message(exc: ValidationError) -> tuple[str, str | None]:
     return (f"{param}: {msg}" if param else msg), param
 
 
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
 async def parse_json(request: Request) -> Any:
-    """The request body as JSON; InvalidRequestError when it is not JSON."""
+    """The request body as strict JSON (no NaN / Infinity); InvalidRequestError otherwise."""
     body = await request.body()
     try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return json.loads(body, parse_constant=_reject_constant)
+    except RecursionError as exc:
+        raise InvalidRequestError("the request body is nested too deeply") from exc
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, NaN / Infinity
         raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from exc
 
 

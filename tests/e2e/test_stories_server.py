@@ -116,6 +116,14 @@ def test_generate_stream_is_sse_with_cumulative_text(server):
     (json.dumps({"text": "word " * 600}).encode(), 400, "prompt"),
     (json.dumps({"input_ids": [1, 99999]}).encode(), 400, "input_ids"),
     (json.dumps({"sampling_params": {}}).encode(), 400, None),
+    (b'{"text": "a", "sampling_params": {"seed": 18446744073709551616}}', 400, "sampling_params.seed"),
+    (b'{"text": "a", "sampling_params": {"temperature": Infinity}}', 400, None),
+    (b'{"text": "\\ud800 hi"}', 400, "prompt"),
+    (b"[" * 100000 + b"]" * 100000, 400, None),
+    (b'{"input_ids": [true]}', 400, "input_ids.0"),
+    (b'{"text": "a", "sampling_params": {"max_new_tokens": "2"}}', 400, "sampling_params.max_new_tokens"),
+    (b'{"text": "a", "sampling_params": {"stop_token_ids": [-1]}}', 400, "sampling_params.stop_token_ids.0"),
+    (b'{"text": ["a", "b"], "rid": ["x", "x"]}', 400, None),
 ])
 def test_bad_requests_get_error_objects(server, raw, status, param):
     r = httpx.post(server.base_url + "/generate", content=raw, timeout=30,
@@ -128,6 +136,56 @@ def test_bad_requests_get_error_objects(server, raw, status, param):
     assert err["message"]
     ok = post(server, "/generate", {"text": "Tom", "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
     assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 3
+
+
+def test_openai_echo_of_invalid_ids_and_unsupported_fields(server):
+    r = post(server, "/v1/completions", {"prompt": [-5], "echo": True, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input_ids"
+    r = httpx.post(server.base_url + "/v1/completions", timeout=30, headers={"content-type": "application/json"},
+                   content=json.dumps({"prompt": "\ud83d x", "echo": True, "max_tokens": 2}))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    for field, value in (("tools", [{"type": "function"}]), ("logit_bias", {"5": 1}), ("best_of", 2),
+                         ("response_format", {"type": "json_object"})):
+        r = post(server, "/v1/completions", {"prompt": "hi", field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field
+    r = post(server, "/v1/completions", {"prompt": [5, 6], "echo": True, "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200
+
+
+def test_extreme_sampling_values_do_not_fail_the_batch(server):
+    good = {"text": "Once upon a time", "sampling_params": {"temperature": 0, "max_new_tokens": 30, "ignore_eos": True}}
+    bad = [{"text": "Hi", "sampling_params": {"temperature": 1e-45, "max_new_tokens": 8, "ignore_eos": True}},
+           {"text": "Hi", "sampling_params": {"temperature": 0.7, "top_k": 2**70, "max_new_tokens": 8, "ignore_eos": True}}]
+    expected = post(server, "/generate", good).json()["output_ids"]
+    with cf.ThreadPoolExecutor(6) as pool:
+        outs = list(pool.map(lambda b: post(server, "/generate", b), [good] * 4 + bad))
+    assert [o.status_code for o in outs] == [200] * 6
+    for o in outs[:4]:
+        assert o.json()["output_ids"] == expected
+    for o in outs[4:]:
+        assert o.json()["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
+    tiny = outs[4].json()["output_ids"]
+    greedy = post(server, "/generate", {**bad[0], "sampling_params": {**bad[0]["sampling_params"], "temperature": 0}})
+    assert tiny == greedy.json()["output_ids"]
+
+
+def test_rid_reused_after_disconnect_can_still_be_aborted(server):
+    idle = wait_idle(server)
+    long_body = json.dumps({"input_ids": [1] + [300] * 400, "rid": "R2", "sampling_params": {"max_new_tokens": 5}})
+    sock = _raw_post(server.port, "/generate", long_body)
+    time.sleep(0.05)
+    sock.close()
+    body = json.dumps({"input_ids": [1, 100, 200], "rid": "R2", "stream": True,
+                       "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}})
+    with _raw_post(server.port, "/generate", body) as sock2:
+        received = b""
+        while received.count(b"data: ") < 2:
+            chunk = sock2.recv(4096)
+            assert chunk, received
+            received += chunk
+    after = wait_idle(server)
+    assert after["kv_free_slots"] + after["kv_evictable_slots"] == POOL_TOKENS
+    assert after["kv_protected_slots"] == 0
 
 
 def test_openai_errors(server):
@@ -170,7 +228,9 @@ def test_disconnect_mid_stream_returns_kv(server):
     with _raw_post(server.port, "/generate", body) as sock:
         received = b""
         while received.count(b"data: ") < 3:
-            received += sock.recv(4096)
+            chunk = sock.recv(4096)
+            assert chunk, received
+            received += chunk
         mid = httpx.get(server.base_url + "/get_server_info").json()
         assert mid["num_running_reqs"] == 1
         assert mid["kv_free_slots"] < idle["kv_free_slots"]

@@ -1,13 +1,14 @@
 """Request bodies of the OpenAI-compatible API (pydantic), and their mapping to SamplingParams.
 
 Unknown fields are ignored, as the OpenAI API's clients send fields servers may not know.
-Fields pyserve cannot honour yet (n > 1, logprobs, penalties) are refused with a 400 by
+Fields pyserve cannot honour yet (n > 1, logprobs, penalties, tools, logit_bias,
+response_format, best_of) are refused with a 400 by
 `check_supported()` rather than silently ignored.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -15,18 +16,22 @@ from pyserve.errors import InvalidRequestError
 from pyserve.sampling_params import SamplingParams
 
 
+STRICT = ConfigDict(extra="ignore", strict=True)
+
+
 class StreamOptions(BaseModel):
+    model_config = STRICT
     include_usage: bool = False
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = STRICT
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = STRICT
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -45,7 +50,7 @@ class ChatMessage(BaseModel):
 class _Common(BaseModel):
     """Fields shared by chat and text completions (OpenAI's plus SGLang's extensions)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     model: str | None = None
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
@@ -54,20 +59,34 @@ class _Common(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None
     # extensions (SGLang / vLLM names)
     top_k: int = -1
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     skip_special_tokens: bool = True
+    # known OpenAI fields pyserve cannot honour yet: refused, not ignored
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    logit_bias: dict[str, Any] | None = None
+    best_of: int | None = None
 
     def check_supported(self) -> None:
         """Raise InvalidRequestError for fields pyserve cannot honour yet."""
         if self.n != 1:
             raise InvalidRequestError("only n=1 is supported", param="n")
+        for name in ("tools", "logit_bias"):
+            if getattr(self, name):
+                raise InvalidRequestError(f"'{name}' is not supported yet", param=name)
+        if self.response_format and self.response_format.get("type") != "text":
+            raise InvalidRequestError("response_format other than text is not supported yet",
+                                      param="response_format")
+        if self.best_of not in (None, 1):
+            raise InvalidRequestError("only best_of=1 is supported", param="best_of")
         if self.presence_penalty or self.frequency_penalty:
             raise InvalidRequestError("presence/frequency penalties are not supported yet",
                                       param="presence_penalty" if self.presence_penalty else "frequency_penalty")

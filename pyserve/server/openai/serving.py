@@ -70,8 +70,11 @@ async def chat_completions(request: Request) -> Response:
 async def _chat_chunks(first: GenerateOutput | None, rest: AsyncIterator[GenerateOutput], rid: str,
                        created: int, name: str, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
     def chunk(delta: dict[str, Any], reason: str | None) -> dict[str, Any]:
-        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+        out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
+               "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+        if include_usage:
+            out["usage"] = None  # as OpenAI: only the last chunk carries usage
+        return out
 
     try:
         yield chunk({"role": "assistant", "content": ""}, None)
@@ -99,13 +102,14 @@ async def completions(request: Request) -> Response:
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     name = model_name(engine, body.model)
-    prefixes = [await _echo_prefix(engine, r) for r in reqs] if body.echo else [""] * len(reqs)
     if body.stream:
         stream = engine.generate(reqs[0])
-        first = await anext_or_none(stream)
+        first = await anext_or_none(stream)  # validates the prompt before echoing it
+        echo = _echo_prefix(engine, reqs[0]) if body.echo else ""
         return sse_response(_completion_chunks(first, stream, rid, created, name,
-                                               body.include_usage, prefixes[0]))
+                                               body.include_usage, echo))
     outs = await until_disconnect(request, engine.generate_all(reqs))
+    prefixes = [_echo_prefix(engine, r) if body.echo else "" for r in reqs]
     return JSONResponse({
         "id": rid, "object": "text_completion", "created": created, "model": name,
         "choices": [{"index": i, "text": prefixes[i] + o.text, "logprobs": None,
@@ -115,7 +119,8 @@ async def completions(request: Request) -> Response:
     })
 
 
-async def _echo_prefix(engine: EngineCore, req: SingleReq) -> str:
+def _echo_prefix(engine: EngineCore, req: SingleReq) -> str:
+    """The prompt as text; call only after the request was validated (ids in vocabulary)."""
     if req.text is not None:
         return req.text
     return engine.tokenizer.decode(req.input_ids or [])
@@ -125,8 +130,11 @@ async def _completion_chunks(first: GenerateOutput | None, rest: AsyncIterator[G
                              rid: str, created: int, name: str, include_usage: bool,
                              echo: str) -> AsyncIterator[dict[str, Any]]:
     def chunk(text: str, reason: str | None) -> dict[str, Any]:
-        return {"id": rid, "object": "text_completion", "created": created, "model": name,
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]}
+        out = {"id": rid, "object": "text_completion", "created": created, "model": name,
+               "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]}
+        if include_usage:
+            out["usage"] = None
+        return out
 
     try:
         if echo:

@@ -1,0 +1,56 @@
+"""A KV pool smaller than the context: requests are clipped to what the pool holds, never
+wait forever, and requests that do not fit together take turns (retraction) with exact
+outputs."""
+
+from __future__ import annotations
+
+import pytest
+
+from pyserve import Engine
+
+POOL = 300
+
+
+@pytest.fixture(scope="module")
+def engine(stories_path):
+    eng = Engine(model_path=str(stories_path), max_total_tokens=POOL, max_running_requests=8)
+    yield eng
+    eng.shutdown()
+
+
+def test_request_longer_than_pool_is_clipped_not_stuck(engine):
+    prompt = "Once upon a time"
+    out = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True})
+    prompt_len = out["meta_info"]["prompt_tokens"]
+    assert out["meta_info"]["completion_tokens"] == POOL - prompt_len
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": POOL - prompt_len}
+    none = engine.generate(prompt, {"temperature": 0, "max_new_tokens": None, "ignore_eos": True})
+    assert none["output_ids"] == out["output_ids"]
+
+
+def test_requests_that_do_not_fit_together_all_finish_exactly(engine, stories_reference):
+    # 5 x (prompt + 64) tokens > 300 slots: some wait or are retracted, outputs stay exact.
+    cases = stories_reference[1:] * 2
+    outs = engine.generate(input_ids=[c["input_ids"] for c in cases], sampling_params=[
+        {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True} for _ in cases])
+    for case, out in zip(cases, outs):
+        assert out["output_ids"] == case["output_ids"]
+    info = engine.get_server_info()
+    assert info["kv_free_slots"] + info["kv_evictable_slots"] == POOL
+    assert info["kv_protected_slots"] == 0
+
+
+def test_retraction_when_reservations_overcommit(engine, stories_reference, monkeypatch, caplog):
+    from pyserve.engine import schedule_policy
+
+    monkeypatch.setattr(schedule_policy, "CLIP_MAX_NEW_TOKENS", 4)  # admit far more than fits
+    cases = stories_reference[1:] * 2
+    with caplog.at_level("WARNING", logger="pyserve.engine.scheduler"):
+        outs = engine.generate(input_ids=[c["input_ids"] for c in cases], sampling_params=[
+            {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True} for _ in cases])
+    assert any("retracted" in r.getMessage() for r in caplog.records)
+    for case, out in zip(cases, outs):
+        assert out["output_ids"] == case["output_ids"]
+        assert out["meta_info"]["prompt_tokens"] == len(case["input_ids"])
+    info = engine.get_server_info()
+    assert info["kv_free_slots"] + info["kv_evictable_slots"] == POOL
