@@ -177,12 +177,17 @@ def test_rid_reused_after_disconnect_can_still_be_aborted(server):
     sock.close()
     body = json.dumps({"input_ids": [1, 100, 200], "rid": "R2", "stream": True,
                        "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}})
-    with _raw_post(server.port, "/generate", body) as sock2:
-        received = b""
-        while received.count(b"data: ") < 2:
-            chunk = sock2.recv(4096)
-            assert chunk, received
-            received += chunk
+    for _ in range(500):  # until the server has noticed the first client left (then the rid is free)
+        with _raw_post(server.port, "/generate", body) as sock2:
+            received = b""
+            while received.count(b"data: ") < 2 and not received.endswith(b"}}"):
+                chunk = sock2.recv(4096)
+                assert chunk, received
+                received += chunk
+        if b" 400 " not in received[:13]:
+            break
+        assert b"already running" in received
+        time.sleep(0.001)
     after = wait_idle(server)
     assert after["kv_free_slots"] + after["kv_evictable_slots"] == POOL_TOKENS
     assert after["kv_protected_slots"] == 0
