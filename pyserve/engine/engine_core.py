@@ -123,11 +123,8 @@ class EngineCore:
         tokenized = [await self.tokenizer_manager.tokenize(r) for r in reqs]
 
         async def final(r: SingleReq, t: TokenizedGenerateReq) -> GenerateOutput:
-            out = None
-            async for out in self.tokenizer_manager.generate(r, t):
-                pass
-            assert out is not None  # generate always ends with a finished output
-            return out
+            # not streamed: generate yields exactly one, finished, output
+            return [out async for out in self.tokenizer_manager.generate(r, t)][-1]
 
         tasks = [asyncio.ensure_future(final(r, t)) for r, t in zip(reqs, tokenized)]
         try:

@@ -9,6 +9,7 @@ loop serves HTTP, tokenizes and detokenizes. Loop thread only.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -100,10 +101,8 @@ class Scheduler:
             batch = self._get_next_batch()
             if batch is None:
                 self._wake.clear()
-                try:
+                with contextlib.suppress(asyncio.TimeoutError):  # wake up for the stats line
                     await asyncio.wait_for(self._wake.wait(), timeout=self.stats_interval_s)
-                except asyncio.TimeoutError:
-                    pass
                 continue
             try:
                 next_ids = await self.worker.submit(batch.to_forward_batch(self.device))

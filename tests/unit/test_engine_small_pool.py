@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from pyserve import Engine
+from tests.conftest import make_stories_engine
 
 POOL = 300
 
 
 @pytest.fixture(scope="module")
 def engine(stories_path):
-    eng = Engine(model_path=str(stories_path), max_total_tokens=POOL, max_running_requests=8)
+    eng = make_stories_engine(stories_path, POOL)
     yield eng
     eng.shutdown()
 
