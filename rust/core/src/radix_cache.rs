@@ -238,6 +238,26 @@ impl RadixCache {
         MatchResult { indices, last_node }
     }
 
+    /// Length of the longest cached page-aligned prefix of `key`, without changing anything
+    /// (no split, no access-time update). Disabled: 0.
+    pub fn match_len(&self, key: &[i32]) -> usize {
+        let ps = self.page_size;
+        let (mut node, mut pos) = (ROOT, 0);
+        while pos + ps <= key.len() {
+            let Some(&child) = self.nodes[node].children.get(&key[pos..pos + ps]) else {
+                break;
+            };
+            let k = &self.nodes[child].key;
+            let plen = common_prefix_len(k, &key[pos..], ps);
+            pos += plen;
+            if plen < k.len() {
+                break;
+            }
+            node = child;
+        }
+        pos
+    }
+
     /// Inserts the whole pages of `key` (the first `len - len % page_size` tokens) with KV
     /// slots `value` (one per token of `key`). Returns how many leading tokens of `key` were
     /// already cached (a multiple of `page_size`): the tree keeps its own slots for those, so
