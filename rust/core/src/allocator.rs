@@ -20,6 +20,8 @@ use crate::error::{CoreError, CoreResult};
 #[derive(Debug, Clone)]
 pub struct TokenToKVPoolAllocator {
     page_size: usize,
+    /// `log2(page_size)` when it is a power of two (then slot -> page is a shift).
+    page_shift: Option<u32>,
     num_pages: usize,
     /// Free pages in hand-out order (front first).
     free_pages: VecDeque<u32>,
@@ -43,6 +45,7 @@ impl TokenToKVPoolAllocator {
         page_free[0] = false;
         Ok(Self {
             page_size,
+            page_shift: page_size.is_power_of_two().then(|| page_size.trailing_zeros()),
             num_pages,
             free_pages: (1..=num_pages as u32).collect(),
             page_free,
@@ -58,7 +61,10 @@ impl TokenToKVPoolAllocator {
     /// Page holding `slot` (no range check).
     #[inline]
     pub fn page_of(&self, slot: i64) -> u32 {
-        (slot / self.page_size as i64) as u32
+        match self.page_shift {
+            Some(k) => (slot >> k) as u32,
+            None => (slot / self.page_size as i64) as u32,
+        }
     }
 
     /// Takes `n` free pages, oldest-freed first; `None`, changing nothing, if fewer are free.
@@ -101,22 +107,32 @@ impl TokenToKVPoolAllocator {
     /// already-free check).
     pub fn pages_of_runs(&self, slots: &[i64]) -> CoreResult<Vec<u32>> {
         let (ps, high) = (self.page_size as i64, (self.num_pages as i64 + 1) * self.page_size as i64);
+        if ps == 1 {
+            // Every slot is its own page: a tight loop (eviction frees many slots at once).
+            if let Some(&s) = slots.iter().find(|&&s| s < 1 || s >= high) {
+                return Err(CoreError::OutOfRange { what: "kv slot", value: s, low: 1, high });
+            }
+            return Ok(slots.iter().map(|&s| s as u32).collect());
+        }
         let mut pages: Vec<u32> = Vec::with_capacity(slots.len() / self.page_size + 1);
-        let mut prev: Option<i64> = None;
+        // `prev` is the previous slot and the end of its page: a slot in `(prev, end)` is
+        // the same page, anything else starts a new run.
+        let (mut prev, mut end) = (i64::MIN, i64::MIN);
         for &s in slots {
             if s < ps || s >= high {
                 return Err(CoreError::OutOfRange { what: "kv slot", value: s, low: ps, high });
             }
-            let page = (s / ps) as u32;
-            match prev {
-                Some(q) if q / ps == s / ps => {
-                    if s <= q {
-                        return Err(CoreError::DoubleFree(s));
-                    }
-                }
-                _ => pages.push(page),
+            if s > prev && s < end {
+                prev = s;
+                continue;
             }
-            prev = Some(s);
+            if s < end && s >= end - ps {
+                return Err(CoreError::DoubleFree(s)); // same page, not increasing
+            }
+            let page = self.page_of(s);
+            pages.push(page);
+            prev = s;
+            end = (page as i64 + 1) * ps;
         }
         Ok(pages)
     }
@@ -125,22 +141,26 @@ impl TokenToKVPoolAllocator {
     /// a page past the end, [`CoreError::DoubleFree`] for a free or repeated page (reported
     /// as its first slot).
     pub fn free_pages_checked(&mut self, pages: &[u32]) -> CoreResult<()> {
-        let mut sorted = pages.to_vec();
-        sorted.sort_unstable();
-        for (i, &p) in sorted.iter().enumerate() {
-            if p == 0 || p as usize > self.num_pages {
-                return Err(CoreError::OutOfRange {
+        // Mark as we check so repeats inside `pages` are caught; roll back on error.
+        for (i, &p) in pages.iter().enumerate() {
+            let err = if p == 0 || p as usize > self.num_pages {
+                Some(CoreError::OutOfRange {
                     what: "kv page",
                     value: p as i64,
                     low: 1,
                     high: self.num_pages as i64 + 1,
-                });
+                })
+            } else if self.page_free[p as usize] {
+                Some(CoreError::DoubleFree(self.first_slot(p)))
+            } else {
+                None
+            };
+            if let Some(e) = err {
+                for &q in &pages[..i] {
+                    self.page_free[q as usize] = false;
+                }
+                return Err(e);
             }
-            if self.page_free[p as usize] || (i > 0 && sorted[i - 1] == p) {
-                return Err(CoreError::DoubleFree(self.first_slot(p)));
-            }
-        }
-        for &p in pages {
             self.page_free[p as usize] = true;
         }
         self.free_pages.extend(pages.iter().copied());

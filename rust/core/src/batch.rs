@@ -8,8 +8,6 @@
 //! requests unchanged (eviction, if any, stays done); the scheduler then retracts a request
 //! and retries.
 
-use std::collections::HashSet;
-
 use crate::error::{CoreError, CoreResult};
 use crate::kv_cache::KVCache;
 
@@ -47,13 +45,14 @@ impl KVCache {
                 req_ids.len()
             )));
         }
-        let mut seen = HashSet::with_capacity(req_ids.len());
+        // Live requests own distinct rows, so a repeated row means a repeated id.
+        let mut seen = vec![false; self.req_pool.size()];
         let mut out = Vec::with_capacity(req_ids.len());
         for (&id, &ext) in req_ids.iter().zip(extend_lens) {
-            if !seen.insert(id) {
+            let r = self.req(id)?;
+            if std::mem::replace(&mut seen[r.req_pool_idx], true) {
                 return Err(CoreError::DuplicateReq(id));
             }
-            let r = self.req(id)?;
             self.req_pool.check_span(r.req_pool_idx, 0, r.kv_len + ext)?;
             out.push((r.req_pool_idx, r.kv_len));
         }

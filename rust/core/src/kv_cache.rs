@@ -21,6 +21,7 @@ use std::collections::HashMap;
 
 use crate::allocator::TokenToKVPoolAllocator;
 use crate::error::{CoreError, CoreResult};
+use crate::fxhash::FxBuildHasher;
 use crate::radix_cache::{MatchResult, RadixCache, ROOT};
 use crate::req_to_token::ReqToTokenPool;
 
@@ -57,7 +58,7 @@ pub struct KVCache {
     pub alloc: TokenToKVPoolAllocator,
     /// The request rows.
     pub req_pool: ReqToTokenPool,
-    pub(crate) reqs: HashMap<u64, ReqState>,
+    pub(crate) reqs: HashMap<u64, ReqState, FxBuildHasher>,
     pub(crate) next_req_id: u64,
 }
 
@@ -77,7 +78,7 @@ impl KVCache {
             tree: RadixCache::new(page_size, disable)?,
             alloc: TokenToKVPoolAllocator::new(size, page_size)?,
             req_pool: ReqToTokenPool::new(num_rows, max_context_len),
-            reqs: HashMap::new(),
+            reqs: HashMap::default(),
             next_req_id: 0,
         })
     }
@@ -163,8 +164,8 @@ impl KVCache {
     }
 
     /// Checks that `token_ids` are exactly the request's stored tokens and that its lock can
-    /// be released; returns a copy of its row `[0, kv_len)`.
-    fn check_tokens(&self, r: &ReqState, token_ids: &[i32]) -> CoreResult<Vec<i64>> {
+    /// be released.
+    fn check_tokens(&self, r: &ReqState, token_ids: &[i32]) -> CoreResult<()> {
         if token_ids.len() != r.kv_len {
             return Err(CoreError::ShapeMismatch(format!(
                 "{} token ids given for a request with KV for {} tokens",
@@ -173,15 +174,17 @@ impl KVCache {
             )));
         }
         self.tree.check_unlock(r.last_node)?;
-        Ok(self.req_pool.read(r.req_pool_idx, 0, r.kv_len)?.to_vec())
+        self.req_pool.check_span(r.req_pool_idx, 0, r.kv_len)
     }
 
     /// Inserts the whole pages of the request's tokens and frees the request's own pages the
-    /// tree already held (`[prefix_len, already_cached)`). Returns the cached length.
-    fn insert_own(&mut self, r: &ReqState, token_ids: &[i32], slots: &[i64]) -> CoreResult<usize> {
+    /// tree already held (`[prefix_len, already_cached)`) and, if `free_tail`, the pages
+    /// after the last whole page. Returns the number of tokens now held by the tree.
+    fn insert_own(&mut self, r: &ReqState, token_ids: &[i32], free_tail: bool) -> CoreResult<usize> {
         let aligned = r.kv_len - r.kv_len % self.page_size();
+        let slots = self.req_pool.read(r.req_pool_idx, 0, r.kv_len)?;
         let cached = self.tree.insert(&token_ids[..aligned], &slots[..aligned])?;
-        if cached < r.prefix_len && !self.tree.disabled() {
+        if cached < r.prefix_len {
             return Err(CoreError::Invariant(format!(
                 "token ids differ from the prefix the request matched ({cached} < {})",
                 r.prefix_len
@@ -189,6 +192,9 @@ impl KVCache {
         }
         if cached > r.prefix_len {
             self.alloc.free(&slots[r.prefix_len..cached])?;
+        }
+        if free_tail {
+            self.alloc.free(&slots[aligned..])?;
         }
         Ok(aligned)
     }
@@ -205,11 +211,11 @@ impl KVCache {
     /// [`CoreError::ShapeMismatch`] if `token_ids.len() != kv_len`.
     pub fn cache_unfinished_req(&mut self, req_id: u64, token_ids: &[i32]) -> CoreResult<usize> {
         let r = self.req(req_id)?;
-        let slots = self.check_tokens(&r, token_ids)?;
+        self.check_tokens(&r, token_ids)?;
         if self.tree.disabled() {
             return Ok(r.prefix_len);
         }
-        let aligned = self.insert_own(&r, token_ids, &slots)?;
+        let aligned = self.insert_own(&r, token_ids, false)?;
         let m = self.tree.match_prefix(&token_ids[..aligned]);
         if m.indices.len() != aligned {
             return Err(CoreError::Invariant(format!(
@@ -241,13 +247,13 @@ impl KVCache {
         let Some(r) = self.live_or_released(req_id)? else {
             return Ok(false);
         };
-        let slots = self.check_tokens(&r, token_ids)?;
-        let kept = if self.tree.disabled() {
-            r.prefix_len
+        self.check_tokens(&r, token_ids)?;
+        if self.tree.disabled() {
+            let own = self.req_pool.read(r.req_pool_idx, r.prefix_len, r.kv_len)?;
+            self.alloc.free(own)?;
         } else {
-            self.insert_own(&r, token_ids, &slots)?
-        };
-        self.alloc.free(&slots[kept..])?;
+            self.insert_own(&r, token_ids, true)?;
+        }
         self.release(req_id, &r)?;
         Ok(true)
     }
@@ -261,8 +267,8 @@ impl KVCache {
         let Some(r) = self.live_or_released(req_id)? else {
             return Ok(false);
         };
-        let own = self.req_pool.read(r.req_pool_idx, r.prefix_len, r.kv_len)?.to_vec();
-        self.alloc.free(&own)?;
+        let own = self.req_pool.read(r.req_pool_idx, r.prefix_len, r.kv_len)?;
+        self.alloc.free(own)?;
         self.release(req_id, &r)?;
         Ok(true)
     }

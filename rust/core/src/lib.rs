@@ -19,6 +19,7 @@
 pub mod allocator;
 pub mod batch;
 pub mod error;
+mod fxhash;
 pub mod kv_cache;
 pub mod radix_cache;
 pub mod req_to_token;

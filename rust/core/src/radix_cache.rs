@@ -21,7 +21,6 @@
 //! `radix_cache/integrity.rs`.
 
 mod evict;
-mod fxhash;
 mod integrity;
 
 use std::cmp::Reverse;
@@ -29,7 +28,7 @@ use std::collections::{BinaryHeap, HashMap};
 
 use crate::allocator::TokenToKVPoolAllocator;
 use crate::error::{CoreError, CoreResult};
-use fxhash::FxBuildHasher;
+use crate::fxhash::FxBuildHasher;
 
 /// Node id of the root. The root holds no tokens and is never locked, evicted or freed.
 pub const ROOT: usize = 0;

@@ -1,6 +1,6 @@
-//! A small, fast, non-cryptographic hasher for the children maps (keys are short runs of
-//! token ids chosen by clients, but a node holds few children, so hash flooding only costs
-//! time, never correctness). The mixing step is the one of Firefox's / rustc's FxHash.
+//! A small, fast, non-cryptographic hasher for the radix children maps and the request table
+//! (keys are short runs of token ids chosen by clients, or request ids; a node holds few
+//! children, so hash flooding only costs time, never correctness). The mixing step is the one of Firefox's / rustc's FxHash.
 
 use std::hash::{BuildHasherDefault, Hasher};
 
