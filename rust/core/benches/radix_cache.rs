@@ -11,7 +11,10 @@ struct Lcg(u64);
 
 impl Lcg {
     fn next(&mut self, n: u64) -> u64 {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         (self.0 >> 33) % n
     }
 
@@ -22,7 +25,9 @@ impl Lcg {
 
 fn serve(c: &mut KVCache, tokens: &[i32]) {
     let a = c.add_req(&tokens[..tokens.len() - 1]).unwrap().unwrap();
-    c.prepare_extend(&[a.req_id], &[tokens.len() - a.prefix_len]).unwrap().unwrap();
+    c.prepare_extend(&[a.req_id], &[tokens.len() - a.prefix_len])
+        .unwrap()
+        .unwrap();
     c.cache_finished_req(a.req_id, tokens).unwrap();
 }
 
@@ -33,7 +38,12 @@ fn build(size: usize) -> (KVCache, Vec<i32>, Lcg) {
     let mut c = KVCache::new(1_700_000, 1, 300, 16384, false).unwrap();
     let long = rng.tokens(8192);
     serve(&mut c, &long);
-    let systems: Vec<Vec<i32>> = (0..16).map(|_| { let n = 300 + rng.next(1200) as usize; rng.tokens(n) }).collect();
+    let systems: Vec<Vec<i32>> = (0..16)
+        .map(|_| {
+            let n = 300 + rng.next(1200) as usize;
+            rng.tokens(n)
+        })
+        .collect();
     while c.tree.evictable_size() < size {
         if rng.next(10) < 7 {
             let mut h = systems[rng.next(16) as usize].clone();
@@ -55,7 +65,9 @@ fn build(size: usize) -> (KVCache, Vec<i32>, Lcg) {
 
 fn benches(cr: &mut Criterion) {
     let (mut c, long, mut rng) = build(1_000_000);
-    cr.bench_function("match_prefix 8k on 1e6 tree", |b| b.iter(|| black_box(c.match_prefix(&long))));
+    cr.bench_function("match_prefix 8k on 1e6 tree", |b| {
+        b.iter(|| black_box(c.match_prefix(&long)))
+    });
     cr.bench_function("finish 2k-token request (insert)", |b| {
         b.iter_custom(|iters| {
             let mut total = Duration::ZERO;
@@ -63,7 +75,9 @@ fn benches(cr: &mut Criterion) {
                 let mut t = long[..1000].to_vec();
                 t.extend(rng.tokens(1000));
                 let a = c.add_req(&t[..t.len() - 1]).unwrap().unwrap();
-                c.prepare_extend(&[a.req_id], &[t.len() - a.prefix_len]).unwrap().unwrap();
+                c.prepare_extend(&[a.req_id], &[t.len() - a.prefix_len])
+                    .unwrap()
+                    .unwrap();
                 let start = Instant::now();
                 c.cache_finished_req(a.req_id, &t).unwrap();
                 total += start.elapsed();
@@ -86,7 +100,9 @@ fn benches(cr: &mut Criterion) {
             .map(|_| {
                 let n = 100 + rng.next(1900) as usize;
                 let a = c.add_req(&rng.tokens(n)).unwrap().unwrap();
-                c.prepare_extend(&[a.req_id], &[n - a.prefix_len]).unwrap().unwrap();
+                c.prepare_extend(&[a.req_id], &[n - a.prefix_len])
+                    .unwrap()
+                    .unwrap();
                 a.req_id
             })
             .collect()

@@ -45,7 +45,9 @@ impl TokenToKVPoolAllocator {
         page_free[0] = false;
         Ok(Self {
             page_size,
-            page_shift: page_size.is_power_of_two().then(|| page_size.trailing_zeros()),
+            page_shift: page_size
+                .is_power_of_two()
+                .then(|| page_size.trailing_zeros()),
             num_pages,
             free_pages: (1..=num_pages as u32).collect(),
             page_free,
@@ -106,11 +108,19 @@ impl TokenToKVPoolAllocator {
     /// The distinct pages of `slots`, checked as [`Self::free`] describes (without the
     /// already-free check).
     pub fn pages_of_runs(&self, slots: &[i64]) -> CoreResult<Vec<u32>> {
-        let (ps, high) = (self.page_size as i64, (self.num_pages as i64 + 1) * self.page_size as i64);
+        let (ps, high) = (
+            self.page_size as i64,
+            (self.num_pages as i64 + 1) * self.page_size as i64,
+        );
         if ps == 1 {
             // Every slot is its own page: a tight loop (eviction frees many slots at once).
             if let Some(&s) = slots.iter().find(|&&s| s < 1 || s >= high) {
-                return Err(CoreError::OutOfRange { what: "kv slot", value: s, low: 1, high });
+                return Err(CoreError::OutOfRange {
+                    what: "kv slot",
+                    value: s,
+                    low: 1,
+                    high,
+                });
             }
             return Ok(slots.iter().map(|&s| s as u32).collect());
         }
@@ -120,7 +130,12 @@ impl TokenToKVPoolAllocator {
         let (mut prev, mut end) = (i64::MIN, i64::MIN);
         for &s in slots {
             if s < ps || s >= high {
-                return Err(CoreError::OutOfRange { what: "kv slot", value: s, low: ps, high });
+                return Err(CoreError::OutOfRange {
+                    what: "kv slot",
+                    value: s,
+                    low: ps,
+                    high,
+                });
             }
             if s > prev && s < end {
                 prev = s;
@@ -199,7 +214,12 @@ impl TokenToKVPoolAllocator {
 
     /// Whether the page holding `slot` is free (`false` for page 0 and out-of-range slots).
     pub fn is_free(&self, slot: i64) -> bool {
-        slot >= 0 && self.page_free.get(self.page_of(slot) as usize).copied().unwrap_or(false)
+        slot >= 0
+            && self
+                .page_free
+                .get(self.page_of(slot) as usize)
+                .copied()
+                .unwrap_or(false)
     }
 
     /// Whether page `page` is free.
@@ -257,8 +277,14 @@ mod tests {
         a.alloc(3).unwrap();
         assert_eq!(a.free(&[1, 4]), Err(CoreError::DoubleFree(4)));
         assert_eq!(a.free(&[1, 1]), Err(CoreError::DoubleFree(1)));
-        assert!(matches!(a.free(&[2, 0]), Err(CoreError::OutOfRange { value: 0, .. })));
-        assert!(matches!(a.free(&[5]), Err(CoreError::OutOfRange { value: 5, .. })));
+        assert!(matches!(
+            a.free(&[2, 0]),
+            Err(CoreError::OutOfRange { value: 0, .. })
+        ));
+        assert!(matches!(
+            a.free(&[5]),
+            Err(CoreError::OutOfRange { value: 5, .. })
+        ));
         assert_eq!(a.available_size(), 1);
         assert!(!a.is_free(1) && !a.is_free(2) && a.is_free(4));
         a.free(&[1, 2, 3]).unwrap();
@@ -268,7 +294,10 @@ mod tests {
         b.alloc(8).unwrap();
         assert_eq!(b.free(&[4, 5, 8, 6]), Err(CoreError::DoubleFree(4)));
         assert_eq!(b.free(&[5, 5]), Err(CoreError::DoubleFree(5)));
-        assert!(matches!(b.free(&[3]), Err(CoreError::OutOfRange { value: 3, .. })));
+        assert!(matches!(
+            b.free(&[3]),
+            Err(CoreError::OutOfRange { value: 3, .. })
+        ));
         assert_eq!(b.available_size(), 0);
     }
 }

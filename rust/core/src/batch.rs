@@ -37,7 +37,11 @@ pub struct BatchArrays {
 impl KVCache {
     /// Validates a batch: ids live and distinct, lengths agree, rows wide enough. Returns
     /// each request's `(row, kv_len)`.
-    fn check_batch(&self, req_ids: &[u64], extend_lens: &[usize]) -> CoreResult<Vec<(usize, usize)>> {
+    fn check_batch(
+        &self,
+        req_ids: &[u64],
+        extend_lens: &[usize],
+    ) -> CoreResult<Vec<(usize, usize)>> {
         if req_ids.len() != extend_lens.len() {
             return Err(CoreError::ShapeMismatch(format!(
                 "{} extend_lens for {} req_ids",
@@ -53,7 +57,8 @@ impl KVCache {
             if std::mem::replace(&mut seen[r.req_pool_idx], true) {
                 return Err(CoreError::DuplicateReq(id));
             }
-            self.req_pool.check_span(r.req_pool_idx, 0, r.kv_len + ext)?;
+            self.req_pool
+                .check_span(r.req_pool_idx, 0, r.kv_len + ext)?;
             out.push((r.req_pool_idx, r.kv_len));
         }
         Ok(out)
@@ -99,7 +104,11 @@ impl KVCache {
         let mut next_page = pages.into_iter();
         let b = reqs.len();
         let num_new: usize = extend_lens.iter().sum();
-        let total: usize = reqs.iter().zip(extend_lens).map(|(&(_, kv), &e)| kv + e).sum();
+        let total: usize = reqs
+            .iter()
+            .zip(extend_lens)
+            .map(|(&(_, kv), &e)| kv + e)
+            .sum();
         let mut a = BatchArrays {
             req_pool_indices: Vec::with_capacity(b),
             prefix_lens: Vec::with_capacity(b),
@@ -114,7 +123,11 @@ impl KVCache {
         for (i, &(row, kv)) in reqs.iter().enumerate() {
             let end = kv + extend_lens[i];
             let start = a.out_cache_loc.len();
-            let mut slot = if kv % ps != 0 { self.req_pool.read(row, kv - 1, kv)?[0] } else { 0 };
+            let mut slot = if kv % ps != 0 {
+                self.req_pool.read(row, kv - 1, kv)?[0]
+            } else {
+                0
+            };
             for pos in kv..end {
                 slot = if pos % ps == 0 {
                     self.alloc.first_slot(next_page.next().expect("counted"))
@@ -125,7 +138,8 @@ impl KVCache {
             }
             self.req_pool.write(row, kv, &a.out_cache_loc[start..])?;
             a.positions.extend(kv as i64..end as i64);
-            a.kv_indices.extend_from_slice(self.req_pool.read(row, 0, end)?);
+            a.kv_indices
+                .extend_from_slice(self.req_pool.read(row, 0, end)?);
             a.kv_indptr.push(a.kv_indices.len() as i64);
             a.req_pool_indices.push(row as i64);
             a.prefix_lens.push(kv as i64);
@@ -173,7 +187,8 @@ impl KVCache {
                 self.req_pool.read(row, kv - 1, kv)?[0] + 1
             };
             self.req_pool.write(row, kv, &[slot])?;
-            a.kv_indices.extend_from_slice(self.req_pool.read(row, 0, kv + 1)?);
+            a.kv_indices
+                .extend_from_slice(self.req_pool.read(row, 0, kv + 1)?);
             a.kv_indptr.push(a.kv_indices.len() as i64);
             a.out_cache_loc.push(slot);
             a.positions.push(kv as i64);

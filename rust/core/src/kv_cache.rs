@@ -100,7 +100,10 @@ impl KVCache {
 
     /// State of live request `req_id`. Errors: [`CoreError::UnknownReq`].
     pub fn req(&self, req_id: u64) -> CoreResult<ReqState> {
-        self.reqs.get(&req_id).copied().ok_or(CoreError::UnknownReq(req_id))
+        self.reqs
+            .get(&req_id)
+            .copied()
+            .ok_or(CoreError::UnknownReq(req_id))
     }
 
     /// Row columns `[0, kv_len)` of live request `req_id`: the KV slot of each stored token.
@@ -148,9 +151,18 @@ impl KVCache {
         let prefix_len = m.indices.len();
         self.reqs.insert(
             req_id,
-            ReqState { req_pool_idx: row, prefix_len, last_node: m.last_node, kv_len: prefix_len },
+            ReqState {
+                req_pool_idx: row,
+                prefix_len,
+                last_node: m.last_node,
+                kv_len: prefix_len,
+            },
         );
-        Ok(Some(AdmittedReq { req_id, req_pool_idx: row, prefix_len }))
+        Ok(Some(AdmittedReq {
+            req_id,
+            req_pool_idx: row,
+            prefix_len,
+        }))
     }
 
     /// The live state of `req_id`, `Ok(None)` if it was released already, or
@@ -180,7 +192,12 @@ impl KVCache {
     /// Inserts the whole pages of the request's tokens and frees the request's own pages the
     /// tree already held (`[prefix_len, already_cached)`) and, if `free_tail`, the pages
     /// after the last whole page. Returns the number of tokens now held by the tree.
-    fn insert_own(&mut self, r: &ReqState, token_ids: &[i32], free_tail: bool) -> CoreResult<usize> {
+    fn insert_own(
+        &mut self,
+        r: &ReqState,
+        token_ids: &[i32],
+        free_tail: bool,
+    ) -> CoreResult<usize> {
         let aligned = r.kv_len - r.kv_len % self.page_size();
         let slots = self.req_pool.read(r.req_pool_idx, 0, r.kv_len)?;
         let cached = self.tree.insert(&token_ids[..aligned], &slots[..aligned])?;

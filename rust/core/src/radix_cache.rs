@@ -92,7 +92,10 @@ impl RadixCache {
         if page_size == 0 {
             return Err(CoreError::ShapeMismatch("page_size must be >= 1".into()));
         }
-        let root = Node { live: true, ..Node::default() };
+        let root = Node {
+            live: true,
+            ..Node::default()
+        };
         Ok(Self {
             nodes: vec![root],
             free_nodes: Vec::new(),
@@ -230,7 +233,10 @@ impl RadixCache {
         let now = self.tick();
         let mut indices = Vec::new();
         if self.disable {
-            return MatchResult { indices, last_node: ROOT };
+            return MatchResult {
+                indices,
+                last_node: ROOT,
+            };
         }
         let (_, last_node) = self.descend(key, now, |n| indices.extend_from_slice(&n.value));
         self.push_if_evictable(last_node);
@@ -291,7 +297,9 @@ impl RadixCache {
                 live: true,
                 heap_stamp: 0,
             });
-            self.nodes[node].children.insert(key[pos..pos + ps].into(), id);
+            self.nodes[node]
+                .children
+                .insert(key[pos..pos + ps].into(), id);
             self.evictable_size += end - pos;
             self.push_if_evictable(id);
         } else {
@@ -369,7 +377,10 @@ impl RadixCache {
             .collect();
         alloc.free(&slots)?;
         let fresh = Self::new(self.page_size, self.disable)?;
-        *self = Self { clock: self.clock, ..fresh };
+        *self = Self {
+            clock: self.clock,
+            ..fresh
+        };
         Ok(())
     }
 

@@ -30,7 +30,14 @@ fn extend_and_decode_exact_arrays_page_size_1() {
     let r1 = add(&mut c, &[]);
     let a = extend(&mut c, &[r0, r1], &[3, 2]);
     assert_eq!(a.req_pool_indices, vec![0, 1]);
-    assert_eq!((a.prefix_lens.clone(), a.extend_lens.clone(), a.seq_lens.clone()), (vec![0, 0], vec![3, 2], vec![3, 2]));
+    assert_eq!(
+        (
+            a.prefix_lens.clone(),
+            a.extend_lens.clone(),
+            a.seq_lens.clone()
+        ),
+        (vec![0, 0], vec![3, 2], vec![3, 2])
+    );
     assert_eq!(a.out_cache_loc, vec![1, 2, 3, 4, 5]);
     assert_eq!(a.positions, vec![0, 1, 2, 0, 1]);
     assert_eq!(a.kv_indptr, vec![0, 3, 5]);
@@ -47,10 +54,21 @@ fn extend_and_decode_exact_arrays_page_size_1() {
     assert_eq!(c.alloc.available_size(), 13);
     assert_eq!(c.prepare_extend(&[r0], &[14]).unwrap(), None);
     assert_eq!(c.alloc.available_size(), 13);
-    assert_eq!(c.prepare_extend(&[r0], &[1, 2]), Err(CoreError::ShapeMismatch("2 extend_lens for 1 req_ids".into())));
-    assert_eq!(c.prepare_decode(&[r0, r0]), Err(CoreError::DuplicateReq(r0)));
+    assert_eq!(
+        c.prepare_extend(&[r0], &[1, 2]),
+        Err(CoreError::ShapeMismatch(
+            "2 extend_lens for 1 req_ids".into()
+        ))
+    );
+    assert_eq!(
+        c.prepare_decode(&[r0, r0]),
+        Err(CoreError::DuplicateReq(r0))
+    );
     assert_eq!(c.prepare_decode(&[77]), Err(CoreError::UnknownReq(77)));
-    assert!(matches!(c.prepare_extend(&[r0], &[40]), Err(CoreError::OutOfRange { .. })));
+    assert!(matches!(
+        c.prepare_extend(&[r0], &[40]),
+        Err(CoreError::OutOfRange { .. })
+    ));
     ok(&c);
 }
 
@@ -89,8 +107,8 @@ fn finish_caches_whole_pages_and_frees_the_partial_tail() {
     ok(&c);
     assert_eq!((c.tree.total_size(), c.tree.evictable_size()), (8, 8));
     assert_eq!(c.alloc.available_pages(), 2); // the partial page 3 went back
-    // Same prompt again: 8 of 9 key tokens hit (page-aligned), 2 new pages for 2 tokens? no:
-    // one page for positions 8, 9.
+                                              // Same prompt again: 8 of 9 key tokens hit (page-aligned), 2 new pages for 2 tokens? no:
+                                              // one page for positions 8, 9.
     let r2 = c.add_req(&tokens[..9]).unwrap().unwrap();
     assert_eq!(r2.prefix_len, 8);
     assert_eq!(c.tree.protected_size(), 8);
@@ -138,7 +156,12 @@ fn unfinished_req_relocks_and_keeps_its_partial_page() {
     assert_eq!((c.tree.protected_size(), c.tree.evictable_size()), (4, 0));
     let b = extend(&mut c, &[r], &[3]);
     assert_eq!(b.out_cache_loc, vec![10, 11, 12]);
-    assert_eq!(c.cache_unfinished_req(r, &tokens), Err(CoreError::ShapeMismatch("6 token ids given for a request with KV for 9 tokens".into())));
+    assert_eq!(
+        c.cache_unfinished_req(r, &tokens),
+        Err(CoreError::ShapeMismatch(
+            "6 token ids given for a request with KV for 9 tokens".into()
+        ))
+    );
     assert!(c.abort_req(r).unwrap());
     ok(&c);
     assert_eq!((c.tree.protected_size(), c.tree.evictable_size()), (0, 4));
@@ -157,7 +180,10 @@ fn extend_evicts_when_short_and_returns_none_when_impossible() {
     let a = extend(&mut c, &[r2], &[5]); // needs 2 pages: evicts the whole tree
     assert_eq!(a.out_cache_loc, vec![4, 5, 6, 7, 8]);
     assert_eq!(c.tree.total_size(), 0);
-    assert_eq!(c.prepare_decode(&[r2]).unwrap().unwrap().out_cache_loc, vec![9]);
+    assert_eq!(
+        c.prepare_decode(&[r2]).unwrap().unwrap().out_cache_loc,
+        vec![9]
+    );
     let r3 = add(&mut c, &[]);
     assert_eq!(c.prepare_extend(&[r3], &[1]).unwrap(), None);
     ok(&c);
@@ -180,7 +206,13 @@ fn rows_run_out_and_constructor_errors() {
     let mut c = KVCache::new(16, 1, 1, 8, false).unwrap();
     add(&mut c, &[1]);
     assert_eq!(c.add_req(&[1]).unwrap(), None);
-    assert!(matches!(c.add_req(&[0; 9]), Err(CoreError::OutOfRange { .. })));
-    assert!(matches!(KVCache::new(10, 4, 1, 8, false), Err(CoreError::ShapeMismatch(_))));
+    assert!(matches!(
+        c.add_req(&[0; 9]),
+        Err(CoreError::OutOfRange { .. })
+    ));
+    assert!(matches!(
+        KVCache::new(10, 4, 1, 8, false),
+        Err(CoreError::ShapeMismatch(_))
+    ));
     assert!(matches!(c.reset(), Err(CoreError::Invariant(_))));
 }

@@ -68,7 +68,14 @@ struct Model {
 impl Model {
     fn new(ps: usize) -> Self {
         let c = KVCache::new(NUM_PAGES * ps, ps, ROWS, 8 * ps, false).unwrap();
-        Self { ps, c, cached: HashMap::new(), reqs: Vec::new(), released: Vec::new(), now: 0 }
+        Self {
+            ps,
+            c,
+            cached: HashMap::new(),
+            reqs: Vec::new(),
+            released: Vec::new(),
+            now: 0,
+        }
     }
 
     /// A key of whole "blocks" (block b < 3: a page of token b; b >= 3: a page of token b - 3
@@ -105,7 +112,10 @@ impl Model {
     fn ref_insert(&mut self, key: &[i32], slots: &[i64]) {
         self.now += 1;
         for p in 1..=key.len() / self.ps {
-            let e = self.cached.entry(key[..p * self.ps].to_vec()).or_insert((slots[(p - 1) * self.ps], 0));
+            let e = self
+                .cached
+                .entry(key[..p * self.ps].to_vec())
+                .or_insert((slots[(p - 1) * self.ps], 0));
             e.1 = self.now;
         }
     }
@@ -130,7 +140,11 @@ impl Model {
             self.cached.remove(k);
         }
         let locked = self.locked();
-        let has_child = |k: &[i32]| self.cached.keys().any(|o| o.len() == k.len() + self.ps && o.starts_with(k));
+        let has_child = |k: &[i32]| {
+            self.cached
+                .keys()
+                .any(|o| o.len() == k.len() + self.ps && o.starts_with(k))
+        };
         let min_leaf = self
             .cached
             .iter()
@@ -138,7 +152,10 @@ impl Model {
             .map(|(_, v)| v.1)
             .min();
         if let (Some(g), Some(l)) = (max_gone, min_leaf) {
-            assert!(g <= l, "evicted a page used at {g} while a leaf used at {l} stays");
+            assert!(
+                g <= l,
+                "evicted a page used at {g} while a leaf used at {l} stays"
+            );
         }
         gone.len() * self.ps
     }
@@ -153,12 +170,18 @@ impl Model {
         assert_eq!(self.c.tree.total_size(), self.cached.len() * ps);
         assert_eq!(self.c.tree.protected_size(), self.locked().len() * ps);
         let own: usize = self.reqs.iter().map(|r| self.own_pages(r)).sum();
-        assert_eq!(self.c.alloc.available_pages(), NUM_PAGES - self.cached.len() - own);
+        assert_eq!(
+            self.c.alloc.available_pages(),
+            NUM_PAGES - self.cached.len() - own
+        );
         for r in &self.reqs {
             let st = self.c.req(r.id).unwrap();
             assert_eq!((st.prefix_len, st.kv_len), (r.prefix_len, r.tokens.len()));
             let slots = self.c.req_slots(r.id).unwrap();
-            assert_eq!(slots[..r.prefix_len], self.ref_match(&r.tokens)[..r.prefix_len]);
+            assert_eq!(
+                slots[..r.prefix_len],
+                self.ref_match(&r.tokens)[..r.prefix_len]
+            );
         }
     }
 
@@ -176,7 +199,11 @@ impl Model {
         self.touch(&key, want.len());
         let mut tokens = key;
         tokens.truncate(a.prefix_len);
-        self.reqs.push(Req { id: a.req_id, tokens, prefix_len: a.prefix_len });
+        self.reqs.push(Req {
+            id: a.req_id,
+            tokens,
+            prefix_len: a.prefix_len,
+        });
         if compute {
             let i = self.reqs.len() - 1;
             self.extend(i, 1 + self.ps / 2);
@@ -203,7 +230,10 @@ impl Model {
             assert_eq!(self.c.tree.evictable_size(), 0);
             return;
         };
-        assert_eq!(a.positions, (kv as i64..(kv + n) as i64).collect::<Vec<_>>());
+        assert_eq!(
+            a.positions,
+            (kv as i64..(kv + n) as i64).collect::<Vec<_>>()
+        );
         assert_eq!(a.kv_indices, self.c.req_slots(id).unwrap());
         let r = &mut self.reqs[i];
         r.tokens.extend((0..n).map(|j| ((kv + j) % 2) as i32));
@@ -290,7 +320,12 @@ fn run(ps: usize, ops: Vec<Op>) {
         assert!(m.c.abort_req(r.id).unwrap());
     }
     if std::env::var_os("MODEL_STATS").is_some() {
-        eprintln!("ps {ps}: {} cached pages, {} released, clock {}", m.cached.len(), m.released.len(), m.now);
+        eprintln!(
+            "ps {ps}: {} cached pages, {} released, clock {}",
+            m.cached.len(),
+            m.released.len(),
+            m.now
+        );
     }
     m.c.reset().unwrap();
     m.c.check_integrity().unwrap();

@@ -18,8 +18,12 @@ fn page_size_zero_is_rejected() {
 fn paged_keys_match_and_split_at_page_boundaries() {
     let mut c = RadixCache::new(4, false).unwrap();
     let slots: Vec<i64> = (4..16).collect(); // pages 1, 2, 3
-    // 11 tokens: only the first 8 (two whole pages) are cached.
-    assert_eq!(c.insert(&[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], &slots[..11]).unwrap(), 0);
+                                             // 11 tokens: only the first 8 (two whole pages) are cached.
+    assert_eq!(
+        c.insert(&[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], &slots[..11])
+            .unwrap(),
+        0
+    );
     assert_eq!(c.total_size(), 8);
     // A match diverging inside the second page stops at the first page boundary.
     let m = c.match_prefix(&[1, 2, 3, 4, 5, 6, 0, 8, 9]);
@@ -28,9 +32,16 @@ fn paged_keys_match_and_split_at_page_boundaries() {
     // Fewer than a page of tokens never matches.
     assert_eq!(c.match_prefix(&[1, 2, 3]).indices, Vec::<i64>::new());
     // A sibling under the first page: already-cached length is page-aligned.
-    assert_eq!(c.insert(&[1, 2, 3, 4, 5, 6, 0, 0], &[20, 21, 22, 23, 12, 13, 14, 15]).unwrap(), 4);
+    assert_eq!(
+        c.insert(&[1, 2, 3, 4, 5, 6, 0, 0], &[20, 21, 22, 23, 12, 13, 14, 15])
+            .unwrap(),
+        4
+    );
     assert_eq!(c.total_size(), 12);
-    assert_eq!(c.match_prefix(&[1, 2, 3, 4, 5, 6, 0, 0, 1]).indices, vec![4, 5, 6, 7, 12, 13, 14, 15]);
+    assert_eq!(
+        c.match_prefix(&[1, 2, 3, 4, 5, 6, 0, 0, 1]).indices,
+        vec![4, 5, 6, 7, 12, 13, 14, 15]
+    );
     c.check_integrity().unwrap();
 }
 
@@ -46,7 +57,10 @@ fn evict_frees_whole_pages_lru_first() {
     assert_eq!(c.evict(1, &mut a).unwrap(), 4);
     assert!(a.is_free(12) && !a.is_free(4));
     assert_eq!(c.evict(100, &mut a).unwrap(), 8);
-    assert_eq!((a.available_size(), c.total_size(), c.num_nodes()), (16, 0, 1));
+    assert_eq!(
+        (a.available_size(), c.total_size(), c.num_nodes()),
+        (16, 0, 1)
+    );
     c.check_integrity().unwrap();
 }
 

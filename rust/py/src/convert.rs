@@ -46,8 +46,7 @@ pub fn i32_vec(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i32>> {
     i64_vec(obj)?
         .into_iter()
         .map(|x| {
-            i32::try_from(x)
-                .map_err(|_| ShapeError::new_err(format!("token id {x} overflows i32")))
+            i32::try_from(x).map_err(|_| ShapeError::new_err(format!("token id {x} overflows i32")))
         })
         .collect()
 }
@@ -72,6 +71,8 @@ pub fn to_array(py: Python<'_>, v: Vec<i64>) -> Bound<'_, PyArray1<i64>> {
 pub fn u64_vec(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
     i64_vec(obj)?
         .into_iter()
-        .map(|x| u64::try_from(x).map_err(|_| ShapeError::new_err(format!("negative request id {x}"))))
+        .map(|x| {
+            u64::try_from(x).map_err(|_| ShapeError::new_err(format!("negative request id {x}")))
+        })
         .collect()
 }

@@ -77,7 +77,10 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("CoreError", py.get_type::<CoreError>())?;
     m.add("UnknownRequestError", py.get_type::<UnknownRequestError>())?;
-    m.add("DuplicateRequestError", py.get_type::<DuplicateRequestError>())?;
+    m.add(
+        "DuplicateRequestError",
+        py.get_type::<DuplicateRequestError>(),
+    )?;
     m.add("DoubleFreeError", py.get_type::<DoubleFreeError>())?;
     m.add("ShapeError", py.get_type::<ShapeError>())?;
     m.add("InvariantError", py.get_type::<InvariantError>())?;

@@ -50,7 +50,10 @@ impl BatchArrays {
 #[pymethods]
 impl BatchArrays {
     fn __repr__(&self, py: Python<'_>) -> String {
-        format!("BatchArrays(batch_size={})", self.req_pool_indices.bind(py).len().unwrap_or(0))
+        format!(
+            "BatchArrays(batch_size={})",
+            self.req_pool_indices.bind(py).len().unwrap_or(0)
+        )
     }
 }
 
@@ -71,7 +74,14 @@ impl KVCache {
         page_size: usize,
         disable_radix_cache: bool,
     ) -> PyResult<Self> {
-        let inner = rs::KVCache::new(max_total_tokens, page_size, num_rows, max_context_len, disable_radix_cache).py()?;
+        let inner = rs::KVCache::new(
+            max_total_tokens,
+            page_size,
+            num_rows,
+            max_context_len,
+            disable_radix_cache,
+        )
+        .py()?;
         Ok(Self { inner })
     }
 
@@ -123,14 +133,22 @@ impl KVCache {
         self.inner.req_pool.available_size()
     }
 
-    fn match_prefix<'py>(&mut self, py: Python<'py>, key: &Bound<'py, PyAny>) -> PyResult<(Bound<'py, PyArray1<i64>>, usize)> {
+    fn match_prefix<'py>(
+        &mut self,
+        py: Python<'py>,
+        key: &Bound<'py, PyAny>,
+    ) -> PyResult<(Bound<'py, PyArray1<i64>>, usize)> {
         let key = i32_vec(key)?;
         let inner = &mut self.inner;
         let m = py.detach(move || inner.match_prefix(&key));
         Ok((to_array(py, m.indices), m.last_node))
     }
 
-    fn add_req(&mut self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<Option<(u64, usize, usize)>> {
+    fn add_req(
+        &mut self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<(u64, usize, usize)>> {
         let key = i32_vec(key)?;
         let inner = &mut self.inner;
         let r = py.detach(move || inner.add_req(&key)).py()?;
@@ -149,23 +167,39 @@ impl KVCache {
         Ok(out.map(|a| BatchArrays::new(py, a)))
     }
 
-    fn prepare_decode(&mut self, py: Python<'_>, req_ids: &Bound<'_, PyAny>) -> PyResult<Option<BatchArrays>> {
+    fn prepare_decode(
+        &mut self,
+        py: Python<'_>,
+        req_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<BatchArrays>> {
         let ids = u64_vec(req_ids)?;
         let inner = &mut self.inner;
         let out = py.detach(move || inner.prepare_decode(&ids)).py()?;
         Ok(out.map(|a| BatchArrays::new(py, a)))
     }
 
-    fn cache_unfinished_req(&mut self, py: Python<'_>, req_id: u64, token_ids: &Bound<'_, PyAny>) -> PyResult<usize> {
+    fn cache_unfinished_req(
+        &mut self,
+        py: Python<'_>,
+        req_id: u64,
+        token_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
         let tokens = i32_vec(token_ids)?;
         let inner = &mut self.inner;
-        py.detach(move || inner.cache_unfinished_req(req_id, &tokens)).py()
+        py.detach(move || inner.cache_unfinished_req(req_id, &tokens))
+            .py()
     }
 
-    fn cache_finished_req(&mut self, py: Python<'_>, req_id: u64, token_ids: &Bound<'_, PyAny>) -> PyResult<bool> {
+    fn cache_finished_req(
+        &mut self,
+        py: Python<'_>,
+        req_id: u64,
+        token_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<bool> {
         let tokens = i32_vec(token_ids)?;
         let inner = &mut self.inner;
-        py.detach(move || inner.cache_finished_req(req_id, &tokens)).py()
+        py.detach(move || inner.cache_finished_req(req_id, &tokens))
+            .py()
     }
 
     fn abort_req(&mut self, py: Python<'_>, req_id: u64) -> PyResult<bool> {

@@ -42,7 +42,9 @@ impl KVCache {
                     *o = who;
                     Ok(())
                 }
-                Some(o) => Err(broken(format!("page {page} claimed by {who:?}, held by {o:?}"))),
+                Some(o) => Err(broken(format!(
+                    "page {page} claimed by {who:?}, held by {o:?}"
+                ))),
                 None => Err(broken(format!("page {page} out of range ({who:?})"))),
             }
         }
@@ -61,23 +63,36 @@ impl KVCache {
         let mut rows = vec![false; self.req_pool.size()];
         for (&id, r) in &self.reqs {
             if id >= self.next_req_id {
-                return Err(broken(format!("request id {id} >= next id {}", self.next_req_id)));
+                return Err(broken(format!(
+                    "request id {id} >= next id {}",
+                    self.next_req_id
+                )));
             }
             self.req_pool.check_span(r.req_pool_idx, 0, r.kv_len)?;
             if std::mem::replace(&mut rows[r.req_pool_idx], true) {
-                return Err(broken(format!("row {} held by two requests", r.req_pool_idx)));
+                return Err(broken(format!(
+                    "row {} held by two requests",
+                    r.req_pool_idx
+                )));
             }
             if r.prefix_len > r.kv_len || r.prefix_len % ps != 0 {
-                return Err(broken(format!("request {id}: prefix_len {} kv_len {}", r.prefix_len, r.kv_len)));
+                return Err(broken(format!(
+                    "request {id}: prefix_len {} kv_len {}",
+                    r.prefix_len, r.kv_len
+                )));
             }
             let row = self.req_pool.read(r.req_pool_idx, 0, r.kv_len)?;
             self.tree.check_node(r.last_node)?;
             let mut path: Vec<usize> = self.tree.path_to_root(r.last_node).collect();
             path.reverse();
-            let tree_slots: Vec<i64> =
-                path.iter().flat_map(|&n| self.tree.nodes[n].value.iter().copied()).collect();
+            let tree_slots: Vec<i64> = path
+                .iter()
+                .flat_map(|&n| self.tree.nodes[n].value.iter().copied())
+                .collect();
             if tree_slots != row[..r.prefix_len] {
-                return Err(broken(format!("request {id}: row prefix differs from its tree path")));
+                return Err(broken(format!(
+                    "request {id}: row prefix differs from its tree path"
+                )));
             }
             for n in path {
                 *locks.entry(n).or_default() += 1;
@@ -85,27 +100,44 @@ impl KVCache {
             for (pos, &slot) in row.iter().enumerate().skip(r.prefix_len) {
                 let page = self.alloc.page_of(slot);
                 if slot < 0 || slot % ps as i64 != (pos % ps) as i64 {
-                    return Err(broken(format!("request {id}: slot {slot} at position {pos}")));
+                    return Err(broken(format!(
+                        "request {id}: slot {slot} at position {pos}"
+                    )));
                 }
                 if pos % ps == 0 || pos == r.prefix_len {
                     claim(&mut owner, page, Owner::Req(id))?;
                 } else if owner.get(page as usize) != Some(&Owner::Req(id)) {
-                    return Err(broken(format!("request {id}: slot {slot} outside its own page")));
+                    return Err(broken(format!(
+                        "request {id}: slot {slot} outside its own page"
+                    )));
                 }
             }
         }
         if let Some(p) = owner.iter().skip(1).position(|o| *o == Owner::Nobody) {
-            return Err(broken(format!("page {} leaked: neither free nor held", p + 1)));
+            return Err(broken(format!(
+                "page {} leaked: neither free nor held",
+                p + 1
+            )));
         }
         for (id, n) in self.tree.nodes.iter().enumerate().filter(|(_, n)| n.live) {
-            let want = if id == ROOT { 0 } else { locks.get(&id).copied().unwrap_or(0) };
+            let want = if id == ROOT {
+                0
+            } else {
+                locks.get(&id).copied().unwrap_or(0)
+            };
             if n.lock_ref != want {
-                return Err(broken(format!("node {id} lock_ref {} != {want} requests", n.lock_ref)));
+                return Err(broken(format!(
+                    "node {id} lock_ref {} != {want} requests",
+                    n.lock_ref
+                )));
             }
         }
         let used_rows = self.req_pool.size() - self.req_pool.available_size();
         if used_rows != self.reqs.len() {
-            return Err(broken(format!("{used_rows} rows in use for {} requests", self.reqs.len())));
+            return Err(broken(format!(
+                "{used_rows} rows in use for {} requests",
+                self.reqs.len()
+            )));
         }
         Ok(())
     }

@@ -49,7 +49,9 @@ impl RadixCache {
                     return Err(broken(format!("node {c} parent {} != {id}", child.parent)));
                 }
                 if child.key.is_empty() || child.key.len() % ps != 0 || child.key[..ps] != **first {
-                    return Err(broken(format!("node {c} empty, not whole pages or misfiled")));
+                    return Err(broken(format!(
+                        "node {c} empty, not whole pages or misfiled"
+                    )));
                 }
                 if child.key.len() != child.value.len() {
                     return Err(broken(format!("node {c} key/value lengths differ")));
@@ -58,7 +60,9 @@ impl RadixCache {
                     let page_start = child.value[i - i % ps];
                     let whole = page_start % ps as i64 == 0 && s == page_start + (i % ps) as i64;
                     if s < ps as i64 || !whole || !seen_slots.insert(s) {
-                        return Err(broken(format!("node {c}: slot {s} invalid, not paged or held twice")));
+                        return Err(broken(format!(
+                            "node {c}: slot {s} invalid, not paged or held twice"
+                        )));
                     }
                 }
                 if child.lock_ref > 0 {
@@ -92,7 +96,9 @@ impl RadixCache {
         for (id, n) in self.nodes.iter().enumerate() {
             let leaf = id != ROOT && n.live && n.children.is_empty() && n.lock_ref == 0;
             if leaf && !entries.contains(&(n.last_access, n.heap_stamp, id)) {
-                return Err(broken(format!("unlocked leaf {id} has no valid LRU heap entry")));
+                return Err(broken(format!(
+                    "unlocked leaf {id} has no valid LRU heap entry"
+                )));
             }
         }
         if evictable != self.evictable_size || protected != self.protected_size {
