@@ -11,7 +11,7 @@ export CARGO_TARGET_DIR ?= $(HOME)/.cache/pyserve-cargo-target
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-rust test-python clean-venv
+.PHONY: setup serve test test-rust test-stubs test-python bench clean-venv
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,10 +32,18 @@ setup: $(VENV)/.deps-stamp
 serve: setup
 	$(PY) -m pyserve serve $(SERVE_ARGS)
 
-test: setup test-rust test-python
+test: setup test-rust test-stubs test-python
 
 test-rust:
 	cargo test -p pyserve-core --release
+
+# The .pyi stub of the native module must match what the module really exports.
+test-stubs: setup
+	$(PY) -m mypy.stubtest pyserve._rs
+
+# Rust core vs a pure-Python radix cache (prints the README's benchmark table).
+bench: setup
+	$(PY) benches/bench_radix_cache.py
 
 test-python: setup
 	$(PY) -m pytest $(PYTEST_ARGS)

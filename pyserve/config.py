@@ -38,6 +38,7 @@ class ServerArgs:
     max_running_requests: int = 64
     max_prefill_tokens: int = 8192
     disable_radix_cache: bool = False
+    page_size: int = 1
     random_seed: int | None = None
     log_level: str = "info"
     stats_interval_s: float = 10.0
@@ -68,6 +69,8 @@ class ServerArgs:
             raise bad("max_running_requests", f"got {self.max_running_requests}; must be >= 1")
         if self.max_prefill_tokens <= 0:
             raise bad("max_prefill_tokens", f"got {self.max_prefill_tokens}; must be >= 1")
+        if self.page_size <= 0:
+            raise bad("page_size", f"got {self.page_size}; must be >= 1 token")
         if self.stats_interval_s <= 0:
             raise bad("stats_interval_s", f"got {self.stats_interval_s}; must be > 0 seconds")
 
@@ -102,6 +105,9 @@ class ServerArgs:
         a("--max-prefill-tokens", type=int, default=d["max_prefill_tokens"].default,
           help="token budget of one prefill batch")
         a("--disable-radix-cache", action="store_true", help="no prefix reuse between requests")
+        a("--page-size", type=int, default=d["page_size"].default,
+          help="tokens per KV page: the unit of allocation and of prefix reuse (cached prefixes "
+               "are whole pages; the KV pool is rounded down to whole pages)")
         a("--random-seed", type=int, default=None)
         a("--log-level", type=str, default="info", choices=LOG_LEVELS)
         a("--stats-interval-s", type=float, default=d["stats_interval_s"].default,

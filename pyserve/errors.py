@@ -4,9 +4,10 @@
   * `InvalidRequestError`: the client sent a request pyserve cannot serve (HTTP 400).
 * `CoreError` (from the Rust core, `pyserve._rs`): a caller broke a contract of the KV
   bookkeeping; a pyserve bug, never the client's fault. Subclasses:
-  `UnknownRequestError` (unknown req_pool_idx or radix node id), `DoubleFreeError`,
-  `ShapeError` (mismatched lengths, index out of range), `InvariantError` (lock underflow,
-  inconsistent tree).
+  `UnknownRequestError` (unknown request id, req_pool_idx or radix node id),
+  `DuplicateRequestError` (a request id twice in one batch), `DoubleFreeError`,
+  `ShapeError` (bad array: mismatched lengths, wrong dtype or dimensions, index out of range),
+  `InvariantError` (lock underflow, inconsistent bookkeeping found by `check_integrity`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from pyserve._rs import (
     CoreError,
     DoubleFreeError,
+    DuplicateRequestError,
     InvariantError,
     ShapeError,
     UnknownRequestError,
@@ -44,6 +46,7 @@ __all__ = [
     "InvalidRequestError",
     "CoreError",
     "UnknownRequestError",
+    "DuplicateRequestError",
     "DoubleFreeError",
     "ShapeError",
     "InvariantError",

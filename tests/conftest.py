@@ -84,9 +84,10 @@ def stories_reference(stories_path: Path) -> list[dict]:
     return json.loads((stories_path / "greedy_reference.json").read_text())["cases"]
 
 
-def make_stories_engine(stories_path: Path, max_total_tokens: int, max_running_requests: int = 8):
+def make_stories_engine(stories_path: Path, max_total_tokens: int, max_running_requests: int = 8,
+                        page_size: int = 1):
     """An in-process Engine on stories260k (shut it down after use)."""
     from pyserve import Engine
 
     return Engine(model_path=str(stories_path), max_total_tokens=max_total_tokens,
-                  max_running_requests=max_running_requests)
+                  max_running_requests=max_running_requests, page_size=page_size)

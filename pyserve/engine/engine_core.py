@@ -45,7 +45,8 @@ class EngineCore:
         args = self.server_args
         runner = self.model_runner
         self.kv_cache = KVCache(runner.max_total_num_tokens, args.max_running_requests,
-                                self.context_len, disable_radix_cache=args.disable_radix_cache)
+                                self.context_len, disable_radix_cache=args.disable_radix_cache,
+                                page_size=args.page_size)
         self.worker = ModelWorker(runner)
         self.scheduler = Scheduler(self.kv_cache, self.worker, runner.device, self.context_len,
                                    args.max_running_requests, args.max_prefill_tokens,
@@ -83,7 +84,8 @@ class EngineCore:
         self.model_runner = ModelRunner(
             self.model_path, dtype=args.dtype, device=args.resolved_device,
             context_length=args.context_length, max_total_tokens=args.max_total_tokens,
-            mem_fraction_static=args.mem_fraction_static, random_seed=args.random_seed)
+            mem_fraction_static=args.mem_fraction_static, random_seed=args.random_seed,
+            page_size=args.page_size)
         mc = self.model_runner.model_config
         self.context_len = mc.context_len
         self.model_name = args.served_model_name or _default_name(self.model_path)
@@ -174,8 +176,8 @@ class EngineCore:
             "max_total_num_tokens": kv.max_total_tokens,
             "kv_free_slots": kv.free_slots(),
             "kv_total_slots": kv.max_total_tokens,
-            "kv_evictable_slots": kv.tree.evictable_size(),
-            "kv_protected_slots": kv.tree.protected_size(),
+            "kv_evictable_slots": kv.evictable_slots(),
+            "kv_protected_slots": kv.protected_slots(),
             "kv_cache_bytes": self.model_runner.kv_cache_bytes,
             "num_running_reqs": len(sched.running),
             "num_waiting_reqs": len(sched.waiting),

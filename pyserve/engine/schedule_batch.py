@@ -20,8 +20,10 @@ class Req:
     """A request inside the scheduler.
 
     origin_input_ids: the prompt. output_ids: tokens generated so far.
+    req_id: the Rust core's handle while admitted (None while waiting).
     kv_len: tokens whose K/V is stored in the request's row (prompt + all outputs but the last
-        once decoding). prefix_len / last_node: the cached prefix locked at admission.
+        once decoding). prefix_len: tokens of the cached prefix reused at admission (whole
+        pages; their KV is not recomputed).
     max_new_tokens: already clipped so that prompt + output fits the context.
     """
 
@@ -33,9 +35,8 @@ class Req:
         self.max_new_tokens = max_new_tokens
         self.stop_token_ids = stop_token_ids
         self.output_ids: list[int] = []
-        self.req_pool_idx: int | None = None
+        self.req_id: int | None = None
         self.prefix_len = 0
-        self.last_node = 0
         self.kv_len = 0
         self.cached_tokens = 0
         self.finish_reason: dict[str, Any] | None = None

@@ -44,22 +44,22 @@ class PrefillAdder:
 
     def _try_admit(self, req: Req) -> bool:
         fill_ids = req.fill_ids()
-        # Keep at least one token to compute: its logits give the next token.
-        match = self.kv_cache.match_prefix(fill_ids[:-1])
-        extend_len = len(fill_ids) - match.prefix_len
-        if self.admitted and extend_len > self.prefill_budget:
+        # Keep at least one token to compute: its logits give the next token. Admission
+        # matches and locks in one Rust call; a request that then does not fit is let go.
+        admitted = self.kv_cache.admit(fill_ids[:-1])
+        if admitted is None:
             return False
-        need = extend_len + reserved_tokens(req)
-        if need > self.kv_cache.available_size() - self.reserved:
+        extend_len = len(fill_ids) - admitted.prefix_len
+        # A partly used last page costs a whole page.
+        need = extend_len + reserved_tokens(req) + self.kv_cache.page_size - 1
+        if ((self.admitted and extend_len > self.prefill_budget)
+                or need > self.kv_cache.available_size() - self.reserved):
+            self.kv_cache.abort_req(admitted.req_id)
             return False
-        req_pool_idx = self.kv_cache.admit(match)
-        if req_pool_idx is None:
-            return False
-        req.req_pool_idx = req_pool_idx
-        req.prefix_len = match.prefix_len
-        req.last_node = match.last_node
+        req.req_id = admitted.req_id
+        req.prefix_len = admitted.prefix_len
         if req.num_retractions == 0:
-            req.cached_tokens = match.prefix_len
+            req.cached_tokens = admitted.prefix_len
         self.reserved += need
         self.prefill_budget -= extend_len
         self.admitted.append(req)

@@ -81,7 +81,7 @@ class Scheduler:
         if req is None or req.finished:
             return
         req.finish_reason = finish_reason
-        if req.req_pool_idx is None:  # still waiting: nothing allocated
+        if req.req_id is None:  # still waiting: nothing allocated
             self.waiting.remove(req)
             self._finish(req, emit=True)
         self._wake.set()
@@ -136,7 +136,7 @@ class Scheduler:
         fill = [r.fill_ids() for r in reqs]
         prefix_lens = [r.prefix_len for r in reqs]
         extend_lens = [len(f) - p for f, p in zip(fill, prefix_lens)]
-        arrays = self.kv_cache.prepare_extend([r.req_pool_idx for r in reqs], prefix_lens, extend_lens)
+        arrays = self.kv_cache.prepare_extend([r.req_id for r in reqs], extend_lens)
         if arrays is None:  # admission raced with reservations: put them back
             for req in reversed(reqs):
                 self._unadmit(req)
@@ -150,7 +150,7 @@ class Scheduler:
     def _decode_batch(self) -> ScheduleBatch | None:
         while self.running:
             reqs = self.running
-            arrays = self.kv_cache.prepare_decode([r.req_pool_idx for r in reqs], [r.kv_len for r in reqs])
+            arrays = self.kv_cache.prepare_decode([r.req_id for r in reqs])
             if arrays is not None:
                 return ScheduleBatch(ForwardMode.DECODE, list(reqs), [r.output_ids[-1] for r in reqs],
                                      arrays, seq_lens=[r.kv_len + 1 for r in reqs])
@@ -167,15 +167,15 @@ class Scheduler:
             self._release_finished()
             return
         req = self.running.pop()
-        self.kv_cache.release_req(req.req_pool_idx, req.kv_len, req.prefix_len, req.last_node)
-        req.req_pool_idx, req.prefix_len, req.last_node, req.kv_len = None, 0, 0, 0
+        self.kv_cache.abort_req(req.req_id)
+        req.req_id, req.prefix_len, req.kv_len = None, 0, 0
         req.num_retractions += 1
         self.waiting.appendleft(req)
         logger.warning("KV pool full: retracted request %s (%d tokens so far)", req.rid, req.seq_len)
 
     def _unadmit(self, req: Req) -> None:
-        self.kv_cache.release_req(req.req_pool_idx, req.prefix_len, req.prefix_len, req.last_node)
-        req.req_pool_idx, req.prefix_len, req.last_node = None, 0, 0
+        self.kv_cache.abort_req(req.req_id)
+        req.req_id, req.prefix_len = None, 0
 
     def _process_batch_result(self, batch: ScheduleBatch, next_ids: list[int]) -> None:
         outs = []
@@ -208,11 +208,10 @@ class Scheduler:
                 keep.append(req)
                 continue
             if req.finish_reason.get("type") == "abort":
-                self.kv_cache.release_req(req.req_pool_idx, req.kv_len, req.prefix_len, req.last_node)
+                self.kv_cache.abort_req(req.req_id)
             else:
-                self.kv_cache.cache_finished_req(req.req_pool_idx, req.kv_token_ids(),
-                                                 req.prefix_len, req.last_node)
-            req.req_pool_idx = None
+                self.kv_cache.cache_finished_req(req.req_id, req.kv_token_ids())
+            req.req_id = None
             self._finish(req, emit=False)
         self.running = keep
 

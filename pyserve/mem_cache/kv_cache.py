@@ -1,9 +1,13 @@
-"""`KVCache`: the scheduler's single handle on KV bookkeeping (Rust core facade).
+"""`KVCache`: the scheduler's single handle on KV bookkeeping (a facade over `pyserve._rs`).
 
-It owns the Rust `ReqToTokenPool`, `TokenToKVPoolAllocator` and `RadixCache`, and adds the
-one policy the Rust objects leave to the caller: when an allocation fails, evict unlocked
-cache leaves and try once more. Loop thread only (the Rust objects are not shared with the
-worker thread; the worker receives plain arrays).
+The Rust `KVCache` owns the page allocator, the request rows, the radix cache and every
+admitted request (by `req_id`); each method here is one Rust call. Eviction when the free
+pages run short happens inside the step calls. Loop thread only (the Rust object is not
+shared with the worker thread; the worker receives plain arrays).
+
+Pool layout: `max_total_tokens` is rounded down to a multiple of `page_size`; page p covers
+KV slots `p * page_size .. (p + 1) * page_size - 1` and page 0 (holding the padding slot 0)
+is reserved, so the KV tensors need `max_total_tokens + page_size` rows (`num_slot_rows`).
 """
 
 from __future__ import annotations
@@ -14,105 +18,83 @@ import numpy as np
 
 from pyserve import _rs
 
-
-@dataclass
-class PrefixMatch:
-    """Result of matching a prompt against the radix cache.
-
-    prefix_indices: [prefix_len] int64 KV slots of the cached prefix.
-    last_node:      tree node to lock while the request uses the prefix.
-    """
-
-    prefix_indices: np.ndarray
-    last_node: int
-
-    @property
-    def prefix_len(self) -> int:
-        return int(self.prefix_indices.shape[0])
+BatchArrays = _rs.BatchArrays
 
 
-@dataclass
-class BatchArrays:
-    """Flat arrays of one step, all int64 numpy (see ForwardBatch for their meaning)."""
+@dataclass(frozen=True)
+class AdmittedReq:
+    """An admitted request: its core handle, its row and the tokens of its key found cached
+    (a multiple of page_size; their KV is reused, not recomputed)."""
 
-    out_cache_loc: np.ndarray
-    positions: np.ndarray
-    kv_indptr: np.ndarray
-    kv_indices: np.ndarray
+    req_id: int
+    req_pool_idx: int
+    prefix_len: int
+
+
+def usable_pool_tokens(max_total_tokens: int, page_size: int) -> int:
+    """Tokens of a pool of `max_total_tokens` slots usable in whole pages of `page_size`.
+    Raises ValueError if not even one page fits."""
+    usable = max_total_tokens - max_total_tokens % page_size
+    if usable <= 0:
+        raise ValueError(f"a KV pool of {max_total_tokens} tokens holds no page of {page_size}")
+    return usable
 
 
 class KVCache:
-    """KV slots for `max_total_tokens` tokens and rows for `max_running_requests` requests.
+    """KV pages for `max_total_tokens` tokens and rows for `max_running_requests` requests.
 
-    Slots are numbered 1..max_total_tokens (slot 0 is the padding slot of the KV tensors).
+    Raises ValueError if the pool holds no whole page.
     """
 
     def __init__(self, max_total_tokens: int, max_running_requests: int, max_context_len: int,
                  disable_radix_cache: bool = False, page_size: int = 1) -> None:
-        self.max_total_tokens = max_total_tokens
-        self.allocator = _rs.TokenToKVPoolAllocator(max_total_tokens)
+        self.page_size = page_size
+        self.max_total_tokens = usable_pool_tokens(max_total_tokens, page_size)
         # One spare row: a request is admitted before the finished ones of the step leave.
-        self.req_to_token_pool = _rs.ReqToTokenPool(max_running_requests + 1, max_context_len + 1)
-        self.tree = _rs.RadixCache(self.req_to_token_pool, self.allocator,
-                                   page_size=page_size, disable=disable_radix_cache)
+        self.core = _rs.KVCache(self.max_total_tokens, max_running_requests + 1,
+                                max_context_len + 1, page_size=page_size,
+                                disable_radix_cache=disable_radix_cache)
 
-    # ---- sizes -------------------------------------------------------------------------------
+    # ---- sizes (tokens) --------------------------------------------------------------------
     def available_size(self) -> int:
         """Free slots plus slots that eviction can reclaim."""
-        return self.allocator.available_size() + self.tree.evictable_size()
+        return self.core.available_size()
 
     def free_slots(self) -> int:
-        return self.allocator.available_size()
+        return self.core.free_size()
+
+    def evictable_slots(self) -> int:
+        return self.core.evictable_size()
+
+    def protected_slots(self) -> int:
+        return self.core.protected_size()
 
     def free_req_rows(self) -> int:
-        return self.req_to_token_pool.available_size()
+        return self.core.free_rows()
 
     # ---- a request's life ----------------------------------------------------------------------
-    def match_prefix(self, token_ids: list[int]) -> PrefixMatch:
-        indices, last_node = self.tree.match_prefix(token_ids)
-        return PrefixMatch(np.asarray(indices, dtype=np.int64), int(last_node))
+    def admit(self, key: list[int]) -> AdmittedReq | None:
+        """Match `key` (the tokens whose cached KV may be reused), take a row, lock the
+        prefix. None when no row is free."""
+        out = self.core.add_req(np.asarray(key, dtype=np.int32))
+        return None if out is None else AdmittedReq(*out)
 
-    def admit(self, match: PrefixMatch) -> int | None:
-        """Take a request row, write the prefix slots into it and lock the prefix.
-        Returns req_pool_idx, or None when no row is free."""
-        req_pool_idx = self.req_to_token_pool.alloc()
-        if req_pool_idx is None:
-            return None
-        if match.prefix_len:
-            self.req_to_token_pool.write(req_pool_idx, 0, match.prefix_indices)
-        self.tree.inc_lock_ref(match.last_node)
-        return int(req_pool_idx)
+    def cache_finished_req(self, req_id: int, token_ids: list[int]) -> bool:
+        """Hand the request's stored KV (`token_ids`, exactly the tokens with stored KV) to
+        the cache and release it. False if it was released already."""
+        return self.core.cache_finished_req(req_id, np.asarray(token_ids, dtype=np.int32))
 
-    def cache_finished_req(self, req_pool_idx: int, token_ids: list[int], prefix_len: int,
-                           last_node: int) -> None:
-        """Hand the request's computed KV (`token_ids`, exactly the tokens with stored KV) to
-        the tree, free duplicates, unlock, release the row."""
-        self.tree.cache_finished_req(req_pool_idx, token_ids, prefix_len, last_node)
-
-    def release_req(self, req_pool_idx: int, kv_len: int, prefix_len: int, last_node: int) -> None:
-        """Free everything an aborted request holds without caching it."""
-        self.tree.release_req(req_pool_idx, kv_len, prefix_len, last_node)
+    def abort_req(self, req_id: int) -> bool:
+        """Free everything a request holds without caching it. False if released already."""
+        return self.core.abort_req(req_id)
 
     # ---- one step ------------------------------------------------------------------------------
-    def _ensure_free(self, num_tokens: int) -> None:
-        short = num_tokens - self.allocator.available_size()
-        if short > 0:
-            self.tree.evict(short)
+    def prepare_extend(self, req_ids: list[int], extend_lens: list[int]) -> BatchArrays | None:
+        """Allocate the pages of an extend batch (evicting if needed); None if they do not fit."""
+        return self.core.prepare_extend(np.asarray(req_ids, dtype=np.int64),
+                                        np.asarray(extend_lens, dtype=np.int64))
 
-    def prepare_extend(self, req_pool_indices: list[int], prefix_lens: list[int],
-                       extend_lens: list[int]) -> BatchArrays | None:
-        """Allocate sum(extend_lens) slots (evicting if needed); None if they do not fit."""
-        self._ensure_free(sum(extend_lens))
-        arrays = _rs.prepare_extend(self.req_to_token_pool, self.allocator,
-                                    np.asarray(req_pool_indices, dtype=np.int64),
-                                    np.asarray(prefix_lens, dtype=np.int64),
-                                    np.asarray(extend_lens, dtype=np.int64))
-        return None if arrays is None else BatchArrays(*arrays)
-
-    def prepare_decode(self, req_pool_indices: list[int], seq_lens: list[int]) -> BatchArrays | None:
-        """Allocate one slot per request (evicting if needed); None if they do not fit."""
-        self._ensure_free(len(req_pool_indices))
-        arrays = _rs.prepare_decode(self.req_to_token_pool, self.allocator,
-                                    np.asarray(req_pool_indices, dtype=np.int64),
-                                    np.asarray(seq_lens, dtype=np.int64))
-        return None if arrays is None else BatchArrays(*arrays)
+    def prepare_decode(self, req_ids: list[int]) -> BatchArrays | None:
+        """Allocate one token per request (a new page only at page boundaries, evicting if
+        needed); None if they do not fit."""
+        return self.core.prepare_decode(np.asarray(req_ids, dtype=np.int64))

@@ -1,8 +1,9 @@
 """The KV cache tensors: one K and one V buffer per layer, indexed by KV slot.
 
 Slot allocation (which request owns which slot) lives in the Rust `TokenToKVPoolAllocator`;
-this module only owns the bytes. Slot 0 is a padding slot that never holds a real token (padded
-batches write there harmlessly); real slots are 1..size.
+this module only owns the bytes. Slots come in pages of `page_size`; page 0 (slots
+0..page_size-1) is reserved and slot 0 is the padding slot that never holds a real token (padded
+batches write there harmlessly); real slots are page_size..size + page_size - 1.
 Only the worker thread touches these tensors.
 """
 
@@ -14,8 +15,8 @@ import torch
 class MHATokenToKVPool:
     """Per-layer K/V buffers for multi-head (incl. grouped-query) attention.
 
-    k_buffer[layer], v_buffer[layer]: [size + 1, num_kv_heads, head_dim] `dtype` on `device`,
-    zero-initialised.
+    k_buffer[layer], v_buffer[layer]: [size + page_size, num_kv_heads, head_dim] `dtype` on
+    `device`, zero-initialised (`size` real slots plus the reserved page 0).
 
     Raises ValueError if any dimension is not positive.
     """
@@ -28,22 +29,26 @@ class MHATokenToKVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: str | torch.device,
+        page_size: int = 1,
     ) -> None:
         for name, value in (
             ("size", size),
             ("num_layers", num_layers),
             ("num_kv_heads", num_kv_heads),
             ("head_dim", head_dim),
+            ("page_size", page_size),
         ):
             if int(value) <= 0:
                 raise ValueError(f"MHATokenToKVPool: {name} must be > 0, got {value}")
         self.size = int(size)
+        self.page_size = int(page_size)
+        self.num_slot_rows = self.size + self.page_size
         self.num_layers = int(num_layers)
         self.num_kv_heads = int(num_kv_heads)
         self.head_dim = int(head_dim)
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (self.size + 1, self.num_kv_heads, self.head_dim)
+        shape = (self.num_slot_rows, self.num_kv_heads, self.head_dim)
         self.k_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.v_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
 
@@ -62,15 +67,15 @@ class MHATokenToKVPool:
 
     @property
     def total_bytes(self) -> int:
-        """Bytes held by all buffers, padding slot included."""
-        return self.bytes_per_token * (self.size + 1)
+        """Bytes held by all buffers, reserved page 0 included."""
+        return self.bytes_per_token * self.num_slot_rows
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
-        """K buffer of `layer_id`: [size + 1, num_kv_heads, head_dim] (a view, not a copy)."""
+        """K buffer of `layer_id`: [size + page_size, num_kv_heads, head_dim] (a view, not a copy)."""
         return self.k_buffer[layer_id]
 
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
-        """V buffer of `layer_id`: [size + 1, num_kv_heads, head_dim] (a view, not a copy)."""
+        """V buffer of `layer_id`: [size + page_size, num_kv_heads, head_dim] (a view, not a copy)."""
         return self.v_buffer[layer_id]
 
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,7 +87,7 @@ class MHATokenToKVPool:
     ) -> None:
         """Write new tokens' K and V into their slots (mutates this layer's buffers).
 
-        loc: [num_tokens] int64 slot ids in 0..size, on the pool device
+        loc: [num_tokens] int64 slot ids in 0..size + page_size - 1, on the pool device
         k, v: [num_tokens, num_kv_heads, head_dim]; cast to the pool dtype.
         """
         if k.dtype != self.dtype:

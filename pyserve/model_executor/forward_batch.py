@@ -1,7 +1,7 @@
 """The device-side description of one model step (ForwardBatch) and its mode.
 
 A ForwardBatch is built on the loop thread from the arrays the Rust core returns
-(`pyserve._rs.prepare_extend` / `prepare_decode`) and consumed on the worker thread by
+(`pyserve._rs.KVCache.prepare_extend` / `prepare_decode`) and consumed on the worker thread by
 `ModelRunner.forward`. It holds only tensors and plain numbers, never request objects.
 """
 

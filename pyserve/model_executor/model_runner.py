@@ -42,13 +42,16 @@ class ModelRunner:
     context_length: override of the model's context length (see ModelConfig.from_path).
     max_total_tokens: KV pool size in tokens; None derives it from free memory:
       (free memory after loading the weights) * mem_fraction_static, divided by the bytes one
-      token's K/V take; on CPU further capped at 8 * context_len.
+      token's K/V take; on CPU further capped at 8 * context_len. Rounded down to whole pages.
+    page_size: tokens per KV page; the KV tensors get max_total_num_tokens + page_size rows
+      (page 0 is reserved for the padding slot 0).
     random_seed: seeds the global torch RNG (sampling of requests without their own seed).
     load_progress: show tqdm bars while loading weights.
 
     Attributes: model_config, model, device (str: "cpu", "cuda", "cuda:1"), dtype
     (torch.dtype), kv_pool (MHATokenToKVPool), max_total_num_tokens (real slots
-    1..max_total_num_tokens; slot 0 is padding), kv_cache_bytes, attn_backend.
+    page_size..max_total_num_tokens + page_size - 1; slot 0 is padding), kv_cache_bytes,
+    attn_backend.
     Raises ModelNotFoundError for a missing path, ValueError for an unsupported architecture or
     dtype, and ValueError when memory leaves no room for a KV cache.
     """
@@ -64,6 +67,7 @@ class ModelRunner:
         mem_fraction_static: float = 0.85,
         random_seed: int | None = None,
         load_progress: bool = True,
+        page_size: int = 1,
     ) -> None:
         if not 0.0 < mem_fraction_static <= 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1], got {mem_fraction_static}")
@@ -76,13 +80,15 @@ class ModelRunner:
         )
         self.dtype = self.model_config.dtype
         self.model = load_model(self.model_config, torch_device, progress=load_progress)
-        self.max_total_num_tokens = self._kv_pool_size(
-            torch_device, max_total_tokens, mem_fraction_static
-        )
+        self.page_size = int(page_size)
+        pool = self._kv_pool_size(torch_device, max_total_tokens, mem_fraction_static)
+        self.max_total_num_tokens = pool - pool % self.page_size
+        if self.max_total_num_tokens <= 0:
+            raise ValueError(f"a KV pool of {pool} tokens holds no page of {self.page_size}")
         cfg = self.model_config
         self.kv_pool = MHATokenToKVPool(
             self.max_total_num_tokens, cfg.num_hidden_layers, cfg.num_key_value_heads,
-            cfg.head_dim, self.dtype, torch_device,
+            cfg.head_dim, self.dtype, torch_device, page_size=self.page_size,
         )
         self.kv_cache_bytes = self.kv_pool.total_bytes
         self.attn_backend = TorchNativeAttnBackend(self.kv_pool)

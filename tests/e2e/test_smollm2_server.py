@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import importlib.util
+import time
 from pathlib import Path
 
 import httpx
@@ -35,8 +36,19 @@ def smollm2_gguf() -> Path:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     srv = start_server(tmp_path_factory, "smollm2", ["--max-total-tokens", "32768"])
-    yield srv
-    srv.stop()
+    try:
+        yield srv
+        info = httpx.get(srv.base_url + "/get_server_info").json()
+        for _ in range(600):
+            if info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0 and info["kv_protected_slots"] == 0:
+                break
+            time.sleep(0.05)
+            info = httpx.get(srv.base_url + "/get_server_info").json()
+        # No KV leak: once idle every slot is free or evictable.
+        assert info["kv_protected_slots"] == 0, info
+        assert info["kv_free_slots"] + info["kv_evictable_slots"] == info["kv_total_slots"] == 32768
+    finally:
+        srv.stop()
 
 
 @pytest.fixture(scope="module")

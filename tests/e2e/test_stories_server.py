@@ -1,5 +1,7 @@
-"""End to end on a real server with the real stories260k weights: exact greedy tokens,
-streaming equals non-streaming under concurrency, errors, and KV returned after a disconnect."""
+"""End to end on a real server with the real stories260k weights: exact greedy tokens (KV page
+sizes 1 and 16), page-aligned prefix reuse, streaming equals non-streaming under concurrency,
+errors, and KV returned after a disconnect. Each server's teardown checks, once idle, that
+every KV slot is free or evictable (no leak)."""
 
 from __future__ import annotations
 
@@ -16,13 +18,37 @@ from tests.conftest import start_server
 POOL_TOKENS = 4096
 
 
+def _server(tmp_path_factory, stories_path, page_size: int):
+    srv = start_server(tmp_path_factory, f"stories-page{page_size}", [
+        "--model-path", str(stories_path), "--max-total-tokens", str(POOL_TOKENS),
+        "--max-running-requests", "32", "--stats-interval-s", "1",
+        "--page-size", str(page_size)])
+    try:
+        yield srv
+        assert_no_kv_leak(srv)
+    finally:
+        srv.stop()
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, stories_path):
-    srv = start_server(tmp_path_factory, "stories", [
-        "--model-path", str(stories_path), "--max-total-tokens", str(POOL_TOKENS),
-        "--max-running-requests", "32", "--stats-interval-s", "1"])
-    yield srv
-    srv.stop()
+    yield from _server(tmp_path_factory, stories_path, 1)
+
+
+@pytest.fixture(scope="module")
+def server_page16(tmp_path_factory, stories_path):
+    yield from _server(tmp_path_factory, stories_path, 16)
+
+
+@pytest.fixture(params=["server", "server_page16"])
+def any_server(request):
+    return request.getfixturevalue(request.param)
+
+
+def assert_no_kv_leak(server) -> None:
+    info = wait_idle(server)
+    assert info["kv_protected_slots"] == 0, info
+    assert info["kv_free_slots"] + info["kv_evictable_slots"] == info["kv_total_slots"] == POOL_TOKENS
 
 
 def post(server, path: str, body, timeout: float = 120) -> httpx.Response:
@@ -39,7 +65,8 @@ def wait_idle(server, timeout_s: float = 30) -> dict:
         time.sleep(0.05)
 
 
-def test_greedy_equals_hf_reference(server, stories_reference):
+def test_greedy_equals_hf_reference(any_server, stories_reference):
+    server = any_server
     assert len(stories_reference) == 5
     for case in stories_reference:
         r = post(server, "/generate", {
@@ -52,6 +79,21 @@ def test_greedy_equals_hf_reference(server, stories_reference):
         assert out["meta_info"]["completion_tokens"] == len(case["output_ids"])
         assert out["meta_info"]["prompt_tokens"] == len(case["input_ids"])
         assert out["meta_info"]["finish_reason"] == {"type": "length", "length": case["max_new_tokens"]}
+
+
+def test_prefix_reuse_is_page_aligned(any_server, stories_reference):
+    page_size = httpx.get(any_server.base_url + "/get_server_info").json()["page_size"]
+    prefix = list(range(5, 105))  # with the leading 1: a 101-token shared prefix
+    for last in (7, 9):
+        r = post(any_server, "/generate", {"input_ids": [1] + prefix + [last],
+                                           "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
+    assert r.json()["meta_info"]["cached_tokens"] == {1: 101, 16: 96}[page_size]
+    case = stories_reference[1]
+    body = {"input_ids": case["input_ids"], "sampling_params": {
+        "temperature": 0, "max_new_tokens": case["max_new_tokens"], "ignore_eos": True}}
+    first, again = post(any_server, "/generate", body).json(), post(any_server, "/generate", body).json()
+    assert first["output_ids"] == again["output_ids"] == case["output_ids"]
+    assert again["meta_info"]["cached_tokens"] == (len(case["input_ids"]) - 1) // page_size * page_size
 
 
 def test_text_prompt_batch_equals_single(server, stories_reference):

@@ -1,5 +1,6 @@
-"""The in-process Engine on stories260k: sync and async generation, streaming, seeded
-sampling, abort, and KV accounting (free + evictable == pool once idle)."""
+"""The in-process Engine on stories260k, with KV page sizes 1 and 16: sync and async
+generation, streaming, seeded sampling, abort, page-aligned prefix reuse, and KV accounting
+(after every test, once idle: free + evictable == pool, nothing protected)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,31 @@ from tests.conftest import make_stories_engine
 POOL = 2048
 
 
-@pytest.fixture(scope="module")
-def engine(stories_path):
-    eng = make_stories_engine(stories_path, POOL)
+@pytest.fixture(scope="module", params=[1, 16], ids=lambda p: f"page{p}")
+def engine(request, stories_path):
+    eng = make_stories_engine(stories_path, POOL, page_size=request.param)
     yield eng
     eng.shutdown()
+
+
+def wait_idle(engine) -> dict:
+    for _ in range(500):
+        info = engine.get_server_info()
+        if (info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0
+                and info["kv_protected_slots"] == 0):
+            return info
+        asyncio.run(asyncio.sleep(0.02))
+    return info
+
+
+@pytest.fixture(autouse=True)
+def no_kv_leak(engine):
+    """After each test, once idle, every KV slot is free or evictable (none leaked)."""
+    yield
+    info = wait_idle(engine)
+    assert info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0
+    assert info["kv_protected_slots"] == 0
+    assert info["kv_free_slots"] + info["kv_evictable_slots"] == POOL
 
 
 def test_generate_matches_reference(engine, stories_reference):
@@ -97,18 +118,22 @@ def test_abort_frees_kv_and_idle_accounting(engine):
         return got
 
     assert asyncio.run(stream_then_drop()) == 3
-    for _ in range(200):
-        info = engine.get_server_info()
-        if info["num_running_reqs"] == 0 and info["kv_protected_slots"] == 0:
-            break
-        asyncio.run(asyncio.sleep(0.02))
+    info = wait_idle(engine)
     assert info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0
     assert info["kv_protected_slots"] == 0
     assert info["kv_free_slots"] + info["kv_evictable_slots"] == POOL
 
 
-def test_prefix_cache_reports_cached_tokens(engine):
-    prefix = list(range(5, 105))
+def test_prefix_cache_reports_page_aligned_cached_tokens(engine, stories_reference):
+    page_size = engine.get_server_info()["page_size"]
+    prefix = list(range(5, 105))  # 101 shared tokens with the leading 1
     engine.generate(input_ids=[1] + prefix + [7], sampling_params={"max_new_tokens": 1})
     out = engine.generate(input_ids=[1] + prefix + [9], sampling_params={"max_new_tokens": 1})
-    assert out["meta_info"]["cached_tokens"] == 101
+    assert out["meta_info"]["cached_tokens"] == {1: 101, 16: 96}[page_size]
+    # Greedy output with a cached prefix equals the reference computed from scratch.
+    case = stories_reference[0]
+    params = {"temperature": 0, "max_new_tokens": case["max_new_tokens"], "ignore_eos": True}
+    engine.generate(input_ids=case["input_ids"], sampling_params=params)
+    again = engine.generate(input_ids=case["input_ids"], sampling_params=params)
+    assert again["output_ids"] == case["output_ids"]
+    assert again["meta_info"]["cached_tokens"] == (len(case["input_ids"]) - 1) // page_size * page_size

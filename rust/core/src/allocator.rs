@@ -1,109 +1,235 @@
-//! The KV slot allocator: hands out indices into the KV cache tensors.
+//! The KV page allocator: hands out whole pages of KV slots.
 //!
-//! A KV slot holds the keys and values of one token in every layer. Slots are numbered
-//! `1..=size`; slot 0 is the padding slot (padded batch entries write there) and is never
-//! handed out. Allocation is first-in first-out over the free list: a fresh allocator hands out
-//! `1, 2, 3, ...` and freed slots are reused after every slot freed before them, which makes
-//! slot reuse exact and testable.
+//! A KV slot holds the keys and values of one token in every layer; a page is `page_size`
+//! consecutive slots. Page `p` covers slots `p * page_size .. (p + 1) * page_size`. Page 0 is
+//! reserved: its slot 0 is the padding slot (padded batch entries write there) and no slot of
+//! page 0 is ever handed out. With `size` allocatable slots the pages are `1..=size /
+//! page_size`, so the KV tensors need `size + page_size` rows ([`Self::num_slot_rows`]); with
+//! `page_size = 1` that is the familiar `size + 1`.
+//!
+//! Allocation is first-in first-out over the free pages: a fresh allocator hands out pages
+//! `1, 2, 3, ...` and a freed page is reused after every page freed before it, which makes
+//! slot reuse exact and testable. The owner of a partly filled page (a request's last page)
+//! holds the whole page; freeing any of its slots frees the page.
 
 use std::collections::VecDeque;
 
 use crate::error::{CoreError, CoreResult};
 
-/// Allocator of KV slots `1..=size` (slot 0 is reserved for padding).
-///
-/// `page_size` is kept for the paged variant; it is always 1 for now, so one slot is one token.
+/// Allocator of KV pages `1..=num_pages` (page 0, holding the padding slot 0, is reserved).
 #[derive(Debug, Clone)]
 pub struct TokenToKVPoolAllocator {
-    size: usize,
     page_size: usize,
-    /// Free slots in hand-out order (front first).
-    free_slots: VecDeque<i64>,
-    /// `is_free[s]` for every slot `0..=size`; index 0 (padding) is always `false`.
-    is_free: Vec<bool>,
+    /// `log2(page_size)` when it is a power of two (then slot -> page is a shift).
+    page_shift: Option<u32>,
+    num_pages: usize,
+    /// Free pages in hand-out order (front first).
+    free_pages: VecDeque<u32>,
+    /// `page_free[p]` for every page `0..=num_pages`; page 0 is never free.
+    page_free: Vec<bool>,
 }
 
 impl TokenToKVPoolAllocator {
-    /// Creates an allocator owning slots `1..=size`, all free. Units: slots (= tokens).
-    pub fn new(size: usize) -> Self {
-        let mut is_free = vec![true; size + 1];
-        is_free[0] = false;
-        Self {
-            size,
-            page_size: 1,
-            free_slots: (1..=size as i64).collect(),
-            is_free,
+    /// Creates an allocator of `size` slots (tokens) in pages of `page_size`, all free.
+    ///
+    /// Errors: [`CoreError::ShapeMismatch`] if `page_size == 0`, `size` is not a multiple of
+    /// `page_size`, or the page count does not fit in `u32`.
+    pub fn new(size: usize, page_size: usize) -> CoreResult<Self> {
+        if page_size == 0 || size % page_size != 0 || size / page_size >= u32::MAX as usize {
+            return Err(CoreError::ShapeMismatch(format!(
+                "KV pool of {size} slots cannot be split into pages of {page_size}"
+            )));
+        }
+        let num_pages = size / page_size;
+        let mut page_free = vec![true; num_pages + 1];
+        page_free[0] = false;
+        Ok(Self {
+            page_size,
+            page_shift: page_size
+                .is_power_of_two()
+                .then(|| page_size.trailing_zeros()),
+            num_pages,
+            free_pages: (1..=num_pages as u32).collect(),
+            page_free,
+        })
+    }
+
+    /// First slot of page `page`.
+    #[inline]
+    pub fn first_slot(&self, page: u32) -> i64 {
+        page as i64 * self.page_size as i64
+    }
+
+    /// Page holding `slot` (no range check).
+    #[inline]
+    pub fn page_of(&self, slot: i64) -> u32 {
+        match self.page_shift {
+            Some(k) => (slot >> k) as u32,
+            None => (slot / self.page_size as i64) as u32,
         }
     }
 
-    /// Takes `n` free slots, oldest-freed first. Returns `None`, and changes nothing, when fewer
-    /// than `n` are free; never a partial allocation. `alloc(0)` returns an empty vector.
-    pub fn alloc(&mut self, n: usize) -> Option<Vec<i64>> {
-        if n > self.free_slots.len() {
+    /// Takes `n` free pages, oldest-freed first; `None`, changing nothing, if fewer are free.
+    pub fn alloc_pages(&mut self, n: usize) -> Option<Vec<u32>> {
+        if n > self.free_pages.len() {
             return None;
         }
-        let out: Vec<i64> = self.free_slots.drain(..n).collect();
-        for &s in &out {
-            self.is_free[s as usize] = false;
+        let out: Vec<u32> = self.free_pages.drain(..n).collect();
+        for &p in &out {
+            self.page_free[p as usize] = false;
         }
         Some(out)
     }
 
-    /// Returns `slots` to the free list (appended in the given order).
+    /// Takes `ceil(n / page_size)` pages and returns the first `n` of their slots, page by
+    /// page (the rest of the last page belongs to the caller too, unused). `None`, changing
+    /// nothing, if too few pages are free. `alloc(0)` returns an empty vector.
+    pub fn alloc(&mut self, n: usize) -> Option<Vec<i64>> {
+        let pages = self.alloc_pages(n.div_ceil(self.page_size))?;
+        let ps = self.page_size as i64;
+        let slots = pages.iter().flat_map(|&p| {
+            let first = p as i64 * ps;
+            first..first + ps
+        });
+        Some(slots.take(n).collect())
+    }
+
+    /// Frees the pages holding `slots`. A page's slots must appear as one run of increasing
+    /// slots (as a request row lists them); any page of the run frees the whole page.
     ///
-    /// Errors, with nothing freed: [`CoreError::OutOfRange`] if a slot is not in `1..=size`
-    /// (slot 0 included), [`CoreError::DoubleFree`] if a slot is already free or appears twice
-    /// in `slots`.
+    /// Errors, with nothing freed: [`CoreError::OutOfRange`] if a slot is not in an
+    /// allocatable page (slot 0 included); [`CoreError::DoubleFree`] if a page is already
+    /// free, or a slot repeats, or a page's slots appear in two separate runs.
     pub fn free(&mut self, slots: &[i64]) -> CoreResult<()> {
-        // Mark as we check so duplicates inside `slots` are caught; roll back on error.
-        for (i, &s) in slots.iter().enumerate() {
-            let err = if s < 1 || s > self.size as i64 {
-                Some(CoreError::OutOfRange {
+        let pages = self.pages_of_runs(slots)?;
+        self.free_pages_checked(&pages)
+    }
+
+    /// The distinct pages of `slots`, checked as [`Self::free`] describes (without the
+    /// already-free check).
+    pub fn pages_of_runs(&self, slots: &[i64]) -> CoreResult<Vec<u32>> {
+        let (ps, high) = (
+            self.page_size as i64,
+            (self.num_pages as i64 + 1) * self.page_size as i64,
+        );
+        if ps == 1 {
+            // Every slot is its own page: a tight loop (eviction frees many slots at once).
+            if let Some(&s) = slots.iter().find(|&&s| s < 1 || s >= high) {
+                return Err(CoreError::OutOfRange {
                     what: "kv slot",
                     value: s,
                     low: 1,
-                    high: self.size as i64 + 1,
+                    high,
+                });
+            }
+            return Ok(slots.iter().map(|&s| s as u32).collect());
+        }
+        let mut pages: Vec<u32> = Vec::with_capacity(slots.len() / self.page_size + 1);
+        // `prev` is the previous slot and the end of its page: a slot in `(prev, end)` is
+        // the same page, anything else starts a new run.
+        let (mut prev, mut end) = (i64::MIN, i64::MIN);
+        for &s in slots {
+            if s < ps || s >= high {
+                return Err(CoreError::OutOfRange {
+                    what: "kv slot",
+                    value: s,
+                    low: ps,
+                    high,
+                });
+            }
+            if s > prev && s < end {
+                prev = s;
+                continue;
+            }
+            if s < end && s >= end - ps {
+                return Err(CoreError::DoubleFree(s)); // same page, not increasing
+            }
+            let page = self.page_of(s);
+            pages.push(page);
+            prev = s;
+            end = (page as i64 + 1) * ps;
+        }
+        Ok(pages)
+    }
+
+    /// Frees whole pages. Errors, with nothing freed: [`CoreError::OutOfRange`] for page 0 or
+    /// a page past the end, [`CoreError::DoubleFree`] for a free or repeated page (reported
+    /// as its first slot).
+    pub fn free_pages_checked(&mut self, pages: &[u32]) -> CoreResult<()> {
+        // Mark as we check so repeats inside `pages` are caught; roll back on error.
+        for (i, &p) in pages.iter().enumerate() {
+            let err = if p == 0 || p as usize > self.num_pages {
+                Some(CoreError::OutOfRange {
+                    what: "kv page",
+                    value: p as i64,
+                    low: 1,
+                    high: self.num_pages as i64 + 1,
                 })
-            } else if self.is_free[s as usize] {
-                Some(CoreError::DoubleFree(s))
+            } else if self.page_free[p as usize] {
+                Some(CoreError::DoubleFree(self.first_slot(p)))
             } else {
                 None
             };
             if let Some(e) = err {
-                for &t in &slots[..i] {
-                    self.is_free[t as usize] = false;
+                for &q in &pages[..i] {
+                    self.page_free[q as usize] = false;
                 }
                 return Err(e);
             }
-            self.is_free[s as usize] = true;
+            self.page_free[p as usize] = true;
         }
-        self.free_slots.extend(slots.iter().copied());
+        self.free_pages.extend(pages.iter().copied());
         Ok(())
     }
 
-    /// Number of free slots (tokens).
+    /// Number of free slots (tokens): free pages times `page_size`.
     pub fn available_size(&self) -> usize {
-        self.free_slots.len()
+        self.free_pages.len() * self.page_size
     }
 
-    /// Number of allocatable slots, excluding the padding slot 0.
+    /// Number of free pages.
+    pub fn available_pages(&self) -> usize {
+        self.free_pages.len()
+    }
+
+    /// Number of allocatable slots (tokens), excluding the reserved page 0.
     pub fn size(&self) -> usize {
-        self.size
+        self.num_pages * self.page_size
     }
 
-    /// Tokens per page; always 1 in this version.
+    /// Number of allocatable pages.
+    pub fn num_pages(&self) -> usize {
+        self.num_pages
+    }
+
+    /// Rows the KV tensors need: every slot of pages `0..=num_pages` (`size + page_size`).
+    pub fn num_slot_rows(&self) -> usize {
+        (self.num_pages + 1) * self.page_size
+    }
+
+    /// Tokens per page.
     pub fn page_size(&self) -> usize {
         self.page_size
     }
 
-    /// Whether `slot` is currently free (`false` for slot 0 and out-of-range slots).
+    /// Whether the page holding `slot` is free (`false` for page 0 and out-of-range slots).
     pub fn is_free(&self, slot: i64) -> bool {
-        slot >= 0 && (slot as usize) < self.is_free.len() && self.is_free[slot as usize]
+        slot >= 0
+            && self
+                .page_free
+                .get(self.page_of(slot) as usize)
+                .copied()
+                .unwrap_or(false)
     }
 
-    /// Frees every slot: the allocator returns to its freshly created state.
-    pub fn clear(&mut self) {
-        *self = Self::new(self.size);
+    /// Whether page `page` is free.
+    pub fn is_page_free(&self, page: u32) -> bool {
+        self.page_free.get(page as usize).copied().unwrap_or(false)
+    }
+
+    /// The free pages in hand-out order (for integrity checks).
+    pub fn free_page_list(&self) -> impl Iterator<Item = u32> + '_ {
+        self.free_pages.iter().copied()
     }
 }
 
@@ -113,9 +239,8 @@ mod tests {
 
     #[test]
     fn alloc_hands_out_in_order_and_never_slot_zero() {
-        let mut a = TokenToKVPoolAllocator::new(5);
-        assert_eq!(a.size(), 5);
-        assert_eq!(a.page_size(), 1);
+        let mut a = TokenToKVPoolAllocator::new(5, 1).unwrap();
+        assert_eq!((a.size(), a.page_size(), a.num_slot_rows()), (5, 1, 6));
         assert_eq!(a.alloc(2), Some(vec![1, 2]));
         assert_eq!(a.alloc(4), None);
         assert_eq!(a.available_size(), 3);
@@ -125,8 +250,21 @@ mod tests {
     }
 
     #[test]
+    fn pages_cover_aligned_slots() {
+        let mut a = TokenToKVPoolAllocator::new(12, 4).unwrap();
+        assert_eq!((a.num_pages(), a.num_slot_rows()), (3, 16));
+        assert_eq!(a.alloc(5), Some(vec![4, 5, 6, 7, 8]));
+        assert_eq!(a.available_size(), 4);
+        assert!(!a.is_free(9) && a.is_free(12) && !a.is_free(0));
+        a.free(&[8]).unwrap(); // one slot frees its whole page
+        assert_eq!(a.alloc(8), Some(vec![12, 13, 14, 15, 8, 9, 10, 11]));
+        assert!(TokenToKVPoolAllocator::new(10, 4).is_err());
+        assert!(TokenToKVPoolAllocator::new(10, 0).is_err());
+    }
+
+    #[test]
     fn free_reuses_fifo() {
-        let mut a = TokenToKVPoolAllocator::new(4);
+        let mut a = TokenToKVPoolAllocator::new(4, 1).unwrap();
         let x = a.alloc(3).unwrap();
         a.free(&[x[1], x[0]]).unwrap();
         assert_eq!(a.available_size(), 3);
@@ -135,7 +273,7 @@ mod tests {
 
     #[test]
     fn free_errors_change_nothing() {
-        let mut a = TokenToKVPoolAllocator::new(4);
+        let mut a = TokenToKVPoolAllocator::new(4, 1).unwrap();
         a.alloc(3).unwrap();
         assert_eq!(a.free(&[1, 4]), Err(CoreError::DoubleFree(4)));
         assert_eq!(a.free(&[1, 1]), Err(CoreError::DoubleFree(1)));
@@ -152,5 +290,14 @@ mod tests {
         a.free(&[1, 2, 3]).unwrap();
         assert_eq!(a.free(&[2]), Err(CoreError::DoubleFree(2)));
         assert_eq!(a.available_size(), 4);
+        let mut b = TokenToKVPoolAllocator::new(8, 4).unwrap();
+        b.alloc(8).unwrap();
+        assert_eq!(b.free(&[4, 5, 8, 6]), Err(CoreError::DoubleFree(4)));
+        assert_eq!(b.free(&[5, 5]), Err(CoreError::DoubleFree(5)));
+        assert!(matches!(
+            b.free(&[3]),
+            Err(CoreError::OutOfRange { value: 3, .. })
+        ));
+        assert_eq!(b.available_size(), 0);
     }
 }

@@ -1,16 +1,27 @@
-//! Per-step batch bookkeeping: allocate the KV slots of a batch, record them in the request
-//! rows, and build the flat arrays the model runner needs. One call per batch.
+//! Per-step batch bookkeeping: allocate the KV pages of a batch (evicting from the radix cache
+//! if the free pages do not suffice), record the slots in the request rows, and build every
+//! flat array the model runner needs. One call per batch.
 //!
-//! Both calls return `Ok(None)` when the allocator has too few free slots, leaving nothing
-//! changed; the scheduler then evicts from the radix cache or retracts requests and retries.
+//! Pages: a request whose stored tokens end inside a page first fills the rest of that page;
+//! a new page is taken only when a token lands on a page boundary (position % page_size == 0).
+//! Both calls return `Ok(None)` when even after eviction too few pages are free, leaving the
+//! requests unchanged (eviction, if any, stays done); the scheduler then retracts a request
+//! and retries.
 
-use crate::allocator::TokenToKVPoolAllocator;
 use crate::error::{CoreError, CoreResult};
-use crate::req_to_token::ReqToTokenPool;
+use crate::kv_cache::KVCache;
 
 /// Flat int64 arrays describing one forward batch of `B` requests.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct BatchArrays {
+    /// `[B]` row of each request in the request pool.
+    pub req_pool_indices: Vec<i64>,
+    /// `[B]` tokens whose KV was stored before this step (reused, not recomputed).
+    pub prefix_lens: Vec<i64>,
+    /// `[B]` new tokens of each request in this step (1 per request for decode).
+    pub extend_lens: Vec<i64>,
+    /// `[B]` tokens with KV after this step: `prefix_lens + extend_lens`.
+    pub seq_lens: Vec<i64>,
     /// `[num_new_tokens]` KV slot where each new token's K/V is written, request by request.
     pub out_cache_loc: Vec<i64>,
     /// `[num_new_tokens]` position (0-based index in its sequence) of each new token.
@@ -18,129 +29,174 @@ pub struct BatchArrays {
     /// `[B + 1]` CSR offsets into `kv_indices`: request `i` attends to
     /// `kv_indices[kv_indptr[i]..kv_indptr[i + 1]]`.
     pub kv_indptr: Vec<i64>,
-    /// KV slots of every token each request attends to (its cached prefix and its new
-    /// tokens), requests concatenated in batch order.
+    /// `[sum(seq_lens)]` KV slots of every token each request attends to (its stored prefix
+    /// and its new tokens), requests concatenated in batch order.
     pub kv_indices: Vec<i64>,
 }
 
-/// Arrays of an extend (prefill) batch; see [`prepare_extend`].
-pub type ExtendArrays = BatchArrays;
-/// Arrays of a decode batch; see [`prepare_decode`].
-pub type DecodeArrays = BatchArrays;
+impl KVCache {
+    /// Validates a batch: ids live and distinct, lengths agree, rows wide enough. Returns
+    /// each request's `(row, kv_len)`.
+    fn check_batch(
+        &self,
+        req_ids: &[u64],
+        extend_lens: &[usize],
+    ) -> CoreResult<Vec<(usize, usize)>> {
+        if req_ids.len() != extend_lens.len() {
+            return Err(CoreError::ShapeMismatch(format!(
+                "{} extend_lens for {} req_ids",
+                extend_lens.len(),
+                req_ids.len()
+            )));
+        }
+        // Live requests own distinct rows, so a repeated row means a repeated id.
+        let mut seen = vec![false; self.req_pool.size()];
+        let mut out = Vec::with_capacity(req_ids.len());
+        for (&id, &ext) in req_ids.iter().zip(extend_lens) {
+            let r = self.req(id)?;
+            if std::mem::replace(&mut seen[r.req_pool_idx], true) {
+                return Err(CoreError::DuplicateReq(id));
+            }
+            self.req_pool
+                .check_span(r.req_pool_idx, 0, r.kv_len + ext)?;
+            out.push((r.req_pool_idx, r.kv_len));
+        }
+        Ok(out)
+    }
 
-/// Checks that the rows are allocated and pairwise distinct, and that each `[0, end_i)` span
-/// fits in a row.
-fn check_rows(req_pool: &ReqToTokenPool, rows: &[usize], ends: &[usize]) -> CoreResult<()> {
-    for (&r, &end) in rows.iter().zip(ends) {
-        req_pool.check_span(r, 0, end)?;
+    /// Makes `pages` pages free, evicting if needed; `false` if that is impossible.
+    fn ensure_pages(&mut self, pages: usize) -> CoreResult<bool> {
+        let free = self.alloc.available_pages();
+        if free < pages {
+            let ps = self.page_size();
+            self.tree.evict((pages - free) * ps, &mut self.alloc)?;
+        }
+        Ok(self.alloc.available_pages() >= pages)
     }
-    let mut sorted = rows.to_vec();
-    sorted.sort_unstable();
-    if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
-        return Err(CoreError::ShapeMismatch(format!(
-            "req_pool_idx {} appears twice in one batch",
-            w[0]
-        )));
-    }
-    Ok(())
-}
 
-fn check_len(name: &str, got: usize, want: usize) -> CoreResult<()> {
-    if got != want {
-        return Err(CoreError::ShapeMismatch(format!(
-            "{name} has {got} entries, req_pool_indices has {want}"
-        )));
+    /// Builds an extend (prefill) batch: request `req_ids[i]` adds `extend_lens[i]` tokens
+    /// after its `kv_len` stored ones.
+    ///
+    /// Takes `sum(ceil(end_i / page_size) - ceil(kv_len_i / page_size))` pages (evicting
+    /// first if needed), writes each request's new slots into its row, advances its `kv_len`
+    /// and returns all arrays of the batch. `Ok(None)` if the pages do not fit.
+    ///
+    /// Errors (checked first, nothing changed): [`CoreError::ShapeMismatch`] if the inputs
+    /// differ in length; [`CoreError::DuplicateReq`] if an id repeats;
+    /// [`CoreError::UnknownReq`] for an id not live; [`CoreError::OutOfRange`] if
+    /// `kv_len + extend_len > max_context_len`.
+    pub fn prepare_extend(
+        &mut self,
+        req_ids: &[u64],
+        extend_lens: &[usize],
+    ) -> CoreResult<Option<BatchArrays>> {
+        let reqs = self.check_batch(req_ids, extend_lens)?;
+        let ps = self.page_size();
+        let need: usize = reqs
+            .iter()
+            .zip(extend_lens)
+            .map(|(&(_, kv), &e)| (kv + e).div_ceil(ps) - kv.div_ceil(ps))
+            .sum();
+        if !self.ensure_pages(need)? {
+            return Ok(None);
+        }
+        let pages = self.alloc.alloc_pages(need).expect("pages ensured");
+        let mut next_page = pages.into_iter();
+        let b = reqs.len();
+        let num_new: usize = extend_lens.iter().sum();
+        let total: usize = reqs
+            .iter()
+            .zip(extend_lens)
+            .map(|(&(_, kv), &e)| kv + e)
+            .sum();
+        let mut a = BatchArrays {
+            req_pool_indices: Vec::with_capacity(b),
+            prefix_lens: Vec::with_capacity(b),
+            extend_lens: Vec::with_capacity(b),
+            seq_lens: Vec::with_capacity(b),
+            out_cache_loc: Vec::with_capacity(num_new),
+            positions: Vec::with_capacity(num_new),
+            kv_indptr: Vec::with_capacity(b + 1),
+            kv_indices: Vec::with_capacity(total),
+        };
+        a.kv_indptr.push(0);
+        for (i, &(row, kv)) in reqs.iter().enumerate() {
+            let end = kv + extend_lens[i];
+            let start = a.out_cache_loc.len();
+            let mut slot = if kv % ps != 0 {
+                self.req_pool.read(row, kv - 1, kv)?[0]
+            } else {
+                0
+            };
+            for pos in kv..end {
+                slot = if pos % ps == 0 {
+                    self.alloc.first_slot(next_page.next().expect("counted"))
+                } else {
+                    slot + 1
+                };
+                a.out_cache_loc.push(slot);
+            }
+            self.req_pool.write(row, kv, &a.out_cache_loc[start..])?;
+            a.positions.extend(kv as i64..end as i64);
+            a.kv_indices
+                .extend_from_slice(self.req_pool.read(row, 0, end)?);
+            a.kv_indptr.push(a.kv_indices.len() as i64);
+            a.req_pool_indices.push(row as i64);
+            a.prefix_lens.push(kv as i64);
+            a.extend_lens.push(extend_lens[i] as i64);
+            a.seq_lens.push(end as i64);
+            self.reqs.get_mut(&req_ids[i]).expect("checked").kv_len = end;
+        }
+        Ok(Some(a))
     }
-    Ok(())
-}
 
-/// Builds an extend batch: request `i` (row `req_pool_indices[i]`) already has KV for
-/// `prefix_lens[i]` tokens and adds `extend_lens[i]` new ones.
-///
-/// Allocates `sum(extend_lens)` slots from `alloc` (`Ok(None)` and no change if too few are
-/// free) and writes request `i`'s slots into its row at `[prefix_i, prefix_i + extend_i)`.
-/// Returns `out_cache_loc` (the allocated slots in batch order), `positions`
-/// (`prefix_i..prefix_i + extend_i` per request), `kv_indptr` and `kv_indices`
-/// (row `[0, prefix_i + extend_i)` per request).
-///
-/// Errors (checked first, nothing changed): [`CoreError::ShapeMismatch`] if the three inputs
-/// differ in length or a row appears twice; [`CoreError::UnknownReqSlot`] for an unallocated
-/// row; [`CoreError::OutOfRange`] if `prefix_i + extend_i > max_context_len`.
-pub fn prepare_extend(
-    req_pool: &mut ReqToTokenPool,
-    alloc: &mut TokenToKVPoolAllocator,
-    req_pool_indices: &[usize],
-    prefix_lens: &[usize],
-    extend_lens: &[usize],
-) -> CoreResult<Option<ExtendArrays>> {
-    let b = req_pool_indices.len();
-    check_len("prefix_lens", prefix_lens.len(), b)?;
-    check_len("extend_lens", extend_lens.len(), b)?;
-    let ends: Vec<usize> = prefix_lens
-        .iter()
-        .zip(extend_lens)
-        .map(|(p, e)| p + e)
-        .collect();
-    check_rows(req_pool, req_pool_indices, &ends)?;
-    let Some(out_cache_loc) = alloc.alloc(extend_lens.iter().sum()) else {
-        return Ok(None);
-    };
-    let mut positions = Vec::with_capacity(out_cache_loc.len());
-    let mut kv_indptr = Vec::with_capacity(b + 1);
-    let mut kv_indices = Vec::with_capacity(ends.iter().sum());
-    kv_indptr.push(0);
-    let mut offset = 0;
-    for i in 0..b {
-        let (row, prefix, end) = (req_pool_indices[i], prefix_lens[i], ends[i]);
-        let new_slots = &out_cache_loc[offset..offset + extend_lens[i]];
-        req_pool.write(row, prefix, new_slots)?;
-        offset += extend_lens[i];
-        positions.extend(prefix as i64..end as i64);
-        kv_indices.extend_from_slice(req_pool.read(row, 0, end)?);
-        kv_indptr.push(kv_indices.len() as i64);
+    /// Builds a decode batch: every request in `req_ids` adds one token at position
+    /// `kv_len`. A request takes a new page only when `kv_len % page_size == 0`; otherwise
+    /// its token goes to the next slot of its last page. Returns the arrays (`extend_lens`
+    /// all 1, `positions == prefix_lens`), or `Ok(None)` if the pages do not fit even after
+    /// eviction.
+    ///
+    /// Errors: as [`Self::prepare_extend`].
+    pub fn prepare_decode(&mut self, req_ids: &[u64]) -> CoreResult<Option<BatchArrays>> {
+        let ones = vec![1usize; req_ids.len()];
+        let reqs = self.check_batch(req_ids, &ones)?;
+        let ps = self.page_size();
+        let need = reqs.iter().filter(|&&(_, kv)| kv % ps == 0).count();
+        if !self.ensure_pages(need)? {
+            return Ok(None);
+        }
+        let pages = self.alloc.alloc_pages(need).expect("pages ensured");
+        let mut next_page = pages.into_iter();
+        let b = reqs.len();
+        let total: usize = reqs.iter().map(|&(_, kv)| kv + 1).sum();
+        let mut a = BatchArrays {
+            req_pool_indices: Vec::with_capacity(b),
+            prefix_lens: Vec::with_capacity(b),
+            extend_lens: ones.iter().map(|_| 1).collect(),
+            seq_lens: Vec::with_capacity(b),
+            out_cache_loc: Vec::with_capacity(b),
+            positions: Vec::with_capacity(b),
+            kv_indptr: Vec::with_capacity(b + 1),
+            kv_indices: Vec::with_capacity(total),
+        };
+        a.kv_indptr.push(0);
+        for (i, &(row, kv)) in reqs.iter().enumerate() {
+            let slot = if kv % ps == 0 {
+                self.alloc.first_slot(next_page.next().expect("counted"))
+            } else {
+                self.req_pool.read(row, kv - 1, kv)?[0] + 1
+            };
+            self.req_pool.write(row, kv, &[slot])?;
+            a.kv_indices
+                .extend_from_slice(self.req_pool.read(row, 0, kv + 1)?);
+            a.kv_indptr.push(a.kv_indices.len() as i64);
+            a.out_cache_loc.push(slot);
+            a.positions.push(kv as i64);
+            a.req_pool_indices.push(row as i64);
+            a.prefix_lens.push(kv as i64);
+            a.seq_lens.push(kv as i64 + 1);
+            self.reqs.get_mut(&req_ids[i]).expect("checked").kv_len = kv + 1;
+        }
+        Ok(Some(a))
     }
-    Ok(Some(BatchArrays {
-        out_cache_loc,
-        positions,
-        kv_indptr,
-        kv_indices,
-    }))
-}
-
-/// Builds a decode batch: request `i` has KV stored for `seq_lens[i]` tokens and decodes one
-/// more.
-///
-/// Allocates one slot per request (`Ok(None)` and no change if too few are free) and writes
-/// it into the row at column `seq_lens[i]`. Returns `out_cache_loc` (`[B]`), `positions`
-/// (`seq_lens`), `kv_indptr` and `kv_indices` (row `[0, seq_len_i + 1)` per request).
-///
-/// Errors: as [`prepare_extend`] (`seq_len_i + 1 > max_context_len` is out of range).
-pub fn prepare_decode(
-    req_pool: &mut ReqToTokenPool,
-    alloc: &mut TokenToKVPoolAllocator,
-    req_pool_indices: &[usize],
-    seq_lens: &[usize],
-) -> CoreResult<Option<DecodeArrays>> {
-    let b = req_pool_indices.len();
-    check_len("seq_lens", seq_lens.len(), b)?;
-    let ends: Vec<usize> = seq_lens.iter().map(|s| s + 1).collect();
-    check_rows(req_pool, req_pool_indices, &ends)?;
-    let Some(out_cache_loc) = alloc.alloc(b) else {
-        return Ok(None);
-    };
-    let mut kv_indptr = Vec::with_capacity(b + 1);
-    let mut kv_indices = Vec::with_capacity(ends.iter().sum());
-    kv_indptr.push(0);
-    for i in 0..b {
-        let row = req_pool_indices[i];
-        req_pool.write(row, seq_lens[i], &out_cache_loc[i..i + 1])?;
-        kv_indices.extend_from_slice(req_pool.read(row, 0, ends[i])?);
-        kv_indptr.push(kv_indices.len() as i64);
-    }
-    Ok(Some(BatchArrays {
-        out_cache_loc,
-        positions: seq_lens.iter().map(|&s| s as i64).collect(),
-        kv_indptr,
-        kv_indices,
-    }))
 }

@@ -14,6 +14,11 @@ pub enum CoreError {
     UnknownNode(usize),
     /// A request row index that is out of range or not currently allocated.
     UnknownReqSlot(usize),
+    /// A request id that is not admitted (never was, or was released long ago and is not
+    /// known any more).
+    UnknownReq(u64),
+    /// A request id that appears twice where it must appear once (e.g. in one batch).
+    DuplicateReq(u64),
     /// A KV slot (or request row) that is already free was freed again.
     DoubleFree(i64),
     /// An index outside its valid range: `value` is not in `[low, high)`.
@@ -42,6 +47,8 @@ impl fmt::Display for CoreError {
             CoreError::UnknownReqSlot(idx) => {
                 write!(f, "unknown or unallocated req_pool_idx {idx}")
             }
+            CoreError::UnknownReq(id) => write!(f, "unknown request id {id}"),
+            CoreError::DuplicateReq(id) => write!(f, "request id {id} appears twice"),
             CoreError::DoubleFree(i) => write!(f, "double free of index {i}"),
             CoreError::OutOfRange {
                 what,

@@ -1,54 +1,66 @@
 //! The radix prefix cache: a radix tree from token-id sequences to the KV slots holding them.
 //!
 //! Nodes live in an arena (`Vec` of nodes plus a free list of ids); node 0 is the root, whose
-//! key is empty. Each non-root node holds a non-empty run of token ids (`key`) and the KV slots
-//! of those tokens (`value`, same length). A node's children are keyed by their first token.
+//! key is empty. Each non-root node holds a non-empty run of whole pages of token ids (`key`,
+//! a multiple of `page_size` long) and the KV slots of those tokens (`value`, same length,
+//! whole allocator pages). A node's children are keyed by their first page of tokens, so
+//! every match and every insert is page-aligned: a partial last page is never cached.
 //!
 //! A node with `lock_ref > 0` is on the prefix path of at least one running request: its slots
 //! count towards `protected_size` and it is never evicted. Unlocked nodes count towards
-//! `evictable_size`; unlocked leaves are evicted least recently used first. Access "time" is a
-//! monotonic counter bumped once per `match_prefix` / `insert`, not wall-clock time.
+//! `evictable_size`. Unlocked leaves are evicted least recently used first through a heap
+//! (`radix_cache/evict.rs`). Access "time" is a monotonic counter bumped once per
+//! `match_prefix` / `insert`, not wall-clock time.
 //!
 //! Node ids stay valid until the node is evicted or the cache is reset; a locked node is never
 //! evicted. Splitting a node keeps the id of the deeper half, so ids held by requests (which
 //! lock their node and every ancestor) stay valid across splits.
 //!
-//! The algorithm follows SGLang's `RadixCache` (python/sglang/srt/mem_cache/radix_cache.py).
-//! The per-request lifecycle (`cache_finished_req`, ...) is in `radix_cache/lifecycle.rs` and
-//! the consistency check in `radix_cache/integrity.rs`.
+//! The algorithm follows SGLang's `RadixCache` (python/sglang/srt/mem_cache/radix_cache.py);
+//! the per-request lifecycle is in `kv_cache.rs`, the consistency check in
+//! `radix_cache/integrity.rs`.
 
+mod evict;
 mod integrity;
-mod lifecycle;
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 
 use crate::allocator::TokenToKVPoolAllocator;
 use crate::error::{CoreError, CoreResult};
+use crate::fxhash::FxBuildHasher;
 
 /// Node id of the root. The root holds no tokens and is never locked, evicted or freed.
 pub const ROOT: usize = 0;
+
+/// Children of a node, keyed by their first page of token ids.
+pub(crate) type Children = HashMap<Box<[i32]>, usize, FxBuildHasher>;
 
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Node {
     pub(crate) key: Vec<i32>,
     pub(crate) value: Vec<i64>,
     pub(crate) parent: usize,
-    pub(crate) children: HashMap<i32, usize>,
+    pub(crate) children: Children,
     pub(crate) lock_ref: usize,
     pub(crate) last_access: u64,
     pub(crate) live: bool,
+    /// Stamp of this node's one valid entry in the LRU heap (0: none).
+    pub(crate) heap_stamp: u64,
 }
 
 /// Result of [`RadixCache::match_prefix`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MatchResult {
-    /// KV slots of the longest cached prefix of the key, one per matched token.
+    /// KV slots of the longest cached page-aligned prefix of the key, one per matched token.
     pub indices: Vec<i64>,
     /// Node where the match ends (its key ends exactly at the end of the match); [`ROOT`] if
     /// nothing matched. Lock it with [`RadixCache::inc_lock_ref`] to keep the prefix cached.
     pub last_node: usize,
 }
+
+/// LRU heap entry: (last_access, stamp, node id), smallest first.
+pub(crate) type HeapEntry = Reverse<(u64, u64, usize)>;
 
 /// Radix tree over token ids whose values are KV slots; see the module docs.
 #[derive(Debug, Clone)]
@@ -60,23 +72,25 @@ pub struct RadixCache {
     clock: u64,
     pub(crate) evictable_size: usize,
     pub(crate) protected_size: usize,
+    pub(crate) lru: BinaryHeap<HeapEntry>,
+    pub(crate) next_stamp: u64,
 }
 
-fn common_prefix_len(a: &[i32], b: &[i32]) -> usize {
-    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+/// Length of the common prefix of `a` and `b`, rounded down to whole pages.
+fn common_prefix_len(a: &[i32], b: &[i32], page_size: usize) -> usize {
+    let n = a.iter().zip(b).take_while(|(x, y)| x == y).count();
+    n - n % page_size
 }
 
 impl RadixCache {
-    /// Creates an empty cache. With `disable = true` nothing is ever cached: `match_prefix`
-    /// returns an empty match at the root and `insert` stores nothing.
+    /// Creates an empty cache whose keys are cut in pages of `page_size` tokens. With
+    /// `disable = true` nothing is ever cached: `match_prefix` returns an empty match at the
+    /// root and `insert` stores nothing.
     ///
-    /// Errors: [`CoreError::ShapeMismatch`] if `page_size != 1` (paged keys are not
-    /// implemented yet).
+    /// Errors: [`CoreError::ShapeMismatch`] if `page_size == 0`.
     pub fn new(page_size: usize, disable: bool) -> CoreResult<Self> {
-        if page_size != 1 {
-            return Err(CoreError::ShapeMismatch(format!(
-                "page_size must be 1 for now, got {page_size}"
-            )));
+        if page_size == 0 {
+            return Err(CoreError::ShapeMismatch("page_size must be >= 1".into()));
         }
         let root = Node {
             live: true,
@@ -90,10 +104,12 @@ impl RadixCache {
             clock: 0,
             evictable_size: 0,
             protected_size: 0,
+            lru: BinaryHeap::new(),
+            next_stamp: 0,
         })
     }
 
-    /// Tokens per page (always 1).
+    /// Tokens per page.
     pub fn page_size(&self) -> usize {
         self.page_size
     }
@@ -156,39 +172,46 @@ impl RadixCache {
         }
     }
 
-    /// Splits `child` after its first `at` tokens (0 < at < len): a new node takes the first
-    /// `at` tokens and becomes `child`'s parent. Sizes do not change. Returns the new node.
+    /// Splits `child` after its first `at` tokens (a whole number of pages, 0 < at < len): a
+    /// new node takes the first `at` tokens and becomes `child`'s parent. Sizes do not change.
+    /// Returns the new node.
     fn split(&mut self, child: usize, at: usize) -> usize {
+        let ps = self.page_size;
         let parent = self.nodes[child].parent;
         let c = &mut self.nodes[child];
         let key: Vec<i32> = c.key.drain(..at).collect();
         let value: Vec<i64> = c.value.drain(..at).collect();
-        let (lock_ref, last_access, child_first) = (c.lock_ref, c.last_access, c.key[0]);
-        let first = key[0];
+        let (lock_ref, last_access) = (c.lock_ref, c.last_access);
+        let child_first: Box<[i32]> = c.key[..ps].into();
+        let first: Box<[i32]> = key[..ps].into();
+        let mut children = Children::default();
+        children.insert(child_first, child);
         let id = self.new_node(Node {
             key,
             value,
             parent,
-            children: HashMap::from([(child_first, child)]),
+            children,
             lock_ref,
             last_access,
             live: true,
+            heap_stamp: 0,
         });
         self.nodes[child].parent = id;
         self.nodes[parent].children.insert(first, id);
         id
     }
 
-    /// Walks down from the root along `key`, splitting the last node if `key` ends (or
-    /// diverges) inside it, and stamps every node on the path with `now`. Returns the matched
-    /// length and the deepest node reached.
+    /// Walks down from the root along the whole pages of `key`, splitting the last node if
+    /// `key` ends (or diverges) inside it, and stamps every node on the path with `now`.
+    /// Returns the matched length and the deepest node reached.
     fn descend(&mut self, key: &[i32], now: u64, mut on_node: impl FnMut(&Node)) -> (usize, usize) {
+        let ps = self.page_size;
         let (mut node, mut pos) = (ROOT, 0);
-        while pos < key.len() {
-            let Some(&child) = self.nodes[node].children.get(&key[pos]) else {
+        while pos + ps <= key.len() {
+            let Some(&child) = self.nodes[node].children.get(&key[pos..pos + ps]) else {
                 break;
             };
-            let plen = common_prefix_len(&self.nodes[child].key, &key[pos..]);
+            let plen = common_prefix_len(&self.nodes[child].key, &key[pos..], ps);
             let child = if plen < self.nodes[child].key.len() {
                 self.split(child, plen)
             } else {
@@ -202,7 +225,7 @@ impl RadixCache {
         (pos, node)
     }
 
-    /// Finds the longest cached prefix of `key`.
+    /// Finds the longest cached page-aligned prefix of `key`.
     ///
     /// Mutates: splits the node in which the match ends, so that `last_node` ends exactly at
     /// the match; updates the access time of every node on the path. Disabled: empty, root.
@@ -216,13 +239,36 @@ impl RadixCache {
             };
         }
         let (_, last_node) = self.descend(key, now, |n| indices.extend_from_slice(&n.value));
+        self.push_if_evictable(last_node);
         MatchResult { indices, last_node }
     }
 
-    /// Inserts `key` with KV slots `value` (one per token). Returns how many leading tokens of
-    /// `key` were already cached: the tree keeps its own slots for those, so `value[..n]` are
-    /// duplicates the caller must free if it owns them (except those it matched itself).
-    /// The new tail becomes an unlocked (evictable) leaf. Disabled: stores nothing, returns 0.
+    /// Length of the longest cached page-aligned prefix of `key`, without changing anything
+    /// (no split, no access-time update). Disabled: 0.
+    pub fn match_len(&self, key: &[i32]) -> usize {
+        let ps = self.page_size;
+        let (mut node, mut pos) = (ROOT, 0);
+        while pos + ps <= key.len() {
+            let Some(&child) = self.nodes[node].children.get(&key[pos..pos + ps]) else {
+                break;
+            };
+            let k = &self.nodes[child].key;
+            let plen = common_prefix_len(k, &key[pos..], ps);
+            pos += plen;
+            if plen < k.len() {
+                break;
+            }
+            node = child;
+        }
+        pos
+    }
+
+    /// Inserts the whole pages of `key` (the first `len - len % page_size` tokens) with KV
+    /// slots `value` (one per token of `key`). Returns how many leading tokens of `key` were
+    /// already cached (a multiple of `page_size`): the tree keeps its own slots for those, so
+    /// `value[..n]` are duplicates the caller must free if it owns them (except those it
+    /// matched itself). The new tail becomes an unlocked (evictable) leaf and its slots belong
+    /// to the tree. Disabled: stores nothing, returns 0.
     ///
     /// Errors: [`CoreError::ShapeMismatch`] if `key.len() != value.len()` (nothing changed).
     pub fn insert(&mut self, key: &[i32], value: &[i64]) -> CoreResult<usize> {
@@ -237,70 +283,29 @@ impl RadixCache {
         if self.disable {
             return Ok(0);
         }
-        let (pos, node) = self.descend(key, now, |_| {});
-        if pos < key.len() {
+        let ps = self.page_size;
+        let end = key.len() - key.len() % ps;
+        let (pos, node) = self.descend(&key[..end], now, |_| {});
+        if pos < end {
             let id = self.new_node(Node {
-                key: key[pos..].to_vec(),
-                value: value[pos..].to_vec(),
+                key: key[pos..end].to_vec(),
+                value: value[pos..end].to_vec(),
                 parent: node,
-                children: HashMap::new(),
+                children: Children::default(),
                 lock_ref: 0,
                 last_access: now,
                 live: true,
+                heap_stamp: 0,
             });
-            self.nodes[node].children.insert(key[pos], id);
-            self.evictable_size += key.len() - pos;
+            self.nodes[node]
+                .children
+                .insert(key[pos..pos + ps].into(), id);
+            self.evictable_size += end - pos;
+            self.push_if_evictable(id);
+        } else {
+            self.push_if_evictable(node);
         }
         Ok(pos)
-    }
-
-    /// Evicts least-recently-used unlocked leaves until at least `num_tokens` slots are freed
-    /// or nothing is evictable; a parent left as an unlocked leaf becomes a candidate too.
-    /// Returns the number of slots freed (may exceed `num_tokens` by part of a node).
-    ///
-    /// Mutates: removes nodes, frees their slots into `alloc`.
-    /// Errors: whatever `alloc.free` reports (a slot of the tree already free: a broken
-    /// invariant); nodes evicted before the error stay evicted.
-    pub fn evict(
-        &mut self,
-        num_tokens: usize,
-        alloc: &mut TokenToKVPoolAllocator,
-    ) -> CoreResult<usize> {
-        let mut heap: BinaryHeap<Reverse<(u64, usize)>> = self
-            .nodes
-            .iter()
-            .enumerate()
-            .filter(|(id, n)| *id != ROOT && n.live && n.children.is_empty() && n.lock_ref == 0)
-            .map(|(id, n)| Reverse((n.last_access, id)))
-            .collect();
-        let mut freed = 0;
-        while freed < num_tokens {
-            let Some(Reverse((_, id))) = heap.pop() else {
-                break;
-            };
-            alloc.free(&self.nodes[id].value)?;
-            let parent = self.remove_leaf(id);
-            freed += self.nodes[id].value.len();
-            self.nodes[id].value.clear();
-            let p = &self.nodes[parent];
-            if parent != ROOT && p.children.is_empty() && p.lock_ref == 0 {
-                heap.push(Reverse((p.last_access, parent)));
-            }
-        }
-        Ok(freed)
-    }
-
-    /// Unlinks unlocked leaf `id` from its parent and puts the id on the free list; its value
-    /// is left in place for the caller. Returns the parent.
-    fn remove_leaf(&mut self, id: usize) -> usize {
-        let n = &mut self.nodes[id];
-        n.live = false;
-        let (parent, first, len) = (n.parent, n.key[0], n.value.len());
-        n.key.clear();
-        self.evictable_size -= len;
-        self.nodes[parent].children.remove(&first);
-        self.free_nodes.push(id);
-        parent
     }
 
     /// Locks `node` and all its ancestors (one more running request uses this prefix). Nodes
@@ -337,7 +342,8 @@ impl RadixCache {
     }
 
     /// Undoes one [`Self::inc_lock_ref`] on `node`: nodes whose count goes 1 -> 0 move their
-    /// tokens from protected to evictable. Unlocking the root is a no-op.
+    /// tokens from protected to evictable (and unlocked leaves become eviction candidates).
+    /// Unlocking the root is a no-op.
     ///
     /// Errors (nothing changed): [`CoreError::UnknownNode`], or [`CoreError::LockUnderflow`]
     /// if `node` or an ancestor is not locked.
@@ -347,11 +353,13 @@ impl RadixCache {
         while n != ROOT {
             let nd = &mut self.nodes[n];
             nd.lock_ref -= 1;
+            let parent = nd.parent;
             if nd.lock_ref == 0 {
                 self.protected_size -= nd.value.len();
                 self.evictable_size += nd.value.len();
+                self.push_if_evictable(n);
             }
-            n = nd.parent;
+            n = parent;
         }
         Ok(())
     }
@@ -374,5 +382,18 @@ impl RadixCache {
             ..fresh
         };
         Ok(())
+    }
+
+    /// Visits the nodes on the path from `node` up to (not including) the root.
+    pub(crate) fn path_to_root(&self, node: usize) -> impl Iterator<Item = usize> + '_ {
+        let mut n = node;
+        std::iter::from_fn(move || {
+            if n == ROOT {
+                return None;
+            }
+            let cur = n;
+            n = self.nodes[n].parent;
+            Some(cur)
+        })
     }
 }

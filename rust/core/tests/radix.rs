@@ -7,11 +7,61 @@ fn cache() -> RadixCache {
 }
 
 #[test]
-fn page_size_other_than_one_is_rejected() {
+fn page_size_zero_is_rejected() {
     assert!(matches!(
-        RadixCache::new(2, false),
+        RadixCache::new(0, false),
         Err(CoreError::ShapeMismatch(_))
     ));
+}
+
+#[test]
+fn paged_keys_match_and_split_at_page_boundaries() {
+    let mut c = RadixCache::new(4, false).unwrap();
+    let slots: Vec<i64> = (4..16).collect(); // pages 1, 2, 3
+                                             // 11 tokens: only the first 8 (two whole pages) are cached.
+    assert_eq!(
+        c.insert(&[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], &slots[..11])
+            .unwrap(),
+        0
+    );
+    assert_eq!(c.total_size(), 8);
+    // A match diverging inside the second page stops at the first page boundary.
+    let m = c.match_prefix(&[1, 2, 3, 4, 5, 6, 0, 8, 9]);
+    assert_eq!(m.indices, vec![4, 5, 6, 7]);
+    assert_eq!(c.num_nodes(), 3);
+    // Fewer than a page of tokens never matches.
+    assert_eq!(c.match_prefix(&[1, 2, 3]).indices, Vec::<i64>::new());
+    // A sibling under the first page: already-cached length is page-aligned.
+    assert_eq!(
+        c.insert(&[1, 2, 3, 4, 5, 6, 0, 0], &[20, 21, 22, 23, 12, 13, 14, 15])
+            .unwrap(),
+        4
+    );
+    assert_eq!(c.total_size(), 12);
+    assert_eq!(
+        c.match_prefix(&[1, 2, 3, 4, 5, 6, 0, 0, 1]).indices,
+        vec![4, 5, 6, 7, 12, 13, 14, 15]
+    );
+    c.check_integrity().unwrap();
+}
+
+#[test]
+fn evict_frees_whole_pages_lru_first() {
+    let mut a = TokenToKVPoolAllocator::new(16, 4).unwrap();
+    let mut c = RadixCache::new(4, false).unwrap();
+    let x = a.alloc(8).unwrap(); // slots 4..12
+    let y = a.alloc(4).unwrap(); // slots 12..16
+    c.insert(&[1, 1, 1, 1, 2, 2, 2, 2], &x).unwrap();
+    c.insert(&[3, 3, 3, 3], &y).unwrap();
+    c.match_prefix(&[1, 1, 1, 1, 2, 2, 2, 2]); // [3 3 3 3] is now the LRU leaf
+    assert_eq!(c.evict(1, &mut a).unwrap(), 4);
+    assert!(a.is_free(12) && !a.is_free(4));
+    assert_eq!(c.evict(100, &mut a).unwrap(), 8);
+    assert_eq!(
+        (a.available_size(), c.total_size(), c.num_nodes()),
+        (16, 0, 1)
+    );
+    c.check_integrity().unwrap();
 }
 
 #[test]
@@ -99,7 +149,7 @@ fn lock_moves_tokens_between_evictable_and_protected() {
 
 #[test]
 fn evict_is_lru_and_skips_locked_nodes() {
-    let mut alloc = TokenToKVPoolAllocator::new(10);
+    let mut alloc = TokenToKVPoolAllocator::new(10, 1).unwrap();
     let mut c = cache();
     let a = alloc.alloc(3).unwrap(); // 1 2 3
     let b = alloc.alloc(2).unwrap(); // 4 5
@@ -136,7 +186,7 @@ fn evict_is_lru_and_skips_locked_nodes() {
 
 #[test]
 fn evict_prefers_older_access() {
-    let mut alloc = TokenToKVPoolAllocator::new(4);
+    let mut alloc = TokenToKVPoolAllocator::new(4, 1).unwrap();
     let mut c = cache();
     c.insert(&[1], &alloc.alloc(1).unwrap()).unwrap(); // slot 1
     c.insert(&[2], &alloc.alloc(1).unwrap()).unwrap(); // slot 2
@@ -151,7 +201,7 @@ fn evict_prefers_older_access() {
 
 #[test]
 fn reset_frees_everything() {
-    let mut alloc = TokenToKVPoolAllocator::new(6);
+    let mut alloc = TokenToKVPoolAllocator::new(6, 1).unwrap();
     let mut c = cache();
     c.insert(&[1, 2, 3], &alloc.alloc(3).unwrap()).unwrap();
     c.insert(&[1, 5], &alloc.alloc(2).unwrap()).unwrap();

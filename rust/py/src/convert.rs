@@ -5,12 +5,14 @@
 //! write to a buffer while Rust reads it. Outputs are handed to numpy without a copy.
 
 use numpy::{PyArray1, PyReadonlyArray1};
-use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
+
+use crate::errors::ShapeError;
 
 /// Reads a 1-D integer sequence as `i64`.
 ///
-/// Raises `TypeError` for non-integer input (floats are refused rather than truncated).
+/// Raises `ShapeError` for non-integer or non-1-D input (floats are refused rather than
+/// truncated).
 pub fn i64_vec(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
     if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
         return Ok(a.as_array().to_vec());
@@ -26,7 +28,7 @@ pub fn i64_vec(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
     let kind: String = arr.getattr("dtype")?.getattr("kind")?.extract()?;
     let ndim: usize = arr.getattr("ndim")?.extract()?;
     if !matches!(kind.as_str(), "i" | "u") || ndim != 1 {
-        return Err(PyTypeError::new_err(format!(
+        return Err(ShapeError::new_err(format!(
             "expected a 1-D sequence of integers, got {} with dtype kind '{kind}' and ndim {ndim}",
             obj.get_type().name()?
         )));
@@ -36,7 +38,7 @@ pub fn i64_vec(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
     Ok(a.as_array().to_vec())
 }
 
-/// Reads a 1-D integer sequence of token ids as `i32`; `ValueError` if one does not fit.
+/// Reads a 1-D integer sequence of token ids as `i32`; `ShapeError` if one does not fit.
 pub fn i32_vec(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i32>> {
     if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i32>>() {
         return Ok(a.as_array().to_vec());
@@ -44,19 +46,18 @@ pub fn i32_vec(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i32>> {
     i64_vec(obj)?
         .into_iter()
         .map(|x| {
-            i32::try_from(x)
-                .map_err(|_| PyValueError::new_err(format!("token id {x} overflows i32")))
+            i32::try_from(x).map_err(|_| ShapeError::new_err(format!("token id {x} overflows i32")))
         })
         .collect()
 }
 
-/// Reads a 1-D integer sequence of indices or lengths; `ValueError` on a negative entry.
+/// Reads a 1-D integer sequence of indices or lengths; `ShapeError` on a negative entry.
 pub fn usize_vec(obj: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
     i64_vec(obj)?
         .into_iter()
         .map(|x| {
             usize::try_from(x)
-                .map_err(|_| PyValueError::new_err(format!("negative index or length {x}")))
+                .map_err(|_| ShapeError::new_err(format!("negative index or length {x}")))
         })
         .collect()
 }
@@ -64,4 +65,14 @@ pub fn usize_vec(obj: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
 /// Hands `v` to numpy as a 1-D int64 array without copying its elements.
 pub fn to_array(py: Python<'_>, v: Vec<i64>) -> Bound<'_, PyArray1<i64>> {
     PyArray1::from_vec(py, v)
+}
+
+/// Reads a 1-D integer sequence of request ids; `ShapeError` on a negative entry.
+pub fn u64_vec(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+    i64_vec(obj)?
+        .into_iter()
+        .map(|x| {
+            u64::try_from(x).map_err(|_| ShapeError::new_err(format!("negative request id {x}")))
+        })
+        .collect()
 }

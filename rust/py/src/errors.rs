@@ -18,7 +18,13 @@ create_exception!(
     pyserve._rs,
     UnknownRequestError,
     CoreError,
-    "A req_pool_idx or radix cache node id that is not allocated / not live."
+    "A request id, req_pool_idx or radix cache node id that is not admitted / not live."
+);
+create_exception!(
+    pyserve._rs,
+    DuplicateRequestError,
+    CoreError,
+    "A request id given twice where it must appear once (e.g. twice in one batch)."
 );
 create_exception!(
     pyserve._rs,
@@ -30,7 +36,8 @@ create_exception!(
     pyserve._rs,
     ShapeError,
     CoreError,
-    "Inputs of mismatched lengths, or an index/length outside its valid range."
+    "Bad array input: mismatched lengths, wrong dtype or dimensions, a negative or
+out-of-range index or length."
 );
 create_exception!(
     pyserve._rs,
@@ -43,7 +50,10 @@ create_exception!(
 pub fn to_py_err(e: RsError) -> PyErr {
     let msg = e.to_string();
     match e {
-        RsError::UnknownNode(_) | RsError::UnknownReqSlot(_) => UnknownRequestError::new_err(msg),
+        RsError::UnknownNode(_) | RsError::UnknownReqSlot(_) | RsError::UnknownReq(_) => {
+            UnknownRequestError::new_err(msg)
+        }
+        RsError::DuplicateReq(_) => DuplicateRequestError::new_err(msg),
         RsError::DoubleFree(_) => DoubleFreeError::new_err(msg),
         RsError::OutOfRange { .. } | RsError::ShapeMismatch(_) => ShapeError::new_err(msg),
         RsError::LockUnderflow(_) | RsError::Invariant(_) => InvariantError::new_err(msg),
@@ -67,6 +77,10 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("CoreError", py.get_type::<CoreError>())?;
     m.add("UnknownRequestError", py.get_type::<UnknownRequestError>())?;
+    m.add(
+        "DuplicateRequestError",
+        py.get_type::<DuplicateRequestError>(),
+    )?;
     m.add("DoubleFreeError", py.get_type::<DoubleFreeError>())?;
     m.add("ShapeError", py.get_type::<ShapeError>())?;
     m.add("InvariantError", py.get_type::<InvariantError>())?;

@@ -4,21 +4,16 @@
 //! to the exception hierarchy in `errors.rs`. All logic and its tests live in `rust/core`.
 //! Only the scheduler (loop) thread may call into these objects (DESIGN.md section 1).
 
-mod batch;
 mod convert;
 mod errors;
-mod pools;
-mod radix;
+mod kv_cache;
 
 use pyo3::prelude::*;
 
 #[pymodule]
 fn _rs(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<pools::TokenToKVPoolAllocator>()?;
-    m.add_class::<pools::ReqToTokenPool>()?;
-    m.add_class::<radix::RadixCache>()?;
-    m.add_function(wrap_pyfunction!(batch::prepare_extend, m)?)?;
-    m.add_function(wrap_pyfunction!(batch::prepare_decode, m)?)?;
+    m.add_class::<kv_cache::KVCache>()?;
+    m.add_class::<kv_cache::BatchArrays>()?;
     errors::register(m)?;
     Ok(())
 }

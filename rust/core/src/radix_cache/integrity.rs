@@ -1,5 +1,6 @@
 //! Consistency check of the radix tree, for tests and debug builds of the scheduler.
 
+use std::cmp::Reverse;
 use std::collections::HashSet;
 
 use super::{RadixCache, ROOT};
@@ -13,14 +14,17 @@ impl RadixCache {
     /// Recomputes everything the tree caches about itself and compares.
     ///
     /// Checks: every live node is reachable from the root exactly once and dead ids are on the
-    /// free list; parent/child links agree; each non-root key is non-empty, as long as its
-    /// value, and filed under its first token; no KV slot appears twice or is below 1; a
+    /// free list; parent/child links agree; each non-root key is a non-empty whole number of
+    /// pages, as long as its value, and filed under its first page; each value is a run of
+    /// whole pages (`p * page_size + 0, 1, ...`); no KV slot appears twice or lies in the
+    /// reserved page 0; every unlocked leaf has a valid entry in the LRU heap; a
     /// node's `lock_ref` is at least the sum of its children's (every lock passing through a
     /// child also counts on the parent); `evictable_size` / `protected_size` equal the sums
     /// over unlocked / locked nodes. Mutates nothing.
     ///
     /// Errors: [`CoreError::Invariant`] naming the first violation found.
     pub fn check_integrity(&self) -> CoreResult<()> {
+        let ps = self.page_size();
         let root = &self.nodes[ROOT];
         if !root.live || !root.key.is_empty() || !root.value.is_empty() || root.lock_ref != 0 {
             return Err(broken("root must be live, empty and unlocked".into()));
@@ -32,7 +36,7 @@ impl RadixCache {
         while let Some(id) = stack.pop() {
             let node = &self.nodes[id];
             let mut child_locks = 0;
-            for (&first, &c) in &node.children {
+            for (first, &c) in &node.children {
                 let child = self
                     .nodes
                     .get(c)
@@ -44,15 +48,21 @@ impl RadixCache {
                 if child.parent != id {
                     return Err(broken(format!("node {c} parent {} != {id}", child.parent)));
                 }
-                if child.key.is_empty() || child.key[0] != first {
-                    return Err(broken(format!("node {c} filed under wrong token {first}")));
+                if child.key.is_empty() || child.key.len() % ps != 0 || child.key[..ps] != **first {
+                    return Err(broken(format!(
+                        "node {c} empty, not whole pages or misfiled"
+                    )));
                 }
                 if child.key.len() != child.value.len() {
                     return Err(broken(format!("node {c} key/value lengths differ")));
                 }
-                for &s in &child.value {
-                    if s < 1 || !seen_slots.insert(s) {
-                        return Err(broken(format!("slot {s} invalid or held twice")));
+                for (i, &s) in child.value.iter().enumerate() {
+                    let page_start = child.value[i - i % ps];
+                    let whole = page_start % ps as i64 == 0 && s == page_start + (i % ps) as i64;
+                    if s < ps as i64 || !whole || !seen_slots.insert(s) {
+                        return Err(broken(format!(
+                            "node {c}: slot {s} invalid, not paged or held twice"
+                        )));
                     }
                 }
                 if child.lock_ref > 0 {
@@ -81,6 +91,15 @@ impl RadixCache {
         }
         if self.free_nodes.iter().any(|&f| self.nodes[f].live) {
             return Err(broken("a live node is on the free list".into()));
+        }
+        let entries: HashSet<(u64, u64, usize)> = self.lru.iter().map(|Reverse(e)| *e).collect();
+        for (id, n) in self.nodes.iter().enumerate() {
+            let leaf = id != ROOT && n.live && n.children.is_empty() && n.lock_ref == 0;
+            if leaf && !entries.contains(&(n.last_access, n.heap_stamp, id)) {
+                return Err(broken(format!(
+                    "unlocked leaf {id} has no valid LRU heap entry"
+                )));
+            }
         }
         if evictable != self.evictable_size || protected != self.protected_size {
             return Err(broken(format!(

@@ -1,0 +1,243 @@
+//! Python classes `KVCache` and `BatchArrays`: thin wrappers over `pyserve_core::KVCache`.
+//!
+//! Every call converts its inputs first, then runs the core with the GIL released, then
+//! hands the output vectors to numpy without copying their elements.
+
+use numpy::PyArray1;
+use pyo3::prelude::*;
+use pyserve_core as rs;
+
+use crate::convert::{i32_vec, to_array, u64_vec, usize_vec};
+use crate::errors::IntoPyResult;
+
+/// All arrays of one forward batch (1-D int64 numpy arrays; see `rs::BatchArrays`).
+#[pyclass(module = "pyserve._rs", name = "BatchArrays", frozen)]
+pub struct BatchArrays {
+    #[pyo3(get)]
+    req_pool_indices: Py<PyArray1<i64>>,
+    #[pyo3(get)]
+    prefix_lens: Py<PyArray1<i64>>,
+    #[pyo3(get)]
+    extend_lens: Py<PyArray1<i64>>,
+    #[pyo3(get)]
+    seq_lens: Py<PyArray1<i64>>,
+    #[pyo3(get)]
+    out_cache_loc: Py<PyArray1<i64>>,
+    #[pyo3(get)]
+    positions: Py<PyArray1<i64>>,
+    #[pyo3(get)]
+    kv_indptr: Py<PyArray1<i64>>,
+    #[pyo3(get)]
+    kv_indices: Py<PyArray1<i64>>,
+}
+
+impl BatchArrays {
+    fn new(py: Python<'_>, a: rs::BatchArrays) -> Self {
+        let arr = |v: Vec<i64>| to_array(py, v).unbind();
+        Self {
+            req_pool_indices: arr(a.req_pool_indices),
+            prefix_lens: arr(a.prefix_lens),
+            extend_lens: arr(a.extend_lens),
+            seq_lens: arr(a.seq_lens),
+            out_cache_loc: arr(a.out_cache_loc),
+            positions: arr(a.positions),
+            kv_indptr: arr(a.kv_indptr),
+            kv_indices: arr(a.kv_indices),
+        }
+    }
+}
+
+#[pymethods]
+impl BatchArrays {
+    fn __repr__(&self, py: Python<'_>) -> String {
+        format!(
+            "BatchArrays(batch_size={})",
+            self.req_pool_indices.bind(py).len().unwrap_or(0)
+        )
+    }
+}
+
+/// KV pages, request rows, radix cache and admitted requests (see `rs::KVCache`).
+#[pyclass(module = "pyserve._rs", name = "KVCache")]
+pub struct KVCache {
+    inner: rs::KVCache,
+}
+
+#[pymethods]
+impl KVCache {
+    #[new]
+    #[pyo3(signature = (max_total_tokens, num_rows, max_context_len, page_size = 1, disable_radix_cache = false))]
+    fn new(
+        max_total_tokens: usize,
+        num_rows: usize,
+        max_context_len: usize,
+        page_size: usize,
+        disable_radix_cache: bool,
+    ) -> PyResult<Self> {
+        let inner = rs::KVCache::new(
+            max_total_tokens,
+            page_size,
+            num_rows,
+            max_context_len,
+            disable_radix_cache,
+        )
+        .py()?;
+        Ok(Self { inner })
+    }
+
+    #[getter]
+    fn page_size(&self) -> usize {
+        self.inner.page_size()
+    }
+
+    #[getter]
+    fn max_total_tokens(&self) -> usize {
+        self.inner.alloc.size()
+    }
+
+    #[getter]
+    fn num_slot_rows(&self) -> usize {
+        self.inner.alloc.num_slot_rows()
+    }
+
+    #[getter]
+    fn disable_radix_cache(&self) -> bool {
+        self.inner.tree.disabled()
+    }
+
+    fn free_size(&self) -> usize {
+        self.inner.alloc.available_size()
+    }
+
+    fn available_size(&self) -> usize {
+        self.inner.available_size()
+    }
+
+    fn evictable_size(&self) -> usize {
+        self.inner.tree.evictable_size()
+    }
+
+    fn protected_size(&self) -> usize {
+        self.inner.tree.protected_size()
+    }
+
+    fn num_nodes(&self) -> usize {
+        self.inner.tree.num_nodes()
+    }
+
+    fn num_reqs(&self) -> usize {
+        self.inner.num_reqs()
+    }
+
+    fn free_rows(&self) -> usize {
+        self.inner.req_pool.available_size()
+    }
+
+    fn match_prefix<'py>(
+        &mut self,
+        py: Python<'py>,
+        key: &Bound<'py, PyAny>,
+    ) -> PyResult<(Bound<'py, PyArray1<i64>>, usize)> {
+        let key = i32_vec(key)?;
+        let inner = &mut self.inner;
+        let m = py.detach(move || inner.match_prefix(&key));
+        Ok((to_array(py, m.indices), m.last_node))
+    }
+
+    fn add_req(
+        &mut self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<(u64, usize, usize)>> {
+        let key = i32_vec(key)?;
+        let inner = &mut self.inner;
+        let r = py.detach(move || inner.add_req(&key)).py()?;
+        Ok(r.map(|a| (a.req_id, a.req_pool_idx, a.prefix_len)))
+    }
+
+    fn prepare_extend(
+        &mut self,
+        py: Python<'_>,
+        req_ids: &Bound<'_, PyAny>,
+        extend_lens: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<BatchArrays>> {
+        let (ids, lens) = (u64_vec(req_ids)?, usize_vec(extend_lens)?);
+        let inner = &mut self.inner;
+        let out = py.detach(move || inner.prepare_extend(&ids, &lens)).py()?;
+        Ok(out.map(|a| BatchArrays::new(py, a)))
+    }
+
+    fn prepare_decode(
+        &mut self,
+        py: Python<'_>,
+        req_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<BatchArrays>> {
+        let ids = u64_vec(req_ids)?;
+        let inner = &mut self.inner;
+        let out = py.detach(move || inner.prepare_decode(&ids)).py()?;
+        Ok(out.map(|a| BatchArrays::new(py, a)))
+    }
+
+    fn cache_unfinished_req(
+        &mut self,
+        py: Python<'_>,
+        req_id: u64,
+        token_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let tokens = i32_vec(token_ids)?;
+        let inner = &mut self.inner;
+        py.detach(move || inner.cache_unfinished_req(req_id, &tokens))
+            .py()
+    }
+
+    fn cache_finished_req(
+        &mut self,
+        py: Python<'_>,
+        req_id: u64,
+        token_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<bool> {
+        let tokens = i32_vec(token_ids)?;
+        let inner = &mut self.inner;
+        py.detach(move || inner.cache_finished_req(req_id, &tokens))
+            .py()
+    }
+
+    fn abort_req(&mut self, py: Python<'_>, req_id: u64) -> PyResult<bool> {
+        let inner = &mut self.inner;
+        py.detach(move || inner.abort_req(req_id)).py()
+    }
+
+    fn req_info(&self, req_id: u64) -> PyResult<(usize, usize, usize, usize)> {
+        let r = self.inner.req(req_id).py()?;
+        Ok((r.req_pool_idx, r.prefix_len, r.kv_len, r.last_node))
+    }
+
+    fn req_slots<'py>(&self, py: Python<'py>, req_id: u64) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        Ok(PyArray1::from_slice(py, self.inner.req_slots(req_id).py()?))
+    }
+
+    fn evict(&mut self, py: Python<'_>, num_tokens: usize) -> PyResult<usize> {
+        let inner = &mut self.inner;
+        py.detach(move || inner.evict(num_tokens)).py()
+    }
+
+    fn reset(&mut self) -> PyResult<()> {
+        self.inner.reset().py()
+    }
+
+    fn check_integrity(&self, py: Python<'_>) -> PyResult<()> {
+        let inner = &self.inner;
+        py.detach(move || inner.check_integrity()).py()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "KVCache(page_size={}, free={}, evictable={}, protected={}, reqs={})",
+            self.inner.page_size(),
+            self.inner.alloc.available_size(),
+            self.inner.tree.evictable_size(),
+            self.inner.tree.protected_size(),
+            self.inner.num_reqs()
+        )
+    }
+}
