@@ -1,6 +1,7 @@
 """Workloads of the bench tool: lists of (prompt, prompt_len, output_len) built from a seed.
 
-* random: prompts of random token ids (special tokens excluded) decoded to text. Lengths use
+* random: prompts of random token ids (special and byte-fallback tokens excluded) decoded to text (then
+  re-encoded and cut to length, a few rounds, see _random_text). Lengths use
   SGLang's range convention: input and output lengths are drawn uniformly from the integers
   [max(1, int(len * range_ratio)), len]; range_ratio 1.0 gives exactly len, 0.0 gives 1..len.
   The decoded text is re-encoded and prompt_len is the re-encoded length (decode/encode is not
@@ -21,8 +22,12 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from dataclasses import dataclass
 from typing import Any
+
+
+_BYTE_PIECE = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
 
 
 class DatasetError(ValueError):
@@ -43,12 +48,27 @@ def _count(tokenizer: Any, text: str) -> int:
 
 
 def _regular_token_ids(tokenizer: Any) -> list[int]:
+    """Ids of the vocabulary without special tokens and without byte-fallback tokens
+    (`<0x41>`: alone they decode to replacement characters that re-encode longer)."""
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
-    return [i for i in range(len(tokenizer)) if i not in special]
+    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return [i for i, piece in enumerate(pieces)
+            if i not in special and not (isinstance(piece, str) and _BYTE_PIECE.match(piece))]
 
 
 def _random_text(tokenizer: Any, rng: random.Random, vocab: list[int], num_tokens: int) -> str:
-    return tokenizer.decode([rng.choice(vocab) for _ in range(num_tokens)], skip_special_tokens=True)
+    """Text of about num_tokens tokens: random ids decoded, re-encoded and cut (or extended)
+    to num_tokens, a few rounds, because decoding random ids (byte tokens, merges) and
+    re-encoding the text rarely gives back the same count."""
+    ids = [rng.choice(vocab) for _ in range(num_tokens)]
+    text = ""
+    for _ in range(4):
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) == num_tokens:
+            break
+        ids = ids[:num_tokens] + [rng.choice(vocab) for _ in range(num_tokens - len(ids))]
+    return text
 
 
 def lens_in_range(rng: random.Random, length: int, range_ratio: float, n: int) -> list[int]:

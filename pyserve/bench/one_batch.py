@@ -5,8 +5,8 @@ each (batch_size, input_len, output_len) case, batch_size requests of input_len 
 ids are prefilled in one EXTEND forward + greedy sample, then output_len - 1 DECODE steps
 each add one token per request. Reported: prefill latency (ms) and throughput
 (batch_size * input_len / prefill time), median decode step latency (ms) and decode
-throughput (batch_size / step time), and the total. A warm-up pass of the first case runs
-first and is not reported. On CUDA each timing is bracketed by torch.cuda.synchronize().
+throughput (batch_size / step time), and the total. A short warm-up pass of every case
+(output_len capped at 4) runs first and is not reported. On CUDA each timing is bracketed by torch.cuda.synchronize().
 """
 
 from __future__ import annotations
@@ -135,8 +135,8 @@ def run_one_batch(args: Any) -> list[dict[str, Any]]:
     for b, i, o in cases:
         if i + o > context_len:
             raise BenchError(f"--input-len {i} + --output-len {o} exceeds the context length {context_len}")
-    b, i, o = cases[0]
-    run_case(runner, b, i, min(o, 4), args.seed)  # warm-up
+    for b, i, o in cases:  # warm-up: first-use costs (allocations, thread pools) stay out
+        run_case(runner, b, i, min(o, 4), args.seed)
     header = (f"{'batch':>6}{'input':>7}{'output':>7}{'prefill ms':>12}{'prefill tok/s':>15}"
               f"{'decode ms':>11}{'decode tok/s':>14}{'total ms':>11}")
     print(f"pyserve bench one-batch: {model_path} on {runner.device} ({str(runner.dtype).removeprefix('torch.')})")

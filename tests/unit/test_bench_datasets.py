@@ -39,6 +39,8 @@ def test_random_dataset(tok) -> None:
     assert len(rows) == 6 and all(r.output_len == 8 for r in rows)
     for r in rows:
         assert r.prompt_len == len(tok.encode(r.prompt, add_special_tokens=False))
+    assert [r.prompt_len for r in rows] == [20] * 6  # re-encoded texts keep the drawn length
+    assert "\ufffd" not in "".join(r.prompt for r in rows)  # no lone byte-fallback tokens
     assert ds.sample_random(tok, 6, 20, 8, 1.0, seed=5) == rows
     assert ds.sample_random(tok, 6, 20, 8, 1.0, seed=6) != rows
     varied = ds.sample_random(tok, 50, 20, 8, 0.5, seed=5)
