@@ -107,7 +107,7 @@ def sample_sharegpt(tokenizer: Any, path: str, num_prompts: int, seed: int,
         if isinstance(turns, list) and len(turns) >= 2 and all(isinstance(t, dict) for t in turns[:2]):
             pairs.append((str(turns[0].get("value", "")), str(turns[1].get("value", ""))))
     random.Random(seed).shuffle(pairs)
-    rows = []
+    rows: list[DatasetRow] = []
     for prompt, reply in pairs:
         if len(rows) == num_prompts:
             break
@@ -128,7 +128,7 @@ def sample_generated_shared_prefix(tokenizer: Any, num_groups: int, prompts_per_
                                    seed: int) -> list[DatasetRow]:
     rng = random.Random(seed)
     vocab = _regular_token_ids(tokenizer)
-    rows = []
+    rows: list[DatasetRow] = []
     for _ in range(num_groups):
         system = _random_text(tokenizer, rng, vocab, system_prompt_len)
         for _ in range(prompts_per_group):
@@ -139,7 +139,7 @@ def sample_generated_shared_prefix(tokenizer: Any, num_groups: int, prompts_per_
 
 
 def load_jsonl(tokenizer: Any, path: str, num_prompts: int) -> list[DatasetRow]:
-    rows = []
+    rows: list[DatasetRow] = []
     try:
         with open(path, encoding="utf-8") as f:
             for line_no, line in enumerate(f, 1):

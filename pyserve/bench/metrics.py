@@ -91,7 +91,7 @@ def latency_stats(values_ms: list[float]) -> dict[str, float | None]:
     if not values_ms:
         return {k: None for k in keys}
     arr = np.asarray(values_ms, dtype=np.float64)
-    out = {"mean": float(arr.mean()), "median": float(np.median(arr))}
+    out: dict[str, float | None] = {"mean": float(arr.mean()), "median": float(np.median(arr))}
     for p in PERCENTILES:
         out[f"p{p}"] = float(np.percentile(arr, p))
     out["max"] = float(arr.max())

@@ -52,7 +52,11 @@ def run_case(runner: Any, batch_size: int, input_len: int, output_len: int, seed
     device = runner.device
     vocab = runner.model_config.vocab_size
     kv = KVCache(runner.max_total_num_tokens, batch_size, input_len + output_len, disable_radix_cache=True)
-    rows = [int(kv.req_to_token_pool.alloc()) for _ in range(batch_size)]
+    rows = []
+    for _ in range(batch_size):
+        idx = kv.req_to_token_pool.alloc()
+        assert idx is not None  # the KVCache was sized for batch_size rows
+        rows.append(int(idx))
 
     def t(x: Any) -> torch.Tensor:
         return torch.as_tensor(x, dtype=torch.int64).to(device)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 
@@ -54,12 +55,24 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _strict_json(obj: Any) -> Any:
+    """`obj` with non-finite floats as strings ("inf"): strict JSON readers reject Infinity."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _strict_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_strict_json(v) for v in obj]
+    return obj
+
+
 def write_result(path: str, result: dict[str, Any]) -> None:
-    """Append `result` as one JSON line to `path` (created if missing)."""
+    """Append `result` as one JSON line to `path` (created if missing); non-finite floats
+    (`--request-rate inf`) are written as strings."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(result, sort_keys=True) + "\n")
+        f.write(json.dumps(_strict_json(result), sort_keys=True, allow_nan=False) + "\n")
 
 
 def plot_distributions(path: str, records: list[RequestRecord], title: str) -> None:

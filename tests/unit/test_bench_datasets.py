@@ -177,7 +177,7 @@ def test_table_and_jsonl(tmp_path) -> None:
     write_result(str(path), result)
     lines = path.read_text().splitlines()
     assert len(lines) == 2 and json.loads(lines[0])["metrics"]["completed"] == 2
-    assert json.loads(lines[1])["config"]["request_rate"] == float("inf")
+    assert json.loads(lines[1])["config"]["request_rate"] == "inf"  # strict JSON: no Infinity
 
 
 def test_plot_writes_png(tmp_path) -> None:
