@@ -94,7 +94,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser(prog: str = "pyserve bench") -> OneLineArgumentParser:
     parser = OneLineArgumentParser(prog=prog, description="pyserve's load and latency tool")
-    sub = parser.add_subparsers(dest="bench_command", required=True, parser_class=OneLineArgumentParser)
+    sub = parser.add_subparsers(dest="bench_command", metavar="{serve,offline,one-batch}", required=True,
+                                parser_class=OneLineArgumentParser)
     serve = sub.add_parser("serve", help="load a running server (pyserve or OpenAI-compatible)")
     add_serve_args(serve)
     offline = sub.add_parser("offline", help="in-process Engine throughput on a workload")
