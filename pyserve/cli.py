@@ -1,4 +1,5 @@
-"""The `pyserve` command: `pyserve serve [flags]` (also `python -m pyserve serve`)."""
+"""The `pyserve` command: `pyserve serve [flags]` (also `python -m pyserve serve`) and
+`pyserve bench {serve,offline,one-batch} [flags]` (see pyserve.bench.cli)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model over HTTP (native and OpenAI APIs)")
     ServerArgs.add_cli_args(serve)
+    # Listed for --help only: main() hands `bench ...` to pyserve.bench.cli before parsing.
+    sub.add_parser("bench", help="benchmark: serve (load a server), offline (Engine), one-batch",
+                   add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "bench":
+        from pyserve.bench.cli import main as bench_main
+
+        return bench_main(argv[1:], prog="pyserve bench")
     parser = build_parser()
     ns = parser.parse_args(argv)
     if ns.command == "serve":

@@ -1,0 +1,157 @@
+"""HTTP clients of the bench tool: one streamed request to a target, timed chunk by chunk.
+
+Backends: `pyserve` (native POST /generate, SGLang's shape), `openai` (POST /v1/completions)
+and `openai-chat` (POST /v1/chat/completions). Every request streams (SSE), asks for greedy
+sampling (temperature 0) and, unless told otherwise, `ignore_eos` so outputs have the
+requested length; OpenAI requests ask for `stream_options.include_usage`.
+
+A `RawResult` keeps what arrived: per SSE event its arrival time, its text delta and, when the
+server says so (pyserve's native stream reports the cumulative `completion_tokens`), its
+token count. Turning that into token counts is pyserve.bench.serve's job, after the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+BACKENDS = ("pyserve", "openai", "openai-chat")
+
+
+@dataclass
+class RawChunk:
+    """One SSE event that added output: arrival time (perf_counter s), the text it added, and
+    the number of tokens it added when the server reports it (else None)."""
+
+    time_s: float
+    text: str
+    num_tokens: int | None = None
+
+
+@dataclass
+class RawResult:
+    """What one request returned. usage: (prompt_tokens, completion_tokens) if reported."""
+
+    start_s: float
+    end_s: float = 0.0
+    chunks: list[RawChunk] = field(default_factory=list)
+    usage: tuple[int, int] | None = None
+    error: str | None = None
+    error_detail: str = ""
+
+    @property
+    def text(self) -> str:
+        return "".join(c.text for c in self.chunks)
+
+
+@dataclass
+class RequestSpec:
+    """Everything a backend needs to send one request."""
+
+    prompt: str
+    output_len: int
+    model: str | None
+    ignore_eos: bool = True
+    extra_body: dict[str, Any] = field(default_factory=dict)
+
+
+def request_url_and_body(backend: str, base_url: str, spec: RequestSpec) -> tuple[str, dict[str, Any]]:
+    """The URL and JSON body of `spec` for `backend`."""
+    if backend == "pyserve":
+        body: dict[str, Any] = {"text": spec.prompt, "stream": True, "sampling_params": {
+            "max_new_tokens": spec.output_len, "temperature": 0.0, "ignore_eos": spec.ignore_eos}}
+        body["sampling_params"].update(spec.extra_body)
+        return base_url + "/generate", body
+    body = {"model": spec.model, "max_tokens": spec.output_len, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if spec.ignore_eos:
+        body["ignore_eos"] = True
+    if backend == "openai":
+        body["prompt"] = spec.prompt
+        path = "/v1/completions"
+    else:
+        body["messages"] = [{"role": "user", "content": spec.prompt}]
+        path = "/v1/chat/completions"
+    body.update(spec.extra_body)
+    return base_url + path, body
+
+
+class _StreamState:
+    """Folds SSE events of one backend into a RawResult."""
+
+    def __init__(self, backend: str, result: RawResult) -> None:
+        self.backend = backend
+        self.result = result
+        self.prev_text = ""
+        self.prev_tokens = 0
+
+    def add(self, event: dict[str, Any], now: float) -> None:
+        if "error" in event:
+            err = event["error"]
+            raise _StreamError(err.get("message", str(err)) if isinstance(err, dict) else str(err))
+        if self.backend == "pyserve":
+            text, meta = event["text"], event["meta_info"]
+            n = int(meta["completion_tokens"])
+            if n > self.prev_tokens:
+                self.result.chunks.append(RawChunk(now, text[len(self.prev_text):], n - self.prev_tokens))
+            self.prev_text, self.prev_tokens = text, max(n, self.prev_tokens)
+            self.result.usage = (int(meta["prompt_tokens"]), n)
+            return
+        usage = event.get("usage")
+        if usage:
+            self.result.usage = (int(usage["prompt_tokens"]), int(usage["completion_tokens"]))
+        for choice in event.get("choices") or []:
+            if self.backend == "openai":
+                delta = choice.get("text") or ""
+            else:
+                delta = (choice.get("delta") or {}).get("content") or ""
+            if delta:
+                self.result.chunks.append(RawChunk(now, delta))
+
+
+class _StreamError(Exception):
+    pass
+
+
+async def send_request(session: aiohttp.ClientSession, backend: str, base_url: str,
+                       spec: RequestSpec, headers: dict[str, str]) -> RawResult:
+    """Send `spec`, read its SSE stream to the end; never raises for request failures (they
+    become RawResult.error: "http_<status>", "connection", "timeout", "stream_error",
+    "bad_response")."""
+    url, body = request_url_and_body(backend, base_url, spec)
+    result = RawResult(start_s=time.perf_counter())
+    state = _StreamState(backend, result)
+    try:
+        async with session.post(url, json=body, headers=headers) as resp:
+            if resp.status != 200:
+                result.error = f"http_{resp.status}"
+                result.error_detail = (await resp.text())[:300]
+                return result
+            done = False
+            async for raw_line in resp.content:
+                line = raw_line.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    done = True
+                    break
+                state.add(json.loads(data), time.perf_counter())
+            if not done:
+                result.error, result.error_detail = "stream_error", "stream ended without [DONE]"
+    except _StreamError as exc:
+        result.error, result.error_detail = "stream_error", str(exc)[:300]
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        result.error, result.error_detail = "bad_response", f"{type(exc).__name__}: {exc}"[:300]
+    except asyncio.TimeoutError:
+        result.error, result.error_detail = "timeout", "request timed out"
+    except aiohttp.ClientError as exc:
+        result.error, result.error_detail = "connection", f"{type(exc).__name__}: {exc}"[:300]
+    finally:
+        result.end_s = time.perf_counter()
+    return result

@@ -1,0 +1,184 @@
+"""Command line of the bench tool: `pyserve bench {serve,offline,one-batch} [flags]`
+(also `python -m pyserve.bench ...`).
+
+Flag names follow SGLang's bench_serving / bench_offline_throughput / bench_one_batch where
+they exist. Every failure the user can cause (a bad flag, an unreachable server, a missing
+file) ends with ONE line on stderr and a non-zero exit status: 2 for flags, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Any, NoReturn
+
+from pyserve.bench.backends import BACKENDS
+from pyserve.bench.load import TOKEN_COUNT_SOURCES
+
+DATASETS = ("random", "sharegpt", "generated-shared-prefix", "jsonl")
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (no usage block) and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return obj
+
+
+def add_dataset_args(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument
+    a("--dataset-name", choices=DATASETS, default="random",
+      help="workload (see pyserve/bench/datasets.py); default random")
+    a("--dataset-path", default=None, help="local file for sharegpt (JSON) and jsonl; nothing is downloaded")
+    a("--num-prompts", type=int, default=1000, help="requests in the timed run (not generated-shared-prefix)")
+    a("--seed", type=int, default=1, help="seed of the workload and of the arrival times")
+    a("--random-input-len", type=int, default=1024)
+    a("--random-output-len", type=int, default=1024)
+    a("--random-range-ratio", type=float, default=0.0,
+      help="lengths are uniform integers in [max(1, int(len * ratio)), len]; 1.0 = fixed lengths")
+    a("--sharegpt-output-len", type=int, default=None, help="output length of every sharegpt request")
+    a("--sharegpt-context-len", type=int, default=None, help="skip pairs longer than this in total")
+    a("--gsp-num-groups", type=int, default=64)
+    a("--gsp-prompts-per-group", type=int, default=16)
+    a("--gsp-system-prompt-len", type=int, default=2048)
+    a("--gsp-question-len", type=int, default=128)
+    a("--gsp-output-len", type=int, default=256)
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument
+    a("--backend", choices=BACKENDS, default="pyserve",
+      help="pyserve: POST /generate; openai: /v1/completions; openai-chat: /v1/chat/completions")
+    a("--base-url", default=None, help="e.g. http://127.0.0.1:30000 (overrides --host/--port)")
+    a("--host", default="127.0.0.1")
+    a("--port", type=int, default=30000)
+    a("--model", default=None, help="model name sent to OpenAI routes; default: first id of GET /v1/models")
+    a("--tokenizer", default=None,
+      help="tokenizer (HF folder or .gguf) for the workload and token counts; default: the model "
+           "path the server reports, if it exists here")
+    a("--api-key", default=None, help="bearer token; default: $OPENAI_API_KEY")
+    add_dataset_args(p)
+    a("--request-rate", type=float, default=math.inf, help="requests per second; inf sends all at once")
+    a("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps; 1.0 = Poisson")
+    a("--max-concurrency", type=int, default=None, help="most requests in flight at once")
+    a("--warmup-requests", type=int, default=1, help="requests sent before the timed run, not counted")
+    a("--disable-ignore-eos", action="store_true", help="let requests stop at EOS")
+    a("--extra-request-body", type=_json_object, default={},
+      help="JSON object merged into each request body (pyserve backend: into sampling_params)")
+    a("--token-count", choices=TOKEN_COUNT_SOURCES, default="auto",
+      help="count tokens from the server's usage or with the tokenizer; auto = usage when reported")
+    a("--request-timeout-s", type=float, default=6 * 3600.0)
+    a("--output-file", default=None, help="append one JSON line with all figures and the configuration")
+    a("--output-details", action="store_true", help="include per-request figures in the JSON line")
+    a("--plot", default=None, metavar="FILE.png", help="save TTFT and ITL histograms (needs matplotlib)")
+    a("--disable-tqdm", action="store_true", help="no progress bar")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    from pyserve.config import ServerArgs
+
+    ServerArgs.add_cli_args(p)
+
+
+def build_parser(prog: str = "pyserve bench") -> OneLineArgumentParser:
+    parser = OneLineArgumentParser(prog=prog, description="pyserve's load and latency tool")
+    sub = parser.add_subparsers(dest="bench_command", metavar="{serve,offline,one-batch}", required=True,
+                                parser_class=OneLineArgumentParser)
+    serve = sub.add_parser("serve", help="load a running server (pyserve or OpenAI-compatible)")
+    add_serve_args(serve)
+    offline = sub.add_parser("offline", help="in-process Engine throughput on a workload")
+    add_engine_args(offline)
+    add_dataset_args(offline)
+    offline.add_argument("--output-file", default=None)
+    one = sub.add_parser("one-batch", help="static batch: prefill and per-step decode latency")
+    from pyserve.bench.one_batch import add_one_batch_args
+
+    add_one_batch_args(one)
+    return parser
+
+
+def check_args(args: argparse.Namespace) -> str | None:
+    """The first invalid flag value as a message, or None."""
+    positive = ["num_prompts", "random_input_len", "random_output_len", "gsp_num_groups",
+                "gsp_prompts_per_group", "gsp_system_prompt_len", "gsp_question_len", "gsp_output_len",
+                "sharegpt_output_len", "sharegpt_context_len", "max_concurrency"]
+    for name in positive:
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            return f"--{name.replace('_', '-')}: got {value}; must be >= 1"
+    ratio = getattr(args, "random_range_ratio", None)
+    if ratio is not None and not 0.0 <= ratio <= 1.0:
+        return f"--random-range-ratio: got {ratio}; must be in [0, 1]"
+    if args.bench_command == "serve":
+        if not args.request_rate > 0:
+            return f"--request-rate: got {args.request_rate}; must be > 0 (inf: all at once)"
+        if not (args.burstiness > 0 and math.isfinite(args.burstiness)):
+            return f"--burstiness: got {args.burstiness}; must be > 0"
+        if args.warmup_requests < 0:
+            return f"--warmup-requests: got {args.warmup_requests}; must be >= 0"
+        if not args.request_timeout_s > 0:
+            return f"--request-timeout-s: got {args.request_timeout_s}; must be > 0"
+        if args.base_url and not args.base_url.startswith(("http://", "https://")):
+            return f"--base-url: got {args.base_url!r}; must start with http:// or https://"
+        if not 0 < args.port < 65536:
+            return f"--port: got {args.port}; must be in 1..65535"
+        if args.plot:
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError:
+                return "--plot needs matplotlib: pip install 'pyserve[bench]'"
+    return None
+
+
+def main(argv: list[str] | None = None, prog: str = "pyserve bench") -> int:
+    """Run a bench command; returns the exit status (0 ok, 1 failure, 2 bad flags)."""
+    parser = build_parser(prog)
+    args, unknown = parser.parse_known_args(argv)
+    sub_prog = f"{prog} {args.bench_command}"
+    if unknown:
+        print(f"{sub_prog}: error: unrecognized arguments: {' '.join(unknown)} "
+              f"(see {sub_prog} --help)", file=sys.stderr)
+        return 2
+    problem = check_args(args)
+    if problem:
+        print(f"{sub_prog}: error: {problem}", file=sys.stderr)
+        return 2
+    from pyserve.bench.datasets import DatasetError
+    from pyserve.bench.serve import BenchError
+    from pyserve.config import ServerArgsError
+
+    try:
+        if args.bench_command == "serve":
+            from pyserve.bench.serve import run_serve
+
+            run_serve(args)
+        elif args.bench_command == "offline":
+            from pyserve.bench.offline import run_offline
+
+            run_offline(args)
+        else:
+            from pyserve.bench.one_batch import run_one_batch
+
+            run_one_batch(args)
+    except ServerArgsError as exc:
+        print(f"{sub_prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except (BenchError, DatasetError, OSError) as exc:
+        print(f"{sub_prog}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{sub_prog}: interrupted", file=sys.stderr)
+        return 130
+    return 0

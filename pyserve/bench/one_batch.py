@@ -1,0 +1,158 @@
+"""`pyserve bench one-batch`: latency of one static batch, no server, no scheduler.
+
+It drives `ModelRunner` and `KVCache` (the Rust core) directly, on the calling thread: for
+each (batch_size, input_len, output_len) case, batch_size requests of input_len random token
+ids are prefilled in one EXTEND forward + greedy sample, then output_len - 1 DECODE steps
+each add one token per request. Reported: prefill latency (ms) and throughput
+(batch_size * input_len / prefill time), median decode step latency (ms) and decode
+throughput (batch_size / step time), and the total. A short warm-up pass of every case
+(output_len capped at 4) runs first and is not reported. On CUDA each timing is bracketed by torch.cuda.synchronize().
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import time
+from typing import Any
+
+from pyserve.bench.report import write_result
+
+
+def add_one_batch_args(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument
+    a("--model-path", default=None, help="HF folder or .gguf; default: SmolLM2-135M-Instruct")
+    a("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    a("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    a("--context-length", type=int, default=None)
+    a("--batch-size", type=int, nargs="+", default=[1])
+    a("--input-len", type=int, nargs="+", default=[1024])
+    a("--output-len", type=int, nargs="+", default=[16])
+    a("--seed", type=int, default=1)
+    a("--output-file", default=None, help="append one JSON line per case")
+
+
+def _check(args: Any) -> None:
+    from pyserve.bench.serve import BenchError
+
+    for name in ("batch_size", "input_len", "output_len"):
+        for v in getattr(args, name):
+            if v < 1:
+                raise BenchError(f"--{name.replace('_', '-')}: got {v}; must be >= 1")
+
+
+def run_case(runner: Any, batch_size: int, input_len: int, output_len: int, seed: int) -> dict[str, Any]:
+    """Time one static batch on `runner` (a fresh KVCache over its pool). Returns the figures."""
+    import torch
+
+    from pyserve.mem_cache.kv_cache import KVCache
+    from pyserve.model_executor.forward_batch import ForwardBatch, ForwardMode, SamplingBatchInfo
+
+    device = runner.device
+    vocab = runner.model_config.vocab_size
+    kv = KVCache(runner.max_total_num_tokens, batch_size, input_len + output_len, disable_radix_cache=True)
+    rows = []
+    for _ in range(batch_size):
+        idx = kv.req_to_token_pool.alloc()
+        assert idx is not None  # the KVCache was sized for batch_size rows
+        rows.append(int(idx))
+
+    def t(x: Any) -> torch.Tensor:
+        return torch.as_tensor(x, dtype=torch.int64).to(device)
+
+    def sync() -> None:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    sampling = SamplingBatchInfo(torch.zeros(batch_size, device=device), torch.ones(batch_size, device=device),
+                                 torch.full((batch_size,), 1 << 30, dtype=torch.int64, device=device),
+                                 [None] * batch_size)
+    gen = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, vocab, (batch_size * input_len,), generator=gen)
+    arrays = kv.prepare_extend(rows, [0] * batch_size, [input_len] * batch_size)
+    if arrays is None:
+        raise ValueError("the KV pool is too small for this batch")
+    batch = ForwardBatch(ForwardMode.EXTEND, batch_size, t(input_ids), t(arrays.positions),
+                         t(arrays.out_cache_loc), t([input_len] * batch_size), t(arrays.kv_indptr),
+                         t(arrays.kv_indices), extend_prefix_lens=t([0] * batch_size),
+                         extend_seq_lens=t([input_len] * batch_size), sampling_info=sampling)
+    sync()
+    start = time.perf_counter()
+    next_ids = runner.sample(runner.forward(batch), sampling)
+    sync()
+    prefill_s = time.perf_counter() - start
+    decode_s = []
+    kv_len = input_len
+    for _ in range(output_len - 1):
+        arrays = kv.prepare_decode(rows, [kv_len] * batch_size)
+        if arrays is None:
+            raise ValueError("the KV pool is too small for this batch")
+        batch = ForwardBatch(ForwardMode.DECODE, batch_size, next_ids, t(arrays.positions),
+                             t(arrays.out_cache_loc), t([kv_len + 1] * batch_size), t(arrays.kv_indptr),
+                             t(arrays.kv_indices), sampling_info=sampling)
+        sync()
+        start = time.perf_counter()
+        next_ids = runner.sample(runner.forward(batch), sampling)
+        sync()
+        decode_s.append(time.perf_counter() - start)
+        kv_len += 1
+    median_decode_s = statistics.median(decode_s) if decode_s else None
+    total_s = prefill_s + sum(decode_s)
+    return {
+        "batch_size": batch_size, "input_len": input_len, "output_len": output_len,
+        "prefill_latency_ms": prefill_s * 1000.0,
+        "prefill_throughput": batch_size * input_len / prefill_s,
+        "median_decode_latency_ms": None if median_decode_s is None else median_decode_s * 1000.0,
+        "median_decode_throughput": None if median_decode_s is None else batch_size / median_decode_s,
+        "total_latency_ms": total_s * 1000.0,
+        "overall_throughput": batch_size * (input_len + output_len) / total_s,
+    }
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:,.2f}"
+
+
+def run_one_batch(args: Any) -> list[dict[str, Any]]:
+    """Run every (batch size, input len, output len) case; print one line each; return them.
+    Raises BenchError when the model cannot load or a case does not fit."""
+    from pyserve.bench.serve import BenchError
+    from pyserve.model_executor.model_runner import ModelRunner
+    from pyserve.model_loader.default_model import default_model_path
+
+    _check(args)
+    cases = list(itertools.product(args.batch_size, args.input_len, args.output_len))
+    pool_tokens = max(b * (i + o) for b, i, o in cases)
+    device = args.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        model_path = args.model_path or default_model_path()
+        runner = ModelRunner(model_path, dtype=args.dtype, device=device, context_length=args.context_length,
+                             max_total_tokens=pool_tokens, random_seed=args.seed, load_progress=False)
+    except (ValueError, OSError) as exc:
+        raise BenchError(f"cannot load the model: {exc}") from None
+    context_len = runner.model_config.context_len
+    for b, i, o in cases:
+        if i + o > context_len:
+            raise BenchError(f"--input-len {i} + --output-len {o} exceeds the context length {context_len}")
+    for b, i, o in cases:  # warm-up: first-use costs (allocations, thread pools) stay out
+        run_case(runner, b, i, min(o, 4), args.seed)
+    header = (f"{'batch':>6}{'input':>7}{'output':>7}{'prefill ms':>12}{'prefill tok/s':>15}"
+              f"{'decode ms':>11}{'decode tok/s':>14}{'total ms':>11}")
+    print(f"pyserve bench one-batch: {model_path} on {runner.device} ({str(runner.dtype).removeprefix('torch.')})")
+    print(header)
+    results = []
+    for b, i, o in cases:
+        r = run_case(runner, b, i, o, args.seed)
+        r.update(kind="one-batch", model_path=model_path, device=runner.device)
+        results.append(r)
+        print(f"{b:>6}{i:>7}{o:>7}{_fmt(r['prefill_latency_ms']):>12}{_fmt(r['prefill_throughput']):>15}"
+              f"{_fmt(r['median_decode_latency_ms']):>11}{_fmt(r['median_decode_throughput']):>14}"
+              f"{_fmt(r['total_latency_ms']):>11}")
+        if args.output_file:
+            write_result(args.output_file, dict(r, config=vars(args)))
+    return results
