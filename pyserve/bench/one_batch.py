@@ -52,11 +52,13 @@ def run_case(runner: Any, batch_size: int, input_len: int, output_len: int, seed
     device = runner.device
     vocab = runner.model_config.vocab_size
     kv = KVCache(runner.max_total_num_tokens, batch_size, input_len + output_len, disable_radix_cache=True)
-    rows = []
-    for _ in range(batch_size):
-        idx = kv.req_to_token_pool.alloc()
-        assert idx is not None  # the KVCache was sized for batch_size rows
-        rows.append(int(idx))
+    gen = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, vocab, (batch_size, input_len), generator=gen)
+    req_ids = []
+    for prompt in input_ids.tolist():
+        admitted = kv.admit(prompt[:-1])
+        assert admitted is not None  # the KVCache was sized for batch_size rows
+        req_ids.append(admitted.req_id)
 
     def t(x: Any) -> torch.Tensor:
         return torch.as_tensor(x, dtype=torch.int64).to(device)
@@ -68,12 +70,10 @@ def run_case(runner: Any, batch_size: int, input_len: int, output_len: int, seed
     sampling = SamplingBatchInfo(torch.zeros(batch_size, device=device), torch.ones(batch_size, device=device),
                                  torch.full((batch_size,), 1 << 30, dtype=torch.int64, device=device),
                                  [None] * batch_size)
-    gen = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(0, vocab, (batch_size * input_len,), generator=gen)
-    arrays = kv.prepare_extend(rows, [0] * batch_size, [input_len] * batch_size)
+    arrays = kv.prepare_extend(req_ids, [input_len] * batch_size)
     if arrays is None:
         raise ValueError("the KV pool is too small for this batch")
-    batch = ForwardBatch(ForwardMode.EXTEND, batch_size, t(input_ids), t(arrays.positions),
+    batch = ForwardBatch(ForwardMode.EXTEND, batch_size, t(input_ids.flatten()), t(arrays.positions),
                          t(arrays.out_cache_loc), t([input_len] * batch_size), t(arrays.kv_indptr),
                          t(arrays.kv_indices), extend_prefix_lens=t([0] * batch_size),
                          extend_seq_lens=t([input_len] * batch_size), sampling_info=sampling)
@@ -85,7 +85,7 @@ def run_case(runner: Any, batch_size: int, input_len: int, output_len: int, seed
     decode_s = []
     kv_len = input_len
     for _ in range(output_len - 1):
-        arrays = kv.prepare_decode(rows, [kv_len] * batch_size)
+        arrays = kv.prepare_decode(req_ids)
         if arrays is None:
             raise ValueError("the KV pool is too small for this batch")
         batch = ForwardBatch(ForwardMode.DECODE, batch_size, next_ids, t(arrays.positions),
