@@ -52,7 +52,8 @@ class TorchNativeAttnBackend:
         if seq_lens.shape[0] != batch or kv_indptr.shape[0] != batch + 1:
             raise ValueError("seq_lens / kv_indptr do not match batch_size")
         if not torch.equal(kv_indptr[1:] - kv_indptr[:-1], seq_lens):
-            raise ValueError("kv_indptr ranges do not match seq_lens")
+            i = int(torch.nonzero(kv_indptr[1:] - kv_indptr[:-1] != seq_lens)[0, 0])
+            raise ValueError(f"request {i}: kv_indptr range != seq_len {int(seq_lens[i])}")
         device = forward_batch.input_ids.device
         max_len = int(seq_lens.max()) if batch else 0
         key_pos = torch.arange(max_len, device=device)
@@ -69,7 +70,9 @@ class TorchNativeAttnBackend:
             if extend_lens is None or prefix_lens is None:
                 raise ValueError("EXTEND batch needs extend_seq_lens and extend_prefix_lens")
             if not torch.equal(prefix_lens + extend_lens, seq_lens):
-                raise ValueError("extend_prefix_lens + extend_seq_lens != seq_lens")
+                i = int(torch.nonzero(prefix_lens + extend_lens != seq_lens)[0, 0])
+                raise ValueError(f"request {i}: prefix {int(prefix_lens[i])} + extend "
+                                 f"{int(extend_lens[i])} != seq_len {int(seq_lens[i])}")
             self.max_q = int(extend_lens.max())
             q_idx = torch.arange(self.max_q, device=device)
             self.query_pos = prefix_lens[:, None] + q_idx[None, :]
