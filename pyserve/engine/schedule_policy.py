@@ -44,8 +44,9 @@ class PrefillAdder:
 
     def _try_admit(self, req: Req) -> bool:
         fill_ids = req.fill_ids()
-        # Keep at least one token to compute: its logits give the next token.
-        match = self.kv_cache.match_prefix(fill_ids[:-1])
+        # Keep at least one token to compute (its logits give the next token), and every
+        # token whose prompt logprob was asked for.
+        match = self.kv_cache.match_prefix(fill_ids[:req.max_prefix_len()])
         extend_len = len(fill_ids) - match.prefix_len
         if self.admitted and extend_len > self.prefill_budget:
             return False
