@@ -107,8 +107,22 @@ class Detokenizer:
         ))
 
     def token_text(self, token_id: int) -> str:
-        """The text of one token alone (as in logprob entries)."""
-        return self.tokenizer.decode([token_id])
+        """The text one token adds after other text (as in logprob entries), so that the
+        entries of consecutive tokens concatenate to the output text. Decoding a token alone
+        would drop a SentencePiece word-initial space, so it is decoded after an anchor token
+        and the anchor's text removed. Cached per id."""
+        cache = self.__dict__.setdefault("_token_texts", {})
+        text = cache.get(token_id)
+        if text is None:
+            anchor = self.__dict__.get("_anchor")
+            if anchor is None:
+                anchor = self._anchor = self.tokenizer.encode("a", add_special_tokens=False)[-1]
+            decode = self.tokenizer.decode
+            both, alone = decode([anchor, token_id]), decode([anchor])
+            text = both[len(alone):] if both.startswith(alone) else decode([token_id])
+            if len(cache) < 1 << 20:
+                cache[token_id] = text
+        return text
 
     def _entry(self, logprob: float | None, token_id: int, with_text: bool) -> list[Any]:
         return [json_safe_logprob(logprob), token_id, self.token_text(token_id) if with_text else None]
