@@ -125,7 +125,8 @@ def test_chat_logprobs_template_and_stream(server, client):
         "input_ids": template_ids, "sampling_params": {"temperature": 0, "max_new_tokens": 12}}).json()
     assert native["text"] == full.choices[0].message.content
     content = full.choices[0].logprobs.content
-    assert "".join(c.token for c in content) == full.choices[0].message.content
+    assert full.choices[0].finish_reason == "stop" and content[-1].token == "<|im_end|>"  # EOS has one too
+    assert "".join(c.token for c in content[:-1]) == full.choices[0].message.content
     for c in content:
         assert c.top_logprobs[0].token == c.token and c.top_logprobs[0].logprob == c.logprob
         assert [t.logprob for t in c.top_logprobs] == sorted((t.logprob for t in c.top_logprobs), reverse=True)
@@ -145,7 +146,9 @@ def test_chat_logprobs_template_and_stream(server, client):
                                             logprobs=True, top_logprobs=3, stream=True)
     streamed = [c for chunk in stream for choice in chunk.choices if choice.logprobs
                 for c in choice.logprobs.content]
-    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    assert [c.token for c in streamed] == [c.token for c in content]
+    # the second request reuses the cached prompt: same values up to float rounding
+    assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(streamed, content))
 
 
 def test_shared_prefix_is_reused(server):
