@@ -156,3 +156,21 @@ def test_unsupported_architecture_fails_at_start(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"'GPT2LMHeadModel' is not supported; supported: LlamaForCausalLM, "
                                          r"MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
         ModelRunner(str(tmp_path), max_total_tokens=64, load_progress=False)
+
+
+def test_load_format_dummy_reads_no_weights(tmp_path) -> None:
+    from pyserve.config import ServerArgs, ServerArgsError
+
+    hf = hf_model("qwen2")
+    hf.config.architectures = ["Qwen2ForCausalLM"]
+    hf.config.save_pretrained(tmp_path)  # config only: no weight file at all
+    runner = ModelRunner(str(tmp_path), load_format="dummy", max_total_tokens=32, load_progress=False)
+    params = dict(runner.model.named_parameters())
+    assert torch.equal(params["model.norm.weight"], torch.ones(COMMON["hidden_size"]))
+    assert torch.equal(params["model.layers.0.self_attn.q_proj.bias"], torch.zeros(COMMON["hidden_size"]))
+    again = ModelRunner(str(tmp_path), load_format="dummy", max_total_tokens=32, load_progress=False)
+    assert torch.equal(dict(again.model.named_parameters())["model.embed_tokens.weight"],
+                       params["model.embed_tokens.weight"])  # seeded: reproducible benchmarks
+    assert ServerArgs(load_format="dummy").load_format == "dummy"
+    with pytest.raises(ServerArgsError, match="--load-format: got 'pt'; choose one of auto, dummy"):
+        ServerArgs(load_format="pt")
