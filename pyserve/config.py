@@ -8,6 +8,7 @@ import logging
 from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "dummy")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -31,6 +32,7 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 30000
     dtype: str = "auto"
+    load_format: str = "auto"
     device: str = "auto"
     context_length: int | None = None
     max_total_tokens: int | None = None
@@ -53,6 +55,8 @@ class ServerArgs:
 
         if self.dtype not in DTYPES:
             raise bad("dtype", f"got {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        if self.load_format not in LOAD_FORMATS:
+            raise bad("load_format", f"got {self.load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise bad("device", f"got {self.device!r}; choose one of auto, cpu, cuda")
         if self.log_level.lower() not in LOG_LEVELS:
@@ -95,6 +99,8 @@ class ServerArgs:
         a("--host", type=str, default=d["host"].default)
         a("--port", type=int, default=d["port"].default)
         a("--dtype", type=str, default="auto", choices=DTYPES, help="auto: float32 on CPU, bfloat16 on CUDA")
+        a("--load-format", type=str, default="auto", choices=LOAD_FORMATS,
+          help="auto: the checkpoint's weights; dummy: random weights from its config (benchmarks)")
         a("--device", type=str, default="auto", choices=("auto", "cpu", "cuda"))
         a("--context-length", type=int, default=None, help="max tokens of prompt + output; default: the model's")
         a("--max-total-tokens", type=int, default=None,

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pyserve.sampling_params import SamplingParams
 
@@ -26,6 +26,12 @@ class GenerateReqInput(BaseModel):
     sampling_params: SamplingParams | list[SamplingParams] | None = None
     stream: bool = False
     rid: str | list[str] | None = None
+    # logprobs (SGLang's names); a list gives one value per prompt
+    return_logprob: bool | list[bool] = False
+    logprob_start_len: int | list[int] = -1
+    top_logprobs_num: Annotated[int, Field(ge=0)] | list[Annotated[int, Field(ge=0)]] = 0
+    token_ids_logprob: list[Annotated[int, Field(ge=0)]] | list[list[Annotated[int, Field(ge=0)]]] | None = None
+    return_text_in_logprobs: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> "GenerateReqInput":
@@ -37,15 +43,18 @@ class GenerateReqInput(BaseModel):
                 raise ValueError("the batch of prompts is empty")
             if self.stream:
                 raise ValueError("stream=true takes a single prompt, not a list")
-            for name in ("sampling_params", "rid"):
+            for name in ("sampling_params", "rid", "return_logprob", "logprob_start_len",
+                         "top_logprobs_num"):
                 value = getattr(self, name)
                 if isinstance(value, list) and len(value) != n:
                     raise ValueError(f"'{name}' has {len(value)} entries for {n} prompts")
             if isinstance(self.rid, list) and len(set(self.rid)) != n:
                 raise ValueError("the rids of a batch must be unique")
         else:
-            if isinstance(self.sampling_params, list) or isinstance(self.rid, list):
-                raise ValueError("a list of sampling_params or rid needs a list of prompts")
+            if any(isinstance(getattr(self, name), list) for name in (
+                    "sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num")) \
+                    or (self.token_ids_logprob and isinstance(self.token_ids_logprob[0], list)):
+                raise ValueError("a list of sampling_params, rid or logprob options needs a list of prompts")
         return self
 
     @property
@@ -75,16 +84,50 @@ class GenerateReqInput(BaseModel):
             rids = [f"{self.rid}-{i}" for i in range(n)]
         else:
             rids = [self.rid] * n
+        def per_prompt(value: Any, i: int) -> Any:
+            return value[i] if isinstance(value, list) else value
+
+        token_ids = self.token_ids_logprob
+        if token_ids and not isinstance(token_ids[0], list):
+            token_ids = [token_ids] * n  # type: ignore[list-item]
         out = []
         for i in range(n):
+            start = per_prompt(self.logprob_start_len, i)
+            logprob = LogprobParams(
+                return_logprob=per_prompt(self.return_logprob, i),
+                logprob_start_len=None if start < 0 else start,
+                top_logprobs_num=per_prompt(self.top_logprobs_num, i),
+                token_ids_logprob=list(token_ids[i]) if token_ids else None,  # type: ignore[arg-type]
+                return_text_in_logprobs=self.return_text_in_logprobs,
+            )
             out.append(SingleReq(
                 text=texts[i] if self.text is not None else None,
                 input_ids=ids[i],
                 sampling_params=(sps[i] or SamplingParams()).model_copy(),
                 stream=self.stream,
                 rid=rids[i] or uuid.uuid4().hex,
+                logprob=logprob,
             ))
         return out
+
+
+@dataclass
+class LogprobParams:
+    """What logprobs one request wants (native API names; see README "Logprobs").
+
+    return_logprob: report the logprob of every output token (and the options below).
+    logprob_start_len: also report prompt tokens' logprobs from this prompt index on (None: no
+        prompt logprobs). Prefix-cache reuse is limited so that those tokens are computed.
+    top_logprobs_num: the k most likely tokens at each position (0: none).
+    token_ids_logprob: logprobs of these ids at each position (None: none).
+    return_text_in_logprobs: put each token's text in the entries (else null).
+    """
+
+    return_logprob: bool = False
+    logprob_start_len: int | None = None
+    top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None
+    return_text_in_logprobs: bool = False
 
 
 @dataclass
@@ -97,6 +140,7 @@ class SingleReq:
     stream: bool = False
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
     add_special_tokens: bool = True
+    logprob: LogprobParams = field(default_factory=LogprobParams)
 
 
 @dataclass
@@ -107,6 +151,7 @@ class TokenizedGenerateReq:
     input_ids: list[int]
     sampling_params: SamplingParams
     stop_token_ids: frozenset[int]
+    logprob: LogprobParams = field(default_factory=LogprobParams)
 
 
 @dataclass
@@ -117,6 +162,13 @@ class GenerateOutput:
     output_ids: all output token ids so far; ids_delta: the ones this chunk added.
     finish_reason: None while running, else {"type": "stop" | "length" | "abort", ...}
         ("matched": the stop string or stop token id; "message" for aborts).
+    logprobs: None unless the request asked (return_logprob); then all entries so far, in
+        SGLang's meta_info shapes: output_token_logprobs [[logprob, id, text-or-None], ...],
+        output_top_logprobs [[entry, ...] or None per token], output_token_ids_logprobs,
+        input_token_logprobs, input_top_logprobs, input_token_ids_logprobs (input ones:
+        None unless logprob_start_len was given). `num_logprobs_delta`: how many output
+        entries this chunk added (streaming). Logprobs are floats; -inf is sent as
+        LOGPROB_FLOOR (see `json_safe_logprob`).
     """
 
     rid: str
@@ -127,6 +179,8 @@ class GenerateOutput:
     prompt_tokens: int
     cached_tokens: int
     finish_reason: dict[str, Any] | None = None
+    logprobs: dict[str, Any] | None = None
+    num_logprobs_delta: int = 0
 
     @property
     def finished(self) -> bool:
@@ -143,5 +197,20 @@ class GenerateOutput:
                 "prompt_tokens": self.prompt_tokens,
                 "completion_tokens": len(self.output_ids),
                 "cached_tokens": self.cached_tokens,
+                **(self.logprobs or {}),
             },
         }
+
+
+# What -inf (and NaN) logprobs become in JSON: a finite, clearly impossible value (as OpenAI
+# uses for masked tokens), since JSON has no infinity.
+LOGPROB_FLOOR = -9999.0
+
+
+def json_safe_logprob(value: float | None) -> float | None:
+    """`value`, or LOGPROB_FLOOR when it is -inf or NaN (None stays None)."""
+    if value is None:
+        return None
+    if value != value or value == float("-inf"):
+        return LOGPROB_FLOOR
+    return value

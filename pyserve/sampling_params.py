@@ -18,7 +18,12 @@ class SamplingParams(BaseModel):
     temperature:    0 means greedy; > 0 scales logits before sampling (below
                     GREEDY_TEMPERATURE it is treated as greedy: dividing by it overflows).
     top_p:          nucleus mass in (0, 1].
-    top_k:          keep the k most likely tokens; -1 means all.
+    top_k:          keep the k most likely tokens; -1 or 0 means all.
+    min_p:          drop tokens less likely than min_p times the most likely one (0: off).
+    frequency_penalty, presence_penalty: in [-2, 2], OpenAI semantics over the output so far.
+    repetition_penalty: > 0 (1: off), CTRL-style over prompt and output tokens.
+    logit_bias:     {"token id": bias} added to the logits (a JSON object's keys are strings).
+    min_new_tokens: stop tokens (EOS and stop_token_ids) are masked until this many tokens.
     stop:           strings that end the output; the matched string is not part of the text.
     stop_token_ids: token ids that end the output (in addition to the model's EOS).
     ignore_eos:     keep going past EOS (benchmarks).
@@ -32,6 +37,12 @@ class SamplingParams(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = -1
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    min_new_tokens: int = Field(default=0, ge=0)
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool = False
@@ -42,9 +53,27 @@ class SamplingParams(BaseModel):
     @field_validator("top_k")
     @classmethod
     def _check_top_k(cls, v: int) -> int:
-        if v == 0 or v < -1:
-            raise ValueError("top_k must be -1 (all tokens) or >= 1")
+        if v < -1:
+            raise ValueError("top_k must be -1 or 0 (all tokens) or >= 1")
         return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.lstrip("-").isdigit() or int(key) < 0:
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if bias != bias:
+                raise ValueError("logit_bias values must be numbers")
+        return v
+
+    @property
+    def logit_bias_items(self) -> list[tuple[int, float]]:
+        return [(int(k), float(b)) for k, b in (self.logit_bias or {}).items()]
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     @field_validator("stop")
     @classmethod

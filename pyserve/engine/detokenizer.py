@@ -14,7 +14,8 @@ import asyncio
 from typing import Any, Callable
 
 from pyserve.engine.scheduler import TokenOut
-from pyserve.io_struct import GenerateOutput
+from pyserve.io_struct import GenerateOutput, LogprobParams, json_safe_logprob
+from pyserve.model_executor.forward_batch import TokenLogprobs
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -22,8 +23,13 @@ REPLACEMENT_CHAR = "\ufffd"
 class DecodeState:
     """Per-request text state: all output ids, decoded text, what has been sent."""
 
-    def __init__(self, stop_strs: list[str], skip_special_tokens: bool) -> None:
+    def __init__(self, stop_strs: list[str], skip_special_tokens: bool,
+                 logprob: LogprobParams | None = None) -> None:
         self.ids: list[int] = []
+        self.logprob = logprob if logprob is not None and logprob.return_logprob else None
+        # SGLang meta_info lists, filled only when logprobs were asked for
+        self.logprobs: dict[str, list] = {}
+        self.sent_logprobs = 0
         self.prefix_offset = 0
         self.read_offset = 0
         self.text = ""
@@ -49,8 +55,9 @@ class Detokenizer:
         self.states: dict[str, DecodeState] = {}
         self.queue: asyncio.Queue[list[TokenOut]] = asyncio.Queue()
 
-    def register(self, rid: str, stop_strs: list[str], skip_special_tokens: bool) -> None:
-        self.states[rid] = DecodeState(stop_strs, skip_special_tokens)
+    def register(self, rid: str, stop_strs: list[str], skip_special_tokens: bool,
+                 logprob: LogprobParams | None = None) -> None:
+        self.states[rid] = DecodeState(stop_strs, skip_special_tokens, logprob)
 
     def forget(self, rid: str) -> None:
         self.states.pop(rid, None)
@@ -66,6 +73,8 @@ class Detokenizer:
         if state is None or state.finish_reason is not None:
             return  # unknown, or already ended by a stop string: extra tokens are dropped
         state.ids.extend(out.ids_delta)
+        if state.logprob is not None:
+            self._add_logprobs(state, out)
         finished = out.finish_reason is not None
         self._decode(state, flush=finished)
         if not finished and self._match_stop(state):
@@ -84,11 +93,68 @@ class Detokenizer:
         state.sent_ids = len(state.ids)
         if finished:
             self.states.pop(out.rid, None)
+        logprobs = None
+        num_logprobs_delta = 0
+        if state.logprob is not None:
+            logprobs = {k: list(v) if v is not None else None for k, v in state.logprobs.items()}
+            num_logprobs_delta = len(state.logprobs["output_token_logprobs"]) - state.sent_logprobs
+            state.sent_logprobs += num_logprobs_delta
         self.deliver(GenerateOutput(
             rid=out.rid, text=state.text[:state.sent_len], text_delta=delta,
             output_ids=list(state.ids), ids_delta=ids_delta, prompt_tokens=out.prompt_tokens,
             cached_tokens=out.cached_tokens, finish_reason=state.finish_reason,
+            logprobs=logprobs, num_logprobs_delta=num_logprobs_delta,
         ))
+
+    def token_text(self, token_id: int) -> str:
+        """The text one token adds after other text (as in logprob entries), so that the
+        entries of consecutive tokens concatenate to the output text. Decoding a token alone
+        would drop a SentencePiece word-initial space, so it is decoded after an anchor token
+        and the anchor's text removed. Cached per id."""
+        cache = self.__dict__.setdefault("_token_texts", {})
+        text = cache.get(token_id)
+        if text is None:
+            anchor = self.__dict__.get("_anchor")
+            if anchor is None:
+                anchor = self._anchor = self.tokenizer.encode("a", add_special_tokens=False)[-1]
+            decode = self.tokenizer.decode
+            both, alone = decode([anchor, token_id]), decode([anchor])
+            text = both[len(alone):] if both.startswith(alone) else decode([token_id])
+            if len(cache) < 1 << 20:
+                cache[token_id] = text
+        return text
+
+    def _entry(self, logprob: float | None, token_id: int, with_text: bool) -> list[Any]:
+        return [json_safe_logprob(logprob), token_id, self.token_text(token_id) if with_text else None]
+
+    def _entries(self, items: TokenLogprobs, ids: list[int], prefix: str, with_text: bool,
+                 lists: dict[str, list]) -> None:
+        lists.setdefault(f"{prefix}_token_logprobs", []).extend(
+            self._entry(lp, t, with_text) for lp, t in zip(items.token_logprobs, ids))
+        for key, alts in ((f"{prefix}_top_logprobs", items.top_logprobs),
+                          (f"{prefix}_token_ids_logprobs", items.token_ids_logprobs)):
+            if alts is None:
+                lists.setdefault(key, None)
+                continue
+            target = lists.get(key)
+            if target is None:
+                target = lists[key] = []
+            target.extend([self._entry(lp, t, with_text) for lp, t in pos] or None for pos in alts)
+
+    def _add_logprobs(self, state: DecodeState, out: TokenOut) -> None:
+        lp = state.logprob
+        assert lp is not None
+        lists = state.logprobs
+        with_text = lp.return_text_in_logprobs
+        if not lists:
+            for key in ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs"):
+                lists[key] = None
+            lists.update(output_token_logprobs=[], output_top_logprobs=None, output_token_ids_logprobs=None)
+        if out.input_logprobs is not None and out.input_logprob_ids is not None:
+            lists["input_token_logprobs"] = []
+            self._entries(out.input_logprobs, out.input_logprob_ids, "input", with_text, lists)
+        if out.output_logprobs is not None and out.ids_delta:
+            self._entries(out.output_logprobs, out.ids_delta, "output", with_text, lists)
 
     def _decode(self, state: DecodeState, flush: bool) -> None:
         if state.finish_reason is not None:

@@ -52,18 +52,20 @@ class Engine:
 
     @staticmethod
     def _request(prompt: str | list[str] | None, sampling_params: Any, input_ids: Any,
-                 stream: bool) -> GenerateReqInput:
+                 stream: bool, options: dict[str, Any]) -> GenerateReqInput:
         return GenerateReqInput(text=prompt, input_ids=input_ids, sampling_params=sampling_params,
-                                stream=stream)
+                                stream=stream, **options)
 
     def generate(self, prompt: str | list[str] | None = None,
                  sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None,
-                 stream: bool = False) -> Any:
+                 stream: bool = False, **options: Any) -> Any:
         """Generate from one prompt (dict), a list (list of dicts) or, with stream=True, one
-        prompt as an iterator of chunk dicts. Raises pydantic.ValidationError for malformed
+        prompt as an iterator of chunk dicts. `options`: other /generate fields
+        (return_logprob, logprob_start_len, top_logprobs_num, token_ids_logprob,
+        return_text_in_logprobs, rid). Raises pydantic.ValidationError for malformed
         parameters and InvalidRequestError for requests the model cannot serve."""
-        obj = self._request(prompt, sampling_params, input_ids, stream)
+        obj = self._request(prompt, sampling_params, input_ids, stream, options)
         if stream:
             return self._stream_sync(obj)
         outs = self._call(self.core.generate_all(obj.split()))
@@ -85,10 +87,10 @@ class Engine:
     async def async_generate(self, prompt: str | list[str] | None = None,
                              sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
                              input_ids: list[int] | list[list[int]] | None = None,
-                             stream: bool = False) -> Any:
+                             stream: bool = False, **options: Any) -> Any:
         """Like generate, awaitable from any event loop; with stream=True returns an async
         iterator of chunk dicts."""
-        obj = self._request(prompt, sampling_params, input_ids, stream)
+        obj = self._request(prompt, sampling_params, input_ids, stream, options)
         if stream:
             return self._stream_async(obj)
         fut = asyncio.run_coroutine_threadsafe(self.core.generate_all(obj.split()), self._loop)

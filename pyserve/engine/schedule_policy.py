@@ -44,9 +44,10 @@ class PrefillAdder:
 
     def _try_admit(self, req: Req) -> bool:
         fill_ids = req.fill_ids()
-        # Keep at least one token to compute: its logits give the next token. Admission
-        # matches and locks in one Rust call; a request that then does not fit is let go.
-        admitted = self.kv_cache.admit(fill_ids[:-1])
+        # Keep at least one token to compute (its logits give the next token), and every
+        # token whose prompt logprob was asked for. Admission matches and locks in one Rust
+        # call; a request that then does not fit is let go.
+        admitted = self.kv_cache.admit(fill_ids[:req.max_prefix_len()])
         if admitted is None:
             return False
         extend_len = len(fill_ids) - admitted.prefix_len

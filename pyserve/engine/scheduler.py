@@ -21,20 +21,25 @@ from pyserve.engine.schedule_policy import PrefillAdder
 from pyserve.engine.worker import ModelWorker
 from pyserve.io_struct import TokenizedGenerateReq
 from pyserve.mem_cache.kv_cache import KVCache
-from pyserve.model_executor.forward_batch import ForwardMode
+from pyserve.model_executor.forward_batch import ForwardMode, StepOutput, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class TokenOut:
-    """New token ids of one request after one step (to the detokenizer)."""
+    """New token ids of one request after one step (to the detokenizer), with their logprobs
+    (output_logprobs: one entry per id of ids_delta) and, once, the prompt's (input_logprobs
+    with the prompt ids they are about, input_logprob_ids) when the request asked."""
 
     rid: str
     ids_delta: list[int]
     finish_reason: dict[str, Any] | None
     prompt_tokens: int
     cached_tokens: int
+    output_logprobs: TokenLogprobs | None = None
+    input_logprobs: TokenLogprobs | None = None
+    input_logprob_ids: list[int] | None = None
 
 
 class Scheduler:
@@ -65,7 +70,7 @@ class Scheduler:
         # A request must fit alone in both the context and the KV pool.
         room = min(self.context_len, self.kv_cache.max_total_tokens) - len(treq.input_ids)
         max_new = room if sp.max_new_tokens is None else min(sp.max_new_tokens, room)
-        req = Req(treq.rid, treq.input_ids, sp, max_new, treq.stop_token_ids)
+        req = Req(treq.rid, treq.input_ids, sp, max_new, treq.stop_token_ids, treq.logprob)
         self.reqs[req.rid] = req
         if max_new == 0:
             req.finish_reason = {"type": "length", "length": 0}
@@ -177,10 +182,14 @@ class Scheduler:
         self.kv_cache.abort_req(req.req_id)
         req.req_id, req.prefix_len = None, 0
 
-    def _process_batch_result(self, batch: ScheduleBatch, next_ids: list[int]) -> None:
+    def _process_batch_result(self, batch: ScheduleBatch, result: StepOutput | list[int]) -> None:
+        """Append each request's new token, decide who finished, emit TokenOuts.
+        `result`: the worker's StepOutput (a plain id list is accepted for tests)."""
+        if isinstance(result, list):
+            result = StepOutput(next_token_ids=result)
         outs = []
         extend = batch.forward_mode is ForwardMode.EXTEND
-        for req, token in zip(batch.reqs, next_ids):
+        for i, (req, token) in enumerate(zip(batch.reqs, result.next_token_ids)):
             req.kv_len = len(req.fill_ids()) if extend else req.kv_len + 1
             if req.finished:  # ended while the step ran: drop the extra token
                 continue
@@ -189,7 +198,14 @@ class Scheduler:
             req.check_finished()
             if not req.finished and req.seq_len >= self.context_len:
                 req.finish_reason = {"type": "length", "length": len(req.output_ids)}
-            outs.append(self._out(req, [token]))
+            out = self._out(req, [token])
+            if result.output_logprobs is not None:
+                out.output_logprobs = result.output_logprobs[i]
+            if result.input_logprobs is not None and result.input_logprobs[i] is not None:
+                out.input_logprobs = result.input_logprobs[i]
+                out.input_logprob_ids = req.origin_input_ids[req.logprob.logprob_start_len:]
+                req.input_logprobs_done = True
+            outs.append(out)
         self._join_running(batch)
         if outs:
             self.emit(outs)

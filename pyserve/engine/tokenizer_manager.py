@@ -79,7 +79,17 @@ class TokenizerManager:
         stop_ids = set(sp.stop_token_ids or ())
         if not sp.ignore_eos:
             stop_ids |= self.eos_token_ids
-        return TokenizedGenerateReq(req.rid, ids, sp, frozenset(stop_ids))
+        lp = req.logprob
+        for name, token_ids in (("logit_bias", [t for t, _ in sp.logit_bias_items]),
+                                ("token_ids_logprob", lp.token_ids_logprob or [])):
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"{name} names token {bad[0]}, outside the vocabulary [0, {self.vocab_size})",
+                    param=name)
+        if lp.logprob_start_len is not None and lp.logprob_start_len >= len(ids):
+            lp.logprob_start_len = None  # nothing of the prompt to report
+        return TokenizedGenerateReq(req.rid, ids, sp, frozenset(stop_ids), lp)
 
     async def generate(self, req: SingleReq,
                        tokenized: TokenizedGenerateReq | None = None) -> AsyncIterator[GenerateOutput]:
@@ -95,7 +105,7 @@ class TokenizerManager:
         state = ReqState()
         self.states[req.rid] = state
         self.detokenizer.register(req.rid, req.sampling_params.stop_strs,
-                                  req.sampling_params.skip_special_tokens)
+                                  req.sampling_params.skip_special_tokens, treq.logprob)
         self.scheduler.add_request(treq)
         try:
             while True:

@@ -1,7 +1,7 @@
 """`ModelWorker`: the one thread that touches the model, the KV tensors and the device stream.
 
 The loop thread calls `submit(forward_batch)` and awaits the returned future; the worker runs
-`ModelRunner.forward` + `sample`, copies the next token ids to the host and resolves the future
+`ModelRunner.forward` + `step_output`, copies the next token ids (and logprobs) to the host and resolves the future
 on the loop with `call_soon_threadsafe`. The worker never awaits the loop, and the loop never
 blocks on the device (DESIGN.md section 1).
 """
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from pyserve.model_executor.forward_batch import ForwardBatch
+from pyserve.model_executor.forward_batch import ForwardBatch, StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +33,8 @@ class ModelWorker:
         self._thread.start()
 
     def submit(self, batch: ForwardBatch) -> asyncio.Future:
-        """Queue one step. The future resolves to the next token ids, a list[int] of length
-        batch_size, or to the exception the step raised. Loop thread only."""
+        """Queue one step. The future resolves to a StepOutput (next token ids, logprobs), or
+        to the exception the step raised. Loop thread only."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self._queue.put((batch, loop, future))
@@ -65,11 +65,10 @@ class ModelWorker:
                 result, ok = exc, False
             loop.call_soon_threadsafe(_resolve, future, ok, result)
 
-    def _step(self, batch: ForwardBatch) -> list[int]:
+    def _step(self, batch: ForwardBatch) -> StepOutput:
         runner = self.model_runner
         logits = runner.forward(batch)
-        next_ids = runner.sample(logits, batch.sampling_info)
-        return next_ids.tolist()
+        return runner.step_output(logits, batch)
 
 
 def _resolve(future: asyncio.Future, ok: bool, result: Any) -> None:

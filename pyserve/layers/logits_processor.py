@@ -1,5 +1,6 @@
 """Turn the final hidden states of a batch into next-token logits: keep each request's last
-token only, then project with the LM head in float32."""
+token only (plus the rows whose prompt logprobs were asked for), then project with the LM head
+in float32."""
 
 from __future__ import annotations
 
@@ -20,7 +21,11 @@ def last_token_indices(forward_batch: ForwardBatch) -> torch.Tensor:
 
 class LogitsProcessor(torch.nn.Module):
     """forward(hidden [T, hidden], lm_head_weight [vocab, hidden], forward_batch) ->
-    logits [B, vocab] float32 for the last token of each request."""
+    logits [B, vocab] float32 for the last token of each request.
+
+    When forward_batch.input_logits_rows ([N] int64 token rows) is set, the logits of those
+    rows are computed in the same matmul and stored in forward_batch.input_logits
+    ([N, vocab] float32; mutates forward_batch)."""
 
     def __init__(self, vocab_size: int) -> None:
         super().__init__()
@@ -28,6 +33,13 @@ class LogitsProcessor(torch.nn.Module):
 
     def forward(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor,
                 forward_batch: ForwardBatch) -> torch.Tensor:
-        last = hidden[last_token_indices(forward_batch)]
-        logits = torch.matmul(last, lm_head_weight.t())
-        return logits[:, : self.vocab_size].float()
+        rows = last_token_indices(forward_batch)
+        extra = forward_batch.input_logits_rows
+        if extra is not None:
+            rows = torch.cat((rows, extra))
+        logits = torch.matmul(hidden[rows], lm_head_weight.t())[:, : self.vocab_size].float()
+        if extra is None:
+            return logits
+        batch = forward_batch.batch_size
+        forward_batch.input_logits = logits[batch:]
+        return logits[:batch]

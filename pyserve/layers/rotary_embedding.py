@@ -10,7 +10,7 @@ import torch
 from pyserve_kernels import apply_rotary_pos_emb
 
 
-def compute_inv_freq(head_dim: int, rope: dict[str, Any]) -> torch.Tensor:
+def compute_inv_freq(head_dim: int, rope: dict[str, Any], seq_len: int | None = None) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2] float32 on CPU for `rope` (a dict with rope_type,
     rope_theta and the type's parameters).
 
@@ -18,13 +18,23 @@ def compute_inv_freq(head_dim: int, rope: dict[str, Any]) -> torch.Tensor:
     linear:  default / factor (position interpolation, Chen et al. 2023).
     llama3:  low frequencies divided by factor, high frequencies kept, a smooth ramp between,
              as published with Meta's Llama 3.1 reference code.
+    dynamic: "dynamic NTK" scaling (bloc97 / emozilla, 2023): for a sequence of `seq_len`
+             tokens beyond max_position_embeddings the base grows to
+             theta * (factor * seq_len / max_pos - (factor - 1)) ** (d / (d - 2)); up to
+             max_position_embeddings it equals default. `rope` must then carry
+             max_position_embeddings; `seq_len` is the longest sequence of the batch.
     Raises ValueError for any other rope_type.
     """
     base = float(rope.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", "default")
+    if rope_type == "dynamic":
+        max_pos = int(rope["max_position_embeddings"])
+        seq = max(int(seq_len or max_pos), max_pos)
+        factor = float(rope["factor"])
+        base = base * ((factor * seq / max_pos) - (factor - 1)) ** (head_dim / (head_dim - 2))
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (base ** exponents)
-    rope_type = rope.get("rope_type", "default")
-    if rope_type == "default":
+    if rope_type in ("default", "dynamic"):
         return inv_freq
     if rope_type == "linear":
         return inv_freq / float(rope["factor"])
@@ -39,7 +49,7 @@ def compute_inv_freq(head_dim: int, rope: dict[str, Any]) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high_ff) & (wavelen <= old_len / low_ff)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"rope_type {rope_type!r} is not supported; supported: default, linear, llama3")
+    raise ValueError(f"rope_type {rope_type!r} is not supported; supported: default, linear, dynamic, llama3")
 
 
 class RotaryEmbedding(torch.nn.Module):
@@ -54,7 +64,12 @@ class RotaryEmbedding(torch.nn.Module):
                  device: str | torch.device | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
-        self.inv_freq = compute_inv_freq(head_dim, rope).to(device)
+        self.rope = dict(rope)
+        self.is_dynamic = rope.get("rope_type") == "dynamic"
+        if self.is_dynamic:
+            self.rope.setdefault("max_position_embeddings", int(max_position))
+            self.original_max_position = int(self.rope["max_position_embeddings"])
+        self.inv_freq = compute_inv_freq(head_dim, self.rope).to(device)
         self._build_cache(max(1, int(max_position)))
 
     def _build_cache(self, max_position: int) -> None:
@@ -67,7 +82,18 @@ class RotaryEmbedding(torch.nn.Module):
     def get_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, head_dim] float32 for positions [T] int64 (computed once per forward
         and shared by all layers). Grows the cache if a position is beyond it; that check
-        reads positions.max() on the host."""
+        reads positions.max() on the host.
+
+        Dynamic rope: when the batch's longest sequence (max position + 1) exceeds
+        max_position_embeddings, cos/sin are computed from that length's frequencies for the
+        whole batch, as HF transformers does for one forward call."""
+        if self.is_dynamic and positions.numel():
+            seq_len = int(positions.max()) + 1
+            if seq_len > self.original_max_position:
+                inv_freq = compute_inv_freq(self.head_dim, self.rope, seq_len).to(positions.device)
+                freqs = positions.float()[:, None] * inv_freq[None, :]
+                emb = torch.cat((freqs, freqs), dim=-1)
+                return emb.cos(), emb.sin()
         if positions.numel() and int(positions.max()) >= self.cos_cache.shape[0]:
             self._build_cache(2 * int(positions.max()) + 1)
         return self.cos_cache[positions], self.sin_cache[positions]

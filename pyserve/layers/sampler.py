@@ -1,5 +1,7 @@
-"""Pick the next token of each request from its logits: greedy, or temperature + top-k +
-top-p sampling with an optional per-request torch.Generator."""
+"""Pick the next token of each request from its logits, every request with its own parameters
+in one batch: logit bias, repetition / frequency / presence penalties and the min_new_tokens
+stop-token mask adjust the logits; then greedy, or temperature + top-k + top-p + min-p sampling
+with an optional per-request torch.Generator."""
 
 from __future__ import annotations
 
@@ -8,15 +10,54 @@ import torch
 from pyserve.model_executor.forward_batch import SamplingBatchInfo
 
 
-def top_k_top_p_probs(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero out tokens outside each row's top-k and top-p (nucleus) set.
+def apply_logit_adjustments(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """Logits [B, vocab] float32 after the batch's logit bias, penalties and bans, in this
+    order (each a no-op when `info` carries no such request):
+
+    1. logit_bias: logits[row, id] += value.
+    2. repetition penalty (CTRL, Keskar et al. 2019, as HF's RepetitionPenaltyLogitsProcessor):
+       for every token seen in the prompt or output, a positive logit is divided by the
+       penalty and a negative one multiplied by it.
+    3. frequency / presence penalties (OpenAI API semantics): logit -= frequency * count
+       - presence * (count > 0), count = occurrences among the output tokens so far.
+    4. banned tokens (stop tokens before min_new_tokens) become -inf.
+    Returns `logits` itself when nothing applies, else a new tensor (the input is not mutated).
+    """
+    out = logits
+    if info.logit_bias_rows is not None:
+        out = out.clone()
+        out.index_put_((info.logit_bias_rows, info.logit_bias_ids), info.logit_bias_values, accumulate=True)
+    if info.repetition_penalties is not None and info.seen_token_rows is not None:
+        out = out.clone() if out is logits else out
+        rows, ids = info.seen_token_rows, info.seen_token_ids
+        penalty = info.repetition_penalties[rows]
+        picked = out[rows, ids]
+        out[rows, ids] = torch.where(picked > 0, picked / penalty, picked * penalty)
+    if info.frequency_penalties is not None and info.output_token_rows is not None:
+        counts = torch.zeros_like(logits)
+        counts.index_put_((info.output_token_rows, info.output_token_ids),
+                          torch.ones_like(info.output_token_rows, dtype=logits.dtype), accumulate=True)
+        penalty = (info.frequency_penalties[:, None] * counts
+                   + info.presence_penalties[:, None] * (counts > 0).to(logits.dtype))
+        out = out - penalty
+    if info.banned_rows is not None:
+        out = out.clone() if out is logits else out
+        out[info.banned_rows, info.banned_ids] = float("-inf")
+    return out
+
+
+def top_k_top_p_probs(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
+                      min_ps: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero out tokens outside each row's top-k, top-p (nucleus) and min-p sets.
 
     Top-k: Fan et al., "Hierarchical Neural Story Generation" (2018). Top-p: Holtzman et al.,
     "The Curious Case of Neural Text Degeneration" (2019): keep the smallest prefix of tokens
     sorted by probability whose mass reaches top_p; the most likely token is always kept.
+    Min-p: Nguyen et al., "Min-p Sampling" (2024): drop tokens whose probability is below
+    min_p times the most likely token's.
 
-    probs: [B, vocab] float32 (rows sum to 1); top_ks: [B] int64; top_ps: [B] float32.
+    probs: [B, vocab] float32 (rows sum to 1); top_ks: [B] int64; top_ps: [B] float32;
+    min_ps: [B] float32 or None.
     Returns (sorted_probs [B, vocab] float32, unnormalised, filtered; sorted_ids [B, vocab]
     int64), both in descending-probability order.
     """
@@ -25,25 +66,29 @@ def top_k_top_p_probs(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.T
     sorted_probs = sorted_probs.masked_fill(ranks[None, :] >= top_ks[:, None], 0.0)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     sorted_probs = sorted_probs.masked_fill(mass_before > top_ps[:, None], 0.0)
+    if min_ps is not None:
+        floor = sorted_probs[:, :1] * min_ps[:, None]
+        sorted_probs = sorted_probs.masked_fill(sorted_probs < floor, 0.0)
     return sorted_probs, sorted_ids
 
 
 def sample(logits: torch.Tensor, sampling_info: SamplingBatchInfo) -> torch.Tensor:
     """Next token ids [B] int64 on logits.device.
 
-    logits: [B, vocab] float32 (not mutated).
+    logits: [B, vocab] float32 (not mutated), the model's raw logits; the adjustments of
+    `apply_logit_adjustments` are applied first.
     Rows with temperature == 0 take argmax (ties: lowest id). Other rows divide by
-    temperature, softmax, apply top-k then top-p and draw with `torch.multinomial`, using the
-    row's generator from `sampling_info.generators` when one is given (seeded requests are then
-    reproducible; a generator on another device than logits draws on its own device), else
-    the global torch RNG of logits.device. Reads top_ks/top_ps as given (no host sync besides
-    the all-greedy check and the per-row generator loop).
+    temperature, softmax, apply top-k, top-p and min-p, and draw with `torch.multinomial`,
+    using the row's generator from `sampling_info.generators` when one is given (a seeded
+    request then draws the same tokens whatever else is in the batch; a generator on another
+    device than logits draws on its own device), else the global torch RNG of logits.device.
     Raises ValueError if the sampling tensors do not have B rows.
     """
     batch = logits.shape[0]
     temps = sampling_info.temperatures
     if temps.shape[0] != batch or sampling_info.top_ks.shape[0] != batch or sampling_info.top_ps.shape[0] != batch:
         raise ValueError(f"sampling info rows do not match batch size {batch}")
+    logits = apply_logit_adjustments(logits, sampling_info)
     greedy_ids = torch.argmax(logits, dim=-1)
     if sampling_info.is_all_greedy:
         return greedy_ids
@@ -51,17 +96,18 @@ def sample(logits: torch.Tensor, sampling_info: SamplingBatchInfo) -> torch.Tens
     safe_temps = torch.where(greedy, torch.ones_like(temps), temps).to(torch.float32)
     probs = torch.softmax(logits.float() / safe_temps[:, None], dim=-1)
     sorted_probs, sorted_ids = top_k_top_p_probs(
-        probs, sampling_info.top_ks.to(torch.int64), sampling_info.top_ps.to(torch.float32)
+        probs, sampling_info.top_ks.to(torch.int64), sampling_info.top_ps.to(torch.float32),
+        sampling_info.min_ps,
     )
     generators = list(sampling_info.generators or [])
     generators += [None] * (batch - len(generators))
-    choice = torch.empty(batch, dtype=torch.int64, device=logits.device)
-    unseeded = [i for i, g in enumerate(generators) if g is None]
+    choice = torch.zeros(batch, dtype=torch.int64, device=logits.device)
+    unseeded = [i for i, g in enumerate(generators) if g is None and not bool(greedy[i])]
     if unseeded:
         rows = torch.tensor(unseeded, device=logits.device)
         choice[rows] = torch.multinomial(sorted_probs[rows], 1).squeeze(1)
     for i, gen in enumerate(generators):
-        if gen is not None:
+        if gen is not None and not bool(greedy[i]):
             # A generator draws only on its own device; a CPU generator with CUDA logits
             # samples that row on the host (seeded requests stay reproducible either way).
             row = sorted_probs[i] if gen.device == logits.device else sorted_probs[i].cpu()

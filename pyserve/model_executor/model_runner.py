@@ -13,9 +13,15 @@ import os
 import torch
 
 from pyserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from pyserve.layers.logprobs import logprobs_of_rows
 from pyserve.layers.sampler import sample as sample_tokens
 from pyserve.mem_cache.memory_pool import MHATokenToKVPool
-from pyserve.model_executor.forward_batch import ForwardBatch, SamplingBatchInfo
+from pyserve.model_executor.forward_batch import (
+    ForwardBatch,
+    ForwardMode,
+    SamplingBatchInfo,
+    StepOutput,
+)
 from pyserve.model_loader.config import ModelConfig
 from pyserve.model_loader.weights import load_model
 
@@ -47,6 +53,8 @@ class ModelRunner:
       (page 0 is reserved for the padding slot 0).
     random_seed: seeds the global torch RNG (sampling of requests without their own seed).
     load_progress: show tqdm bars while loading weights.
+    load_format: "auto" (the checkpoint's weights) or "dummy" (random weights from the
+      config, no weight file read: for benchmarks).
 
     Attributes: model_config, model, device (str: "cpu", "cuda", "cuda:1"), dtype
     (torch.dtype), kv_pool (MHATokenToKVPool), max_total_num_tokens (real slots
@@ -68,6 +76,7 @@ class ModelRunner:
         random_seed: int | None = None,
         load_progress: bool = True,
         page_size: int = 1,
+        load_format: str = "auto",
     ) -> None:
         if not 0.0 < mem_fraction_static <= 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1], got {mem_fraction_static}")
@@ -79,7 +88,8 @@ class ModelRunner:
             model_path, dtype=dtype, device=torch_device, context_length=context_length
         )
         self.dtype = self.model_config.dtype
-        self.model = load_model(self.model_config, torch_device, progress=load_progress)
+        self.model = load_model(self.model_config, torch_device, progress=load_progress,
+                                load_format=load_format)
         self.page_size = int(page_size)
         pool = self._kv_pool_size(torch_device, max_total_tokens, mem_fraction_static)
         self.max_total_num_tokens = pool - pool % self.page_size
@@ -92,6 +102,7 @@ class ModelRunner:
         )
         self.kv_cache_bytes = self.kv_pool.total_bytes
         self.attn_backend = TorchNativeAttnBackend(self.kv_pool)
+        self._input_groups: list | None = None  # prompt-logprob plan of the last forward
         logger.info(
             "KV cache: %d tokens, %.1f MiB (%s, %s)", self.max_total_num_tokens,
             self.kv_cache_bytes / 2**20, self.dtype, self.device,
@@ -139,7 +150,67 @@ class ModelRunner:
         """
         with torch.inference_mode():
             self.attn_backend.init_forward_metadata(batch)
+            self._input_groups = self._plan_input_logprobs(batch)
             return self.model(batch, self.attn_backend)
+
+    @staticmethod
+    def _plan_input_logprobs(batch: ForwardBatch) -> list[tuple[int, int, int] | None] | None:
+        """For prompt logprobs: set batch.input_logits_rows to the token rows whose logits
+        predict the wanted prompt tokens; returns per request (start, first row in
+        input_logits, count) or None."""
+        info = batch.logprob_info
+        if info is None or batch.forward_mode != ForwardMode.EXTEND or \
+                all(s is None for s in info.input_logprob_starts):
+            return None
+        rows: list[int] = []
+        groups: list[tuple[int, int, int] | None] = []
+        token_start = 0
+        for start, ext in zip(info.input_logprob_starts, batch.extend_seq_lens.tolist()):
+            if start is None:
+                groups.append(None)
+            else:
+                # token j of the extend range is predicted by row j - 1 (none for j == 0)
+                first = max(start, 1)
+                groups.append((start, len(rows), max(ext - first, 0)))
+                rows.extend(range(token_start + first - 1, token_start + ext - 1))
+            token_start += ext
+        batch.input_logits_rows = torch.tensor(rows, dtype=torch.int64, device=batch.input_ids.device)
+        return groups
+
+    def step_output(self, logits: torch.Tensor, batch: ForwardBatch) -> StepOutput:
+        """Sample the next tokens of `batch` (after `forward(batch)`) and gather the logprobs
+        its logprob_info asks for. Worker thread only."""
+        next_ids = self.sample(logits, batch.sampling_info)
+        out = StepOutput(next_token_ids=next_ids.tolist())
+        info = batch.logprob_info
+        if info is None or not any(info.return_logprob):
+            return out
+        with torch.inference_mode():
+            rows = [i for i, want in enumerate(info.return_logprob) if want]
+            rows_t = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+            picked = logprobs_of_rows(
+                logits[rows_t], next_ids[rows_t], [info.top_logprobs_nums[i] for i in rows],
+                [info.token_ids_logprob[i] for i in rows], [(k, 1) for k in range(len(rows))])
+            out.output_logprobs = [None] * batch.batch_size
+            for i, item in zip(rows, picked):
+                out.output_logprobs[i] = item
+            groups = self._input_groups
+            if groups is not None and batch.input_logits is not None:
+                targets = batch.input_ids[batch.input_logits_rows + 1]
+                wanted = [i for i, g in enumerate(groups) if g is not None]
+                items = logprobs_of_rows(
+                    batch.input_logits, targets, [info.top_logprobs_nums[i] for i in wanted],
+                    [info.token_ids_logprob[i] for i in wanted], [groups[i][1:] for i in wanted])
+                out.input_logprobs = [None] * batch.batch_size
+                for i, item in zip(wanted, items):
+                    if groups[i][0] == 0:  # the first prompt token has no context
+                        item.token_logprobs.insert(0, None)
+                        if item.top_logprobs is not None:
+                            item.top_logprobs.insert(0, [])
+                        if item.token_ids_logprobs is not None:
+                            item.token_ids_logprobs.insert(0, [])
+                    out.input_logprobs[i] = item
+        return out
 
     def sample(self, logits: torch.Tensor, sampling_info: SamplingBatchInfo) -> torch.Tensor:
         """Next token ids [B] int64 on the device: argmax where temperature == 0, else

@@ -33,10 +33,12 @@ def iter_weights(model_config: ModelConfig, progress: bool = True) -> Iterator[t
 
 
 def load_model(
-    model_config: ModelConfig, device: str | torch.device, progress: bool = True
+    model_config: ModelConfig, device: str | torch.device, progress: bool = True,
+    load_format: str = "auto",
 ) -> torch.nn.Module:
     """Instantiate the registered class of `model_config.architecture` on `device` in
-    `model_config.dtype`, load its weights and put it in eval mode.
+    `model_config.dtype`, load its weights (load_format "auto") or fill it with seeded random
+    weights (load_format "dummy", nothing read but the config) and put it in eval mode.
 
     Raises ValueError for an unsupported architecture, KeyError/ValueError from the model's
     `load_weights` for unknown or missing tensors.
@@ -47,7 +49,12 @@ def load_model(
     start = time.perf_counter()
     with torch.device(device):
         model = model_cls(model_config.hf_config, dtype=model_config.dtype, device=device)
-    model.load_weights(iter_weights(model_config, progress=progress))
+    if load_format == "dummy":
+        model.init_dummy_weights()
+    elif load_format == "auto":
+        model.load_weights(iter_weights(model_config, progress=progress))
+    else:
+        raise ValueError(f"load_format {load_format!r} is not supported; supported: auto, dummy")
     model.eval()
     logger.info(
         "loaded %s (%s) in %.2f s", model_config.model_path, model_config.architecture,

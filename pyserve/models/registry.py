@@ -8,6 +8,9 @@ import importlib
 # break the others.
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("pyserve.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("pyserve.models.qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("pyserve.models.qwen3", "Qwen3ForCausalLM"),
+    "MistralForCausalLM": ("pyserve.models.mistral", "MistralForCausalLM"),
 }
 
 

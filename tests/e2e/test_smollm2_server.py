@@ -21,6 +21,11 @@ PROMPTS = [
     "Here is a short poem about the sea:",
     "Q: What is 12 times 12?\nA:",
     "The three primary colors are",
+    "Once upon a time, in a small village,",
+    "import numpy as np\n\ndef softmax(x):",
+    "The largest planet in our solar system is",
+    "Translate to French: Good morning, my friend.",
+    "List three fruits: apples,",
 ]
 
 
@@ -93,18 +98,69 @@ def test_openai_client_chat_stream_and_not(client):
 
 
 def test_greedy_equals_hf_transformers(server):
+    """10 prompts x 64 tokens in one batched request equal HF's greedy ids. The HF ids of all 10
+    are stored (tests/data/make_smollm2_reference.py regenerates them; HF takes minutes on a
+    CPU); two prompts are also re-run through HF live, so the stored file cannot go stale."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    ref_path = Path(__file__).resolve().parents[1] / "data" / "smollm2_greedy_reference.json"
+    cases = json.loads(ref_path.read_text())["cases"]
+    assert [c["prompt"] for c in cases] == PROMPTS and len(PROMPTS) == 10
+    outs = httpx.post(server.base_url + "/generate", timeout=600, json={
+        "text": PROMPTS, "sampling_params": {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True}}).json()
+    for case, out in zip(cases, outs):
+        assert out["meta_info"]["prompt_tokens"] == len(case["input_ids"])
+        assert out["output_ids"] == case["output_ids"], case["prompt"]
+    gguf = smollm2_gguf()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = load_hf_gguf(str(gguf))
+    for case in cases[:2]:
+        assert tok(case["prompt"]).input_ids == case["input_ids"]
+        assert hf_greedy(model, case["input_ids"], 64) == case["output_ids"]
+
+
+def test_chat_logprobs_template_and_stream(server, client):
     from transformers import AutoTokenizer
 
     gguf = smollm2_gguf()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = load_hf_gguf(str(gguf))
-    for prompt in PROMPTS:
-        ids = tok(prompt).input_ids
-        ref_ids = hf_greedy(model, ids, 64)
-        out = httpx.post(server.base_url + "/generate", timeout=120, json={
-            "text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True}}).json()
-        assert out["meta_info"]["prompt_tokens"] == len(ids)
-        assert out["output_ids"] == ref_ids, prompt
+    model = client.models.list().data[0].id
+    full = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=12,
+                                          logprobs=True, top_logprobs=3)
+    # the prompt is exactly the tokenizer's chat template
+    template = tok.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=True)
+    template_ids = tok(template, add_special_tokens=False).input_ids
+    assert full.usage.prompt_tokens == len(template_ids)
+    native = httpx.post(server.base_url + "/generate", timeout=120, json={
+        "input_ids": template_ids, "sampling_params": {"temperature": 0, "max_new_tokens": 12}}).json()
+    assert native["text"] == full.choices[0].message.content
+    content = full.choices[0].logprobs.content
+    assert full.choices[0].finish_reason == "stop" and content[-1].token == "<|im_end|>"  # EOS has one too
+    assert "".join(c.token for c in content[:-1]) == full.choices[0].message.content
+    for c in content:
+        assert c.top_logprobs[0].token == c.token and c.top_logprobs[0].logprob == c.logprob
+        assert [t.logprob for t in c.top_logprobs] == sorted((t.logprob for t in c.top_logprobs), reverse=True)
+        assert bytes(c.bytes).decode() == c.token
+    # logprob of each token equals HF's log_softmax on the same sequence
+    import torch
+
+    hf = load_hf_gguf(str(gguf))
+    out_ids = tok(full.choices[0].message.content, add_special_tokens=False).input_ids
+    seq = list(template_ids) + out_ids[:len(content)]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([seq])).logits[0], dim=-1)
+    n = len(template_ids)
+    for k, c in enumerate(content[:len(out_ids)]):
+        assert abs(c.logprob - float(ref[n - 1 + k, seq[n + k]])) < 1e-4
+    stream = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=12,
+                                            logprobs=True, top_logprobs=3, stream=True)
+    streamed = [c for chunk in stream for choice in chunk.choices if choice.logprobs
+                for c in choice.logprobs.content]
+    assert [c.token for c in streamed] == [c.token for c in content]
+    # the second request reuses the cached prompt: same values up to float rounding
+    assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(streamed, content))
 
 
 def test_shared_prefix_is_reused(server):

@@ -186,7 +186,7 @@ def test_openai_echo_of_invalid_ids_and_unsupported_fields(server):
     r = httpx.post(server.base_url + "/v1/completions", timeout=30, headers={"content-type": "application/json"},
                    content=json.dumps({"prompt": "\ud83d x", "echo": True, "max_tokens": 2}))
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
-    for field, value in (("tools", [{"type": "function"}]), ("logit_bias", {"5": 1}), ("best_of", 2),
+    for field, value in (("tools", [{"type": "function"}]), ("logit_bias", {"99999": 1}), ("best_of", 2),
                          ("response_format", {"type": "json_object"})):
         r = post(server, "/v1/completions", {"prompt": "hi", field: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == field
@@ -295,3 +295,49 @@ def test_info_routes(server, stories_path):
     sinfo = httpx.get(server.base_url + "/get_server_info").json()
     assert sinfo["kv_total_slots"] == POOL_TOKENS
     assert sinfo["max_total_num_tokens"] == POOL_TOKENS
+
+
+def test_completions_logprobs_with_echo_and_stream(server):
+    body = {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 0, "logprobs": 3, "echo": True}
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    prompt_tokens = r.json()["usage"]["prompt_tokens"]
+    assert len(lp["tokens"]) == prompt_tokens + 6
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(isinstance(v, float) for v in lp["token_logprobs"][1:])
+    assert "".join(lp["tokens"][prompt_tokens:]) == choice["text"][len("Once upon a time"):]
+    for k in range(prompt_tokens, prompt_tokens + 6):  # greedy: the chosen token is the top one
+        top = lp["top_logprobs"][k]
+        assert len(top) == 3 and max(top.values()) == lp["token_logprobs"][k]
+        assert list(top.values()) == sorted(top.values(), reverse=True)
+    assert lp["text_offset"][0] == 0 and lp["text_offset"][1] == len(lp["tokens"][0])
+    # streamed: the chunks' logprobs concatenate to the same lists
+    with httpx.stream("POST", server.base_url + "/v1/completions", json={**body, "stream": True},
+                      timeout=60) as resp:
+        chunks = [json.loads(line[6:]) for line in resp.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    tokens, values = [], []
+    for c in chunks:
+        clp = c["choices"][0]["logprobs"]
+        if clp:
+            tokens += clp["tokens"]
+            values += clp["token_logprobs"]
+    assert tokens == lp["tokens"]
+    assert values == lp["token_logprobs"]
+    plain = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "temperature": 0}).json()
+    assert plain["choices"][0]["logprobs"] is None
+
+
+def test_native_stream_carries_logprobs(server):
+    body = {"text": "Lily", "stream": True, "return_logprob": True, "top_logprobs_num": 2,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}}
+    with httpx.stream("POST", server.base_url + "/generate", json=body, timeout=60) as resp:
+        chunks = [json.loads(line[6:]) for line in resp.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    for c in chunks:  # cumulative, one entry per output id so far
+        meta = c["meta_info"]
+        assert [e[1] for e in meta["output_token_logprobs"]] == c["output_ids"]
+        assert len(meta["output_top_logprobs"]) == len(c["output_ids"])
+    assert len(chunks[-1]["output_ids"]) == 5

@@ -44,8 +44,10 @@ def test_resolve_dtype() -> None:
 
 def test_registry() -> None:
     assert get_model_class("LlamaForCausalLM") is LlamaForCausalLM
-    assert supported_architectures() == ["LlamaForCausalLM"]
-    with pytest.raises(ValueError, match=r"'GPT2LMHeadModel' is not supported; supported: LlamaForCausalLM"):
+    assert supported_architectures() == ["LlamaForCausalLM", "MistralForCausalLM",
+                                         "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+    with pytest.raises(ValueError, match=r"'GPT2LMHeadModel' is not supported; supported: "
+                                         r"LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
         get_model_class("GPT2LMHeadModel")
 
 

@@ -79,3 +79,59 @@ def test_seeded_generators_reproduce() -> None:
 def test_row_count_mismatch_raises() -> None:
     with pytest.raises(ValueError, match="batch size 3"):
         sample(LOGITS, _info([0, 0], [1, 1], [5, 5]))
+
+
+def test_penalties_match_hf_processors_and_openai_formula() -> None:
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    from pyserve.layers.sampler import apply_logit_adjustments
+
+    logits = torch.tensor([[1.0, -2.0, 3.0, 0.5, -1.0, 2.0], [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]])
+    info = _info([0, 0], [1, 1], [6, 6])
+    # row 0: repetition 1.5 over prompt+output ids {0, 1, 3}; row 1: none
+    info.repetition_penalties = torch.tensor([1.5, 1.0])
+    info.seen_token_rows = torch.tensor([0, 0, 0])
+    info.seen_token_ids = torch.tensor([0, 1, 3])
+    ref = RepetitionPenaltyLogitsProcessor(1.5)(torch.tensor([[0, 1, 3]]), logits[:1].clone())
+    out = apply_logit_adjustments(logits, info)
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], logits[1])
+    # frequency 0.5 / presence 0.25 over row 1's outputs [4, 4, 2]
+    info = _info([0, 0], [1, 1], [6, 6])
+    info.frequency_penalties = torch.tensor([0.0, 0.5])
+    info.presence_penalties = torch.tensor([0.0, 0.25])
+    info.output_token_rows = torch.tensor([1, 1, 1])
+    info.output_token_ids = torch.tensor([4, 4, 2])
+    out = apply_logit_adjustments(logits, info)
+    assert out[1].tolist() == [0.0, 1.0, 2.0 - 0.5 - 0.25, 3.0, 4.0 - 1.0 - 0.25, 5.0]
+    assert torch.equal(out[0], logits[0])
+    # logit bias and banned ids; greedy follows the adjusted logits
+    info = _info([0, 0], [1, 1], [6, 6])
+    info.logit_bias_rows, info.logit_bias_ids = torch.tensor([0]), torch.tensor([4])
+    info.logit_bias_values = torch.tensor([10.0])
+    info.banned_rows, info.banned_ids = torch.tensor([1]), torch.tensor([5])
+    assert sample(logits, info).tolist() == [4, 4]
+    assert logits[0, 4] == -1.0  # input not mutated
+
+
+def test_min_p_filter_exact() -> None:
+    probs = torch.tensor([[0.05, 0.5, 0.15, 0.3]])
+    kept, ids = top_k_top_p_probs(probs, torch.tensor([4]), torch.tensor([1.0]), torch.tensor([0.5]))
+    assert ids.tolist() == [[1, 3, 2, 0]]
+    assert kept.tolist() == [[0.5, 0.30000001192092896, 0.0, 0.0]]
+
+
+def test_seeded_row_independent_of_batch() -> None:
+    torch.manual_seed(0)
+    row = torch.randn(1, 50)
+    gen = torch.Generator().manual_seed(5)
+    alone = [sample(row, _info([0.9], [0.95], [40], [gen])).item() for _ in range(20)]
+    gen = torch.Generator().manual_seed(5)
+    others = torch.randn(7, 50)
+    batched = []
+    for _ in range(20):
+        logits = torch.cat((others[:3], row, others[3:]))
+        temps = [1.0, 0.0, 0.5, 0.9, 1.3, 0.0, 0.7, 2.0]
+        out = sample(logits, _info(temps, [1.0] * 3 + [0.95] + [0.8] * 4, [50] * 3 + [40] + [10] * 4,
+                                   [None, None, torch.Generator().manual_seed(1), gen] + [None] * 4))
+        batched.append(out[3].item())
+    assert batched == alone and len(set(alone)) > 1

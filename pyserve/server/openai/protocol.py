@@ -1,9 +1,8 @@
 """Request bodies of the OpenAI-compatible API (pydantic), and their mapping to SamplingParams.
 
 Unknown fields are ignored, as the OpenAI API's clients send fields servers may not know.
-Fields pyserve cannot honour yet (n > 1, logprobs, penalties, tools, logit_bias,
-response_format, best_of) are refused with a 400 by
-`check_supported()` rather than silently ignored.
+Fields pyserve cannot honour yet (n > 1, tools, response_format, best_of) are refused with a
+400 by `check_supported()` rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pyserve.errors import InvalidRequestError
+from pyserve.io_struct import LogprobParams
 from pyserve.sampling_params import SamplingParams
 
 
@@ -60,11 +60,15 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     user: str | None = None
     # extensions (SGLang / vLLM names)
     top_k: int = -1
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
+    min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     skip_special_tokens: bool = True
@@ -72,30 +76,32 @@ class _Common(BaseModel):
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
-    logit_bias: dict[str, Any] | None = None
     best_of: int | None = None
 
     def check_supported(self) -> None:
         """Raise InvalidRequestError for fields pyserve cannot honour yet."""
         if self.n != 1:
             raise InvalidRequestError("only n=1 is supported", param="n")
-        for name in ("tools", "logit_bias"):
-            if getattr(self, name):
-                raise InvalidRequestError(f"'{name}' is not supported yet", param=name)
+        if self.tools:
+            raise InvalidRequestError("'tools' is not supported yet", param="tools")
         if self.response_format and self.response_format.get("type") != "text":
             raise InvalidRequestError("response_format other than text is not supported yet",
                                       param="response_format")
         if self.best_of not in (None, 1):
             raise InvalidRequestError("only best_of=1 is supported", param="best_of")
-        if self.presence_penalty or self.frequency_penalty:
-            raise InvalidRequestError("presence/frequency penalties are not supported yet",
-                                      param="presence_penalty" if self.presence_penalty else "frequency_penalty")
+        for key in self.logit_bias or {}:
+            if not key.isdigit():
+                raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}",
+                                          param="logit_bias")
 
     def sampling_params(self, max_new_tokens: int | None) -> SamplingParams:
         return SamplingParams(
             max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-            top_k=self.top_k, stop=self.stop, stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens, seed=self.seed)
+            top_k=self.top_k, min_p=self.min_p, stop=self.stop, stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens, seed=self.seed,
+            frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
+            repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias,
+            min_new_tokens=self.min_tokens)
 
     @property
     def include_usage(self) -> bool:
@@ -107,11 +113,16 @@ class ChatCompletionRequest(_Common):
     max_tokens: int | None = Field(default=None, ge=0)
     max_completion_tokens: int | None = Field(default=None, ge=0)
     logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs:
-            raise InvalidRequestError("logprobs are not supported yet", param="logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
+
+    def logprob_params(self) -> LogprobParams:
+        return LogprobParams(return_logprob=self.logprobs, top_logprobs_num=self.top_logprobs or 0,
+                             return_text_in_logprobs=True)
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -122,13 +133,19 @@ class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=0)
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=20)
     suffix: str | None = None
+
+    def logprob_params(self) -> LogprobParams:
+        """logprobs=k: the sampled token's logprob and the k most likely; with echo, the
+        prompt tokens' too (the first one has none: null)."""
+        if self.logprobs is None:
+            return LogprobParams()
+        return LogprobParams(return_logprob=True, top_logprobs_num=self.logprobs,
+                             logprob_start_len=0 if self.echo else None, return_text_in_logprobs=True)
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs is not None:
-            raise InvalidRequestError("logprobs are not supported yet", param="logprobs")
         if self.suffix:
             raise InvalidRequestError("suffix is not supported", param="suffix")
         if isinstance(self.prompt, list) and len(self.prompt) == 0:

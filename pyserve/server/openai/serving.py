@@ -19,6 +19,7 @@ from pyserve.engine.engine_core import EngineCore
 from pyserve.io_struct import GenerateOutput, SingleReq
 from pyserve.server.errors import parse_json
 from pyserve.server.native import anext_or_none, engine_of
+from pyserve.server.openai.logprobs import chat_logprobs, completion_logprobs
 from pyserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pyserve.server.sse import sse_response, until_disconnect
 
@@ -48,7 +49,7 @@ async def chat_completions(request: Request) -> Response:
     engine = engine_of(request)
     prompt = await engine.apply_chat_template([m.to_template() for m in body.messages])
     req = SingleReq(text=prompt, input_ids=None, sampling_params=body.sampling_params(body.max_new_tokens),
-                    stream=body.stream, add_special_tokens=False)
+                    stream=body.stream, add_special_tokens=False, logprob=body.logprob_params())
     rid = f"chatcmpl-{req.rid}"
     created = int(time.time())
     name = model_name(engine, body.model)
@@ -61,7 +62,7 @@ async def chat_completions(request: Request) -> Response:
     return JSONResponse({
         "id": rid, "object": "chat.completion", "created": created, "model": name,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
-                     "logprobs": None, "finish_reason": finish_reason(out),
+                     "logprobs": chat_logprobs(out, 0), "finish_reason": finish_reason(out),
                      "matched_stop": (out.finish_reason or {}).get("matched")}],
         "usage": usage([out]),
     })
@@ -69,9 +70,9 @@ async def chat_completions(request: Request) -> Response:
 
 async def _chat_chunks(first: GenerateOutput | None, rest: AsyncIterator[GenerateOutput], rid: str,
                        created: int, name: str, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
-    def chunk(delta: dict[str, Any], reason: str | None) -> dict[str, Any]:
+    def chunk(delta: dict[str, Any], reason: str | None, logprobs: Any = None) -> dict[str, Any]:
         out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
-               "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+               "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
         if include_usage:
             out["usage"] = None  # as OpenAI: only the last chunk carries usage
         return out
@@ -79,9 +80,15 @@ async def _chat_chunks(first: GenerateOutput | None, rest: AsyncIterator[Generat
     try:
         yield chunk({"role": "assistant", "content": ""}, None)
         out = first
+        sent_logprobs = 0
         while out is not None:
-            if out.text_delta:
-                yield chunk({"content": out.text_delta}, None)
+            # a chunk carries the logprobs of the tokens it adds (even with no text yet)
+            new_logprobs = out.logprobs is not None and out.num_logprobs_delta > 0
+            if out.text_delta or new_logprobs:
+                logprobs = chat_logprobs(out, sent_logprobs) if new_logprobs else None
+                if out.logprobs is not None:
+                    sent_logprobs = len(out.logprobs["output_token_logprobs"])
+                yield chunk({"content": out.text_delta}, None, logprobs)
             if out.finished:
                 yield chunk({}, finish_reason(out))
                 if include_usage:
@@ -98,7 +105,7 @@ async def completions(request: Request) -> Response:
     body.check_supported()
     engine = engine_of(request)
     reqs = [SingleReq(text=text, input_ids=ids, sampling_params=body.sampling_params(body.max_tokens),
-                      stream=body.stream) for text, ids in body.prompts()]
+                      stream=body.stream, logprob=body.logprob_params()) for text, ids in body.prompts()]
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     name = model_name(engine, body.model)
@@ -107,12 +114,13 @@ async def completions(request: Request) -> Response:
         first = await anext_or_none(stream)  # validates the prompt before echoing it
         echo = _echo_prefix(engine, reqs[0]) if body.echo else ""
         return sse_response(_completion_chunks(first, stream, rid, created, name,
-                                               body.include_usage, echo))
+                                               body.include_usage, echo, body.echo))
     outs = await until_disconnect(request, engine.generate_all(reqs))
     prefixes = [_echo_prefix(engine, r) if body.echo else "" for r in reqs]
     return JSONResponse({
         "id": rid, "object": "text_completion", "created": created, "model": name,
-        "choices": [{"index": i, "text": prefixes[i] + o.text, "logprobs": None,
+        "choices": [{"index": i, "text": prefixes[i] + o.text,
+                     "logprobs": completion_logprobs(o, 0, echo=body.echo),
                      "finish_reason": finish_reason(o), "matched_stop": (o.finish_reason or {}).get("matched")}
                     for i, o in enumerate(outs)],
         "usage": usage(outs),
@@ -128,21 +136,34 @@ def _echo_prefix(engine: EngineCore, req: SingleReq) -> str:
 
 async def _completion_chunks(first: GenerateOutput | None, rest: AsyncIterator[GenerateOutput],
                              rid: str, created: int, name: str, include_usage: bool,
-                             echo: str) -> AsyncIterator[dict[str, Any]]:
-    def chunk(text: str, reason: str | None) -> dict[str, Any]:
+                             echo: str, echo_logprobs: bool = False) -> AsyncIterator[dict[str, Any]]:
+    def chunk(text: str, reason: str | None, logprobs: Any = None) -> dict[str, Any]:
         out = {"id": rid, "object": "text_completion", "created": created, "model": name,
-               "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]}
+               "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}]}
         if include_usage:
             out["usage"] = None
         return out
 
     try:
+        offset = 0
         if echo:
-            yield chunk(echo, None)
+            # the prompt's logprobs (echo) go with the echoed prompt
+            prompt_lp = None
+            if first is not None and first.logprobs is not None and echo_logprobs:
+                prompt_lp = completion_logprobs(first, 0, 0, echo=True)
+            yield chunk(echo, None, prompt_lp)
+            offset = len(echo)
         out = first
+        sent_logprobs = 0
         while out is not None:
-            if out.text_delta or out.finished:
-                yield chunk(out.text_delta, finish_reason(out))
+            new_logprobs = out.logprobs is not None and out.num_logprobs_delta > 0
+            if out.text_delta or out.finished or new_logprobs:
+                logprobs = None
+                if out.logprobs is not None:
+                    logprobs = completion_logprobs(out, sent_logprobs, text_offset=offset)
+                    sent_logprobs = len(out.logprobs["output_token_logprobs"])
+                offset += len(out.text_delta)
+                yield chunk(out.text_delta, finish_reason(out), logprobs)
             if out.finished:
                 if include_usage:
                     yield {"id": rid, "object": "text_completion", "created": created, "model": name,
