@@ -115,7 +115,7 @@ class _StreamState:
 
 
 class _StreamError(Exception):
-    pass
+    """The server broke off or garbled a stream (counted as a `stream_error` failure)."""
 
 
 async def send_request(session: aiohttp.ClientSession, backend: str, base_url: str,

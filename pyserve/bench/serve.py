@@ -10,6 +10,7 @@ figures, print the table and write the optional JSONL line and plot.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from typing import Any
@@ -73,10 +74,8 @@ def pick_tokenizer_path(args: Any, models: Any, info: Any) -> str:
     candidates = []
     if isinstance(info, dict):
         candidates += [info.get("tokenizer_path"), info.get("model_path")]
-    try:
+    with contextlib.suppress(TypeError, KeyError, IndexError, AttributeError):  # no "root" given
         candidates.append(models["data"][0].get("root"))
-    except (TypeError, KeyError, IndexError, AttributeError):
-        pass
     for path in candidates:
         if isinstance(path, str) and os.path.exists(path):
             return path
