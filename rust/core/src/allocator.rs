@@ -25,8 +25,10 @@ pub struct TokenToKVPoolAllocator {
     num_pages: usize,
     /// Free pages in hand-out order (front first).
     free_pages: VecDeque<u32>,
-    /// `page_free[p]` for every page `0..=num_pages`; page 0 is never free.
-    page_free: Vec<bool>,
+    /// Bit `p` is set when page `p` is free, for every page `0..=num_pages`; page 0 never is.
+    /// A bitset rather than `Vec<bool>`: frees touch pages in whatever order the slots were
+    /// recycled, and at 1/8 of the size the set stays in cache (1.7M pages: 212 KiB).
+    page_free: Vec<u64>,
 }
 
 impl TokenToKVPoolAllocator {
@@ -35,14 +37,18 @@ impl TokenToKVPoolAllocator {
     /// Errors: [`CoreError::ShapeMismatch`] if `page_size == 0`, `size` is not a multiple of
     /// `page_size`, or the page count does not fit in `u32`.
     pub fn new(size: usize, page_size: usize) -> CoreResult<Self> {
-        if page_size == 0 || size % page_size != 0 || size / page_size >= u32::MAX as usize {
+        if page_size == 0
+            || !size.is_multiple_of(page_size)
+            || size / page_size >= u32::MAX as usize
+        {
             return Err(CoreError::ShapeMismatch(format!(
                 "KV pool of {size} slots cannot be split into pages of {page_size}"
             )));
         }
         let num_pages = size / page_size;
-        let mut page_free = vec![true; num_pages + 1];
-        page_free[0] = false;
+        // Bits past the last page stay set but are never read: pages are range-checked.
+        let mut page_free = vec![u64::MAX; (num_pages + 1).div_ceil(64)];
+        page_free[0] &= !1; // page 0 is reserved
         Ok(Self {
             page_size,
             page_shift: page_size
@@ -76,7 +82,7 @@ impl TokenToKVPoolAllocator {
         }
         let out: Vec<u32> = self.free_pages.drain(..n).collect();
         for &p in &out {
-            self.page_free[p as usize] = false;
+            self.set_free(p, false);
         }
         Some(out)
     }
@@ -101,8 +107,49 @@ impl TokenToKVPoolAllocator {
     /// allocatable page (slot 0 included); [`CoreError::DoubleFree`] if a page is already
     /// free, or a slot repeats, or a page's slots appear in two separate runs.
     pub fn free(&mut self, slots: &[i64]) -> CoreResult<()> {
+        if self.page_size == 1 {
+            return self.free_unit_pages(slots);
+        }
         let pages = self.pages_of_runs(slots)?;
         self.free_pages_checked(&pages)
+    }
+
+    /// [`Self::free`] for page size 1, where every slot is its own page: frees straight from
+    /// `slots` instead of building a page list first (eviction and finishing a request free
+    /// thousands of slots per call). Same checks and errors as the general path.
+    fn free_unit_pages(&mut self, slots: &[i64]) -> CoreResult<()> {
+        let high = self.num_pages as i64 + 1;
+        if let Some(&s) = slots.iter().find(|&&s| s < 1 || s >= high) {
+            return Err(CoreError::OutOfRange {
+                what: "kv slot",
+                value: s,
+                low: 1,
+                high,
+            });
+        }
+        // Mark as we check so repeats inside `slots` are caught; roll back on error.
+        for (i, &s) in slots.iter().enumerate() {
+            if self.is_page_free(s as u32) {
+                for &q in &slots[..i] {
+                    self.set_free(q as u32, false);
+                }
+                return Err(CoreError::DoubleFree(s));
+            }
+            self.set_free(s as u32, true);
+        }
+        self.free_pages.extend(slots.iter().map(|&s| s as u32));
+        Ok(())
+    }
+
+    /// Marks page `p` free or in use.
+    #[inline]
+    fn set_free(&mut self, p: u32, free: bool) {
+        let (word, bit) = (p as usize / 64, 1u64 << (p % 64));
+        if free {
+            self.page_free[word] |= bit;
+        } else {
+            self.page_free[word] &= !bit;
+        }
     }
 
     /// The distinct pages of `slots`, checked as [`Self::free`] describes (without the
@@ -165,18 +212,18 @@ impl TokenToKVPoolAllocator {
                     low: 1,
                     high: self.num_pages as i64 + 1,
                 })
-            } else if self.page_free[p as usize] {
+            } else if self.is_page_free(p) {
                 Some(CoreError::DoubleFree(self.first_slot(p)))
             } else {
                 None
             };
             if let Some(e) = err {
                 for &q in &pages[..i] {
-                    self.page_free[q as usize] = false;
+                    self.set_free(q, false);
                 }
                 return Err(e);
             }
-            self.page_free[p as usize] = true;
+            self.set_free(p, true);
         }
         self.free_pages.extend(pages.iter().copied());
         Ok(())
@@ -214,17 +261,14 @@ impl TokenToKVPoolAllocator {
 
     /// Whether the page holding `slot` is free (`false` for page 0 and out-of-range slots).
     pub fn is_free(&self, slot: i64) -> bool {
-        slot >= 0
-            && self
-                .page_free
-                .get(self.page_of(slot) as usize)
-                .copied()
-                .unwrap_or(false)
+        slot >= 0 && self.is_page_free(self.page_of(slot))
     }
 
     /// Whether page `page` is free.
+    #[inline]
     pub fn is_page_free(&self, page: u32) -> bool {
-        self.page_free.get(page as usize).copied().unwrap_or(false)
+        page as usize <= self.num_pages
+            && self.page_free[page as usize / 64] & (1 << (page % 64)) != 0
     }
 
     /// The free pages in hand-out order (for integrity checks).
@@ -260,6 +304,20 @@ mod tests {
         assert_eq!(a.alloc(8), Some(vec![12, 13, 14, 15, 8, 9, 10, 11]));
         assert!(TokenToKVPoolAllocator::new(10, 4).is_err());
         assert!(TokenToKVPoolAllocator::new(10, 0).is_err());
+    }
+
+    #[test]
+    fn free_bits_across_words() {
+        // Pages 63, 64 and 127, 128 straddle words of the free bitset.
+        let mut a = TokenToKVPoolAllocator::new(130, 1).unwrap();
+        a.alloc(130).unwrap();
+        a.free(&[64, 63, 128]).unwrap();
+        assert!(a.is_free(63) && a.is_free(64) && a.is_free(128));
+        assert!(!a.is_free(62) && !a.is_free(65) && !a.is_free(127) && !a.is_free(130));
+        assert!(!a.is_free(131) && !a.is_page_free(200) && !a.is_free(0));
+        assert_eq!(a.free(&[127, 128]), Err(CoreError::DoubleFree(128)));
+        assert!(!a.is_free(127)); // rolled back
+        assert_eq!(a.alloc(3), Some(vec![64, 63, 128]));
     }
 
     #[test]

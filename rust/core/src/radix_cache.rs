@@ -77,9 +77,28 @@ pub struct RadixCache {
 }
 
 /// Length of the common prefix of `a` and `b`, rounded down to whole pages.
+///
+/// Compares 64-token chunks as slices first (a vectorised `bcmp`) and only scans the first
+/// differing chunk token by token: a plain `take_while` loop is scalar and dominated inserts
+/// and matches that walk over long cached prefixes (system prompts, chat histories).
 fn common_prefix_len(a: &[i32], b: &[i32], page_size: usize) -> usize {
-    let n = a.iter().zip(b).take_while(|(x, y)| x == y).count();
-    n - n % page_size
+    const CHUNK: usize = 64;
+    let len = a.len().min(b.len());
+    let (a, b) = (&a[..len], &b[..len]);
+    let mut n = 0;
+    while n + CHUNK <= len && a[n..n + CHUNK] == b[n..n + CHUNK] {
+        n += CHUNK;
+    }
+    n += a[n..]
+        .iter()
+        .zip(&b[n..])
+        .take_while(|(x, y)| x == y)
+        .count();
+    if page_size == 1 {
+        n
+    } else {
+        n - n % page_size
+    }
 }
 
 impl RadixCache {

@@ -216,7 +216,7 @@ impl Model {
         let n = n.min(8 * self.ps - kv);
         let need = (kv + n).div_ceil(self.ps) - kv.div_ceil(self.ps);
         let short = need.saturating_sub(self.c.alloc.available_pages());
-        let out = if n == 1 && self.now % 2 == 0 {
+        let out = if n == 1 && self.now.is_multiple_of(2) {
             self.c.prepare_decode(&[id]).unwrap()
         } else {
             self.c.prepare_extend(&[id], &[n]).unwrap()
