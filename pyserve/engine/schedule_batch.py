@@ -117,10 +117,11 @@ class ScheduleBatch:
     forward_mode: ForwardMode
     reqs: list[Req]
     input_ids: list[int]
-    arrays: BatchArrays
-    seq_lens: list[int]
-    extend_prefix_lens: list[int] | None = None
-    extend_lens: list[int] | None = None
+    arrays: BatchArrays  # per-request lengths too: prefix_lens, extend_lens, seq_lens
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return self.arrays.seq_lens.tolist()
 
     def to_forward_batch(self, device: str) -> ForwardBatch:
         """Tensors for the worker. numpy arrays become tensors without a copy on CPU."""
@@ -128,17 +129,18 @@ class ScheduleBatch:
             tensor = torch.as_tensor(x, dtype=torch.int64)
             return tensor.to(device, non_blocking=True) if device != "cpu" else tensor
 
+        extend = self.forward_mode is ForwardMode.EXTEND
         return ForwardBatch(
             forward_mode=self.forward_mode,
             batch_size=len(self.reqs),
             input_ids=t(self.input_ids),
             positions=t(self.arrays.positions),
             out_cache_loc=t(self.arrays.out_cache_loc),
-            seq_lens=t(self.seq_lens),
+            seq_lens=t(self.arrays.seq_lens),
             kv_indptr=t(self.arrays.kv_indptr),
             kv_indices=t(self.arrays.kv_indices),
-            extend_prefix_lens=None if self.extend_prefix_lens is None else t(self.extend_prefix_lens),
-            extend_seq_lens=None if self.extend_lens is None else t(self.extend_lens),
+            extend_prefix_lens=t(self.arrays.prefix_lens) if extend else None,
+            extend_seq_lens=t(self.arrays.extend_lens) if extend else None,
             sampling_info=sampling_batch_info(self.reqs, device),
             logprob_info=self._logprob_info(),
         )

@@ -148,9 +148,7 @@ class Scheduler:
                 self.waiting.appendleft(req)
             return None
         input_ids = [t for f, p in zip(fill, prefix_lens) for t in f[p:]]
-        return ScheduleBatch(ForwardMode.EXTEND, reqs, input_ids, arrays,
-                             seq_lens=[len(f) for f in fill],
-                             extend_prefix_lens=prefix_lens, extend_lens=extend_lens)
+        return ScheduleBatch(ForwardMode.EXTEND, reqs, input_ids, arrays)
 
     def _decode_batch(self) -> ScheduleBatch | None:
         while self.running:
@@ -158,7 +156,7 @@ class Scheduler:
             arrays = self.kv_cache.prepare_decode([r.req_id for r in reqs])
             if arrays is not None:
                 return ScheduleBatch(ForwardMode.DECODE, list(reqs), [r.output_ids[-1] for r in reqs],
-                                     arrays, seq_lens=[r.kv_len + 1 for r in reqs])
+                                     arrays)
             self._retract()
         return None
 
@@ -182,11 +180,8 @@ class Scheduler:
         self.kv_cache.abort_req(req.req_id)
         req.req_id, req.prefix_len = None, 0
 
-    def _process_batch_result(self, batch: ScheduleBatch, result: StepOutput | list[int]) -> None:
-        """Append each request's new token, decide who finished, emit TokenOuts.
-        `result`: the worker's StepOutput (a plain id list is accepted for tests)."""
-        if isinstance(result, list):
-            result = StepOutput(next_token_ids=result)
+    def _process_batch_result(self, batch: ScheduleBatch, result: StepOutput) -> None:
+        """Append each request's new token, decide who finished, emit TokenOuts."""
         outs = []
         extend = batch.forward_mode is ForwardMode.EXTEND
         for i, (req, token) in enumerate(zip(batch.reqs, result.next_token_ids)):

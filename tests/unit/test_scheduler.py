@@ -5,7 +5,7 @@ from __future__ import annotations
 from pyserve.engine.scheduler import Scheduler
 from pyserve.io_struct import TokenizedGenerateReq
 from pyserve.mem_cache.kv_cache import KVCache
-from pyserve.model_executor.forward_batch import ForwardMode
+from pyserve.model_executor.forward_batch import ForwardMode, StepOutput
 from pyserve.sampling_params import SamplingParams
 
 ABORT = {"type": "abort", "message": "test"}
@@ -30,14 +30,14 @@ def test_extend_then_decode_arrays_and_release():
     assert batch.forward_mode is ForwardMode.EXTEND
     assert batch.input_ids == [1, 2, 3]
     assert batch.arrays.positions.tolist() == [0, 1, 2]
-    sched._process_batch_result(batch, [7])
+    sched._process_batch_result(batch, StepOutput(next_token_ids=[7]))
     assert [o.ids_delta for o in outs] == [[7]]
     decode = sched._get_next_batch()
     assert decode.forward_mode is ForwardMode.DECODE
     assert decode.input_ids == [7] and decode.seq_lens == [4]
     assert decode.arrays.positions.tolist() == [3]
     assert kv.free_slots() == 100 - 4
-    sched._process_batch_result(decode, [8])
+    sched._process_batch_result(decode, StepOutput(next_token_ids=[8]))
     assert sched.reqs["a"].output_ids == [7, 8] and sched.reqs["a"].kv_len == 4
     sched.finish_request("a", ABORT)
     sched._release_finished()
@@ -47,7 +47,7 @@ def test_extend_then_decode_arrays_and_release():
 def test_rid_reused_before_the_old_request_is_released():
     sched, kv, outs = make_scheduler()
     sched.add_request(treq("R", [1, 2, 3]))
-    sched._process_batch_result(sched._get_next_batch(), [7])
+    sched._process_batch_result(sched._get_next_batch(), StepOutput(next_token_ids=[7]))
     sched.finish_request("R", ABORT)          # the client left; released at the next tick
     sched.add_request(treq("R", [4, 5]))      # a new request reuses the rid meanwhile
     sched._release_finished()                 # releasing the old one must not forget the new one

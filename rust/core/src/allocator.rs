@@ -159,18 +159,6 @@ impl TokenToKVPoolAllocator {
             self.page_size as i64,
             (self.num_pages as i64 + 1) * self.page_size as i64,
         );
-        if ps == 1 {
-            // Every slot is its own page: a tight loop (eviction frees many slots at once).
-            if let Some(&s) = slots.iter().find(|&&s| s < 1 || s >= high) {
-                return Err(CoreError::OutOfRange {
-                    what: "kv slot",
-                    value: s,
-                    low: 1,
-                    high,
-                });
-            }
-            return Ok(slots.iter().map(|&s| s as u32).collect());
-        }
         let mut pages: Vec<u32> = Vec::with_capacity(slots.len() / self.page_size + 1);
         // `prev` is the previous slot and the end of its page: a slot in `(prev, end)` is
         // the same page, anything else starts a new run.

@@ -34,6 +34,25 @@ pub struct BatchArrays {
     pub kv_indices: Vec<i64>,
 }
 
+impl BatchArrays {
+    /// Empty arrays with room for `b` requests, `num_new` new tokens and `total` KV entries;
+    /// `kv_indptr` starts with its leading 0.
+    fn with_capacity(b: usize, num_new: usize, total: usize) -> Self {
+        let mut kv_indptr = Vec::with_capacity(b + 1);
+        kv_indptr.push(0);
+        BatchArrays {
+            req_pool_indices: Vec::with_capacity(b),
+            prefix_lens: Vec::with_capacity(b),
+            extend_lens: Vec::with_capacity(b),
+            seq_lens: Vec::with_capacity(b),
+            out_cache_loc: Vec::with_capacity(num_new),
+            positions: Vec::with_capacity(num_new),
+            kv_indptr,
+            kv_indices: Vec::with_capacity(total),
+        }
+    }
+}
+
 impl KVCache {
     /// Validates a batch: ids live and distinct, lengths agree, rows wide enough. Returns
     /// each request's `(row, kv_len)`.
@@ -109,17 +128,7 @@ impl KVCache {
             .zip(extend_lens)
             .map(|(&(_, kv), &e)| kv + e)
             .sum();
-        let mut a = BatchArrays {
-            req_pool_indices: Vec::with_capacity(b),
-            prefix_lens: Vec::with_capacity(b),
-            extend_lens: Vec::with_capacity(b),
-            seq_lens: Vec::with_capacity(b),
-            out_cache_loc: Vec::with_capacity(num_new),
-            positions: Vec::with_capacity(num_new),
-            kv_indptr: Vec::with_capacity(b + 1),
-            kv_indices: Vec::with_capacity(total),
-        };
-        a.kv_indptr.push(0);
+        let mut a = BatchArrays::with_capacity(b, num_new, total);
         for (i, &(row, kv)) in reqs.iter().enumerate() {
             let end = kv + extend_lens[i];
             let start = a.out_cache_loc.len();
@@ -169,17 +178,8 @@ impl KVCache {
         let mut next_page = pages.into_iter();
         let b = reqs.len();
         let total: usize = reqs.iter().map(|&(_, kv)| kv + 1).sum();
-        let mut a = BatchArrays {
-            req_pool_indices: Vec::with_capacity(b),
-            prefix_lens: Vec::with_capacity(b),
-            extend_lens: ones.iter().map(|_| 1).collect(),
-            seq_lens: Vec::with_capacity(b),
-            out_cache_loc: Vec::with_capacity(b),
-            positions: Vec::with_capacity(b),
-            kv_indptr: Vec::with_capacity(b + 1),
-            kv_indices: Vec::with_capacity(total),
-        };
-        a.kv_indptr.push(0);
+        let mut a = BatchArrays::with_capacity(b, b, total);
+        a.extend_lens = vec![1; b];
         for (i, &(row, kv)) in reqs.iter().enumerate() {
             let slot = if kv % ps == 0 {
                 self.alloc.first_slot(next_page.next().expect("counted"))
