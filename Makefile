@@ -26,7 +26,9 @@ $(VENV)/.deps-stamp: $(VENV)/bin/python pyproject.toml kernels/pyproject.toml
 	touch $@
 
 # The Rust extension is rebuilt on every setup (incremental, seconds when nothing changed).
+# Both editable installs are redone each time so the shared venv imports this clone's code.
 setup: $(VENV)/.deps-stamp
+	$(PIP) install --quiet --no-deps -e kernels
 	$(PIP) install --quiet --no-deps --no-build-isolation -e .
 
 serve: setup

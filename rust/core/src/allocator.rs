@@ -35,11 +35,12 @@ impl TokenToKVPoolAllocator {
     /// Creates an allocator of `size` slots (tokens) in pages of `page_size`, all free.
     ///
     /// Errors: [`CoreError::ShapeMismatch`] if `page_size == 0`, `size` is not a multiple of
-    /// `page_size`, or the page count does not fit in `u32`.
+    /// `page_size`, or a slot would not fit in `u32` (`size + page_size > u32::MAX`; the
+    /// radix cache stores slots as `u32`).
     pub fn new(size: usize, page_size: usize) -> CoreResult<Self> {
         if page_size == 0
             || !size.is_multiple_of(page_size)
-            || size / page_size >= u32::MAX as usize
+            || size.saturating_add(page_size) > u32::MAX as usize
         {
             return Err(CoreError::ShapeMismatch(format!(
                 "KV pool of {size} slots cannot be split into pages of {page_size}"
@@ -106,38 +107,77 @@ impl TokenToKVPoolAllocator {
     /// Errors, with nothing freed: [`CoreError::OutOfRange`] if a slot is not in an
     /// allocatable page (slot 0 included); [`CoreError::DoubleFree`] if a page is already
     /// free, or a slot repeats, or a page's slots appear in two separate runs.
-    pub fn free(&mut self, slots: &[i64]) -> CoreResult<()> {
+    pub fn free<S: Copy + Into<i64>>(&mut self, slots: &[S]) -> CoreResult<()> {
         if self.page_size == 1 {
             return self.free_unit_pages(slots);
         }
-        let pages = self.pages_of_runs(slots)?;
+        let slots: Vec<i64> = slots.iter().map(|&s| s.into()).collect();
+        let pages = self.pages_of_runs(&slots)?;
         self.free_pages_checked(&pages)
     }
 
     /// [`Self::free`] for page size 1, where every slot is its own page: frees straight from
     /// `slots` instead of building a page list first (eviction and finishing a request free
     /// thousands of slots per call). Same checks and errors as the general path.
-    fn free_unit_pages(&mut self, slots: &[i64]) -> CoreResult<()> {
+    ///
+    /// Slots are checked and marked free one run of consecutive slots at a time, 64 to a
+    /// bitset word: a prefill's slots are mostly such runs, so the bitset is touched once per
+    /// word instead of once per slot.
+    fn free_unit_pages<S: Copy + Into<i64>>(&mut self, slots: &[S]) -> CoreResult<()> {
         let high = self.num_pages as i64 + 1;
-        if let Some(&s) = slots.iter().find(|&&s| s < 1 || s >= high) {
-            return Err(CoreError::OutOfRange {
-                what: "kv slot",
-                value: s,
-                low: 1,
-                high,
-            });
-        }
-        // Mark as we check so repeats inside `slots` are caught; roll back on error.
-        for (i, &s) in slots.iter().enumerate() {
-            if self.is_page_free(s as u32) {
-                for &q in &slots[..i] {
-                    self.set_free(q as u32, false);
-                }
-                return Err(CoreError::DoubleFree(s));
+        let mut i = 0;
+        while i < slots.len() {
+            let start: i64 = slots[i].into();
+            let mut end = start + 1;
+            let mut j = i + 1;
+            while j < slots.len() && slots[j].into() == end {
+                end += 1;
+                j += 1;
             }
-            self.set_free(s as u32, true);
+            let err = if start < 1 || end > high {
+                Some(CoreError::OutOfRange {
+                    what: "kv slot",
+                    value: if start < 1 { start } else { start.max(high) },
+                    low: 1,
+                    high,
+                })
+            } else {
+                self.mark_free_range(start as u32, end as u32)
+                    .err()
+                    .map(|p| CoreError::DoubleFree(p.into()))
+            };
+            if let Some(e) = err {
+                // Roll back the runs marked before this one (a repeat was caught as a free
+                // page, so each of them is still marked by this call alone).
+                for &q in &slots[..i] {
+                    self.set_free(q.into() as u32, false);
+                }
+                return Err(e);
+            }
+            i = j;
         }
-        self.free_pages.extend(slots.iter().map(|&s| s as u32));
+        self.free_pages
+            .extend(slots.iter().map(|&s| s.into() as u32));
+        Ok(())
+    }
+
+    /// Marks pages `lo..hi` (in range, `lo < hi`) free, a bitset word at a time. Errors with
+    /// the first page of the range that is already free, with nothing changed.
+    fn mark_free_range(&mut self, lo: u32, hi: u32) -> Result<(), u32> {
+        let words = lo as usize / 64..=(hi as usize - 1) / 64;
+        let mask = |w: usize| {
+            let (a, b) = ((lo as usize).max(w * 64), (hi as usize).min(w * 64 + 64));
+            (u64::MAX >> (64 - (b - a))) << (a - w * 64)
+        };
+        for w in words.clone() {
+            let taken = self.page_free[w] & mask(w);
+            if taken != 0 {
+                return Err((w * 64) as u32 + taken.trailing_zeros());
+            }
+        }
+        for w in words {
+            self.page_free[w] |= mask(w);
+        }
         Ok(())
     }
 
@@ -306,6 +346,36 @@ mod tests {
         assert_eq!(a.free(&[127, 128]), Err(CoreError::DoubleFree(128)));
         assert!(!a.is_free(127)); // rolled back
         assert_eq!(a.alloc(3), Some(vec![64, 63, 128]));
+    }
+
+    #[test]
+    fn free_marks_runs_across_words_and_rolls_back() {
+        let mut a = TokenToKVPoolAllocator::new(300, 1).unwrap();
+        a.alloc(300).unwrap();
+        // A run over words 0-3, then a run repeating slot 150: error, nothing freed.
+        let mut slots: Vec<i64> = (10..200).collect();
+        slots.extend([150, 151]);
+        assert_eq!(a.free(&slots), Err(CoreError::DoubleFree(150)));
+        assert_eq!(a.available_size(), 0);
+        assert!((1..=300).all(|s| !a.is_free(s)));
+        // A run running past the pool is refused at its first slot out of range.
+        assert!(matches!(
+            a.free(&[299_i64, 300, 301]),
+            Err(CoreError::OutOfRange { value: 301, .. })
+        ));
+        assert!(!a.is_free(299));
+        // u32 slots (as the radix cache stores them) free the same way.
+        a.free(&[64_u32, 65, 66, 3, 128, 127]).unwrap();
+        assert!([3, 64, 65, 66, 127, 128].iter().all(|&s| a.is_free(s)));
+        assert!(!a.is_free(63) && !a.is_free(67) && !a.is_free(126) && !a.is_free(129));
+        assert_eq!(a.alloc(6), Some(vec![64, 65, 66, 3, 128, 127]));
+    }
+
+    #[test]
+    fn slots_must_fit_in_u32() {
+        // (Only the refusals: an accepted pool this size would allocate 16 GiB of free list.)
+        assert!(TokenToKVPoolAllocator::new(u32::MAX as usize, 1).is_err());
+        assert!(TokenToKVPoolAllocator::new(u32::MAX as usize - 15, 16).is_err());
     }
 
     #[test]

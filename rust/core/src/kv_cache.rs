@@ -192,6 +192,9 @@ impl KVCache {
     /// Inserts the whole pages of the request's tokens and frees the request's own pages the
     /// tree already held (`[prefix_len, already_cached)`) and, if `free_tail`, the pages
     /// after the last whole page. Returns the number of tokens now held by the tree.
+    ///
+    /// The insert starts at the request's locked `last_node`, whose path is its first
+    /// `prefix_len` tokens: those are neither read nor compared again.
     fn insert_own(
         &mut self,
         r: &ReqState,
@@ -200,13 +203,11 @@ impl KVCache {
     ) -> CoreResult<usize> {
         let aligned = r.kv_len - r.kv_len % self.page_size();
         let slots = self.req_pool.read(r.req_pool_idx, 0, r.kv_len)?;
-        let cached = self.tree.insert(&token_ids[..aligned], &slots[..aligned])?;
-        if cached < r.prefix_len {
-            return Err(CoreError::Invariant(format!(
-                "token ids differ from the prefix the request matched ({cached} < {})",
-                r.prefix_len
-            )));
-        }
+        let (own_tokens, own_slots) = (
+            &token_ids[r.prefix_len..aligned],
+            &slots[r.prefix_len..aligned],
+        );
+        let cached = r.prefix_len + self.tree.insert_below(r.last_node, own_tokens, own_slots)?;
         if cached > r.prefix_len {
             self.alloc.free(&slots[r.prefix_len..cached])?;
         }
@@ -251,7 +252,8 @@ impl KVCache {
     }
 
     /// A request finished: caches the whole pages of its tokens and releases it. `token_ids`
-    /// must be exactly its `kv_len` stored tokens.
+    /// must be exactly its `kv_len` stored tokens; the first `prefix_len` of them are the
+    /// prefix it matched at admission and are not read again.
     ///
     /// Inserts the whole pages; frees the request's own pages the tree already held and its
     /// partial last page; unlocks its prefix; frees its row. Disabled cache: frees all its

@@ -200,6 +200,30 @@ fn evict_prefers_older_access() {
 }
 
 #[test]
+fn insert_below_continues_a_nodes_path() {
+    let mut c = cache();
+    c.insert(&[1, 2, 3], &[11, 12, 13]).unwrap();
+    let n = c.match_prefix(&[1, 2]).last_node; // splits [1 2 | 3]
+                                               // Below [1, 2]: [3] is cached already, [4, 5] is new.
+    assert_eq!(c.insert_below(n, &[3, 4, 5], &[23, 24, 25]).unwrap(), 1);
+    assert_eq!(
+        c.match_prefix(&[1, 2, 3, 4, 5, 6]).indices,
+        vec![11, 12, 13, 24, 25]
+    );
+    assert_eq!(c.insert_below(ROOT, &[7], &[17]).unwrap(), 0);
+    assert_eq!(c.total_size(), 6);
+    assert_eq!(
+        c.insert_below(99, &[1], &[1]),
+        Err(CoreError::UnknownNode(99))
+    );
+    assert!(matches!(
+        c.insert_below(n, &[3], &[]),
+        Err(CoreError::ShapeMismatch(_))
+    ));
+    c.check_integrity().unwrap();
+}
+
+#[test]
 fn reset_frees_everything() {
     let mut alloc = TokenToKVPoolAllocator::new(6, 1).unwrap();
     let mut c = cache();

@@ -1,10 +1,12 @@
 //! Conversion of Python inputs (numpy arrays, lists, tuples, anything `numpy.asarray`
 //! accepts with an integer dtype) into Rust vectors, and of Rust vectors into numpy arrays.
 //!
-//! Inputs are copied into owned vectors before the GIL is released, so no Python thread can
-//! write to a buffer while Rust reads it. Outputs are handed to numpy without a copy.
+//! Inputs of calls that release the GIL are copied into owned vectors first, so no Python
+//! thread can write to a buffer while Rust reads it. The token ids of one request are read in
+//! place by [`with_tokens`], for calls that keep the GIL. Outputs are handed to numpy without
+//! a copy.
 
-use numpy::{PyArray1, PyReadonlyArray1};
+use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1};
 use pyo3::prelude::*;
 
 use crate::errors::ShapeError;
@@ -75,4 +77,24 @@ pub fn u64_vec(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
             u64::try_from(x).map_err(|_| ShapeError::new_err(format!("negative request id {x}")))
         })
         .collect()
+}
+
+/// Runs `f` on `obj` read as token ids, holding the GIL throughout. A C-contiguous 1-D int32
+/// numpy array is read in place, without a copy; anything else is converted by [`i32_vec`]
+/// (and its errors are returned).
+///
+/// For the calls on one request's tokens (match, admit, finish), which take microseconds:
+/// reading in place saves a copy of every token, and not releasing the GIL saves a handoff
+/// that would cost about as much as the call.
+pub fn with_tokens<R>(obj: &Bound<'_, PyAny>, f: impl FnOnce(&[i32]) -> R) -> PyResult<R> {
+    if let Ok(a) = obj.cast::<PyArray1<i32>>() {
+        // SAFETY: the slice lives only while `f` runs, with the GIL held and without calling
+        // into Python, so no Python code can write to the array meanwhile; this crate never
+        // borrows a numpy array mutably, so no native alias writes to it either.
+        if let Ok(tokens) = unsafe { a.as_slice() } {
+            return Ok(f(tokens));
+        }
+    }
+    let tokens = i32_vec(obj)?;
+    Ok(f(&tokens))
 }

@@ -1,13 +1,16 @@
 //! Python classes `KVCache` and `BatchArrays`: thin wrappers over `pyserve_core::KVCache`.
 //!
-//! Every call converts its inputs first, then runs the core with the GIL released, then
-//! hands the output vectors to numpy without copying their elements.
+//! The per-batch calls (`prepare_extend`, `prepare_decode`), `evict` and `check_integrity`
+//! copy their inputs, run the core with the GIL released, then hand the output vectors to
+//! numpy without copying their elements. The calls on one request's token ids (`match_prefix`,
+//! `add_req`, `cache_unfinished_req`, `cache_finished_req`) take microseconds: they read an
+//! int32 array in place and keep the GIL (see `convert::with_tokens`).
 
 use numpy::PyArray1;
 use pyo3::prelude::*;
 use pyserve_core as rs;
 
-use crate::convert::{i32_vec, to_array, u64_vec, usize_vec};
+use crate::convert::{to_array, u64_vec, usize_vec, with_tokens};
 use crate::errors::IntoPyResult;
 
 /// All arrays of one forward batch (1-D int64 numpy arrays; see `rs::BatchArrays`).
@@ -138,20 +141,12 @@ impl KVCache {
         py: Python<'py>,
         key: &Bound<'py, PyAny>,
     ) -> PyResult<(Bound<'py, PyArray1<i64>>, usize)> {
-        let key = i32_vec(key)?;
-        let inner = &mut self.inner;
-        let m = py.detach(move || inner.match_prefix(&key));
+        let m = with_tokens(key, |key| self.inner.match_prefix(key))?;
         Ok((to_array(py, m.indices), m.last_node))
     }
 
-    fn add_req(
-        &mut self,
-        py: Python<'_>,
-        key: &Bound<'_, PyAny>,
-    ) -> PyResult<Option<(u64, usize, usize)>> {
-        let key = i32_vec(key)?;
-        let inner = &mut self.inner;
-        let r = py.detach(move || inner.add_req(&key)).py()?;
+    fn add_req(&mut self, key: &Bound<'_, PyAny>) -> PyResult<Option<(u64, usize, usize)>> {
+        let r = with_tokens(key, |key| self.inner.add_req(key))?.py()?;
         Ok(r.map(|a| (a.req_id, a.req_pool_idx, a.prefix_len)))
     }
 
@@ -180,26 +175,14 @@ impl KVCache {
 
     fn cache_unfinished_req(
         &mut self,
-        py: Python<'_>,
         req_id: u64,
         token_ids: &Bound<'_, PyAny>,
     ) -> PyResult<usize> {
-        let tokens = i32_vec(token_ids)?;
-        let inner = &mut self.inner;
-        py.detach(move || inner.cache_unfinished_req(req_id, &tokens))
-            .py()
+        with_tokens(token_ids, |t| self.inner.cache_unfinished_req(req_id, t))?.py()
     }
 
-    fn cache_finished_req(
-        &mut self,
-        py: Python<'_>,
-        req_id: u64,
-        token_ids: &Bound<'_, PyAny>,
-    ) -> PyResult<bool> {
-        let tokens = i32_vec(token_ids)?;
-        let inner = &mut self.inner;
-        py.detach(move || inner.cache_finished_req(req_id, &tokens))
-            .py()
+    fn cache_finished_req(&mut self, req_id: u64, token_ids: &Bound<'_, PyAny>) -> PyResult<bool> {
+        with_tokens(token_ids, |t| self.inner.cache_finished_req(req_id, t))?.py()
     }
 
     fn abort_req(&mut self, py: Python<'_>, req_id: u64) -> PyResult<bool> {

@@ -56,7 +56,7 @@ impl KVCache {
         }
         for n in self.tree.nodes.iter().filter(|n| n.live) {
             for chunk in n.value.chunks(ps) {
-                claim(&mut owner, self.alloc.page_of(chunk[0]), Owner::Tree)?;
+                claim(&mut owner, self.alloc.page_of(chunk[0].into()), Owner::Tree)?;
             }
         }
         let mut locks: HashMap<usize, usize> = HashMap::new();
@@ -87,7 +87,7 @@ impl KVCache {
             path.reverse();
             let tree_slots: Vec<i64> = path
                 .iter()
-                .flat_map(|&n| self.tree.nodes[n].value.iter().copied())
+                .flat_map(|&n| self.tree.nodes[n].value.iter().map(|&s| i64::from(s)))
                 .collect();
             if tree_slots != row[..r.prefix_len] {
                 return Err(broken(format!(

@@ -1,13 +1,18 @@
 //! LRU eviction of unlocked leaves without walking the tree.
 //!
-//! A binary min-heap holds `(last_access, stamp, node)` entries. Each push gives the node a
-//! fresh stamp, so a node has at most one valid entry: the one whose stamp equals the node's
-//! `heap_stamp`. Entries are pushed whenever a node becomes (or stays, with a new access
-//! time) an unlocked leaf: a new leaf on insert, the last node of a match, a node unlocked to
-//! 0, a parent whose last child was evicted. Entries that went stale (the node was locked,
-//! gained a child, was accessed again or evicted) are skipped when popped. `evict(n)` thus
-//! costs O((k + s) log h) for k evicted nodes and s stale entries; the heap is rebuilt from
-//! the live leaves when stale entries outnumber live nodes, so s is amortised O(k).
+//! A binary min-heap holds `(access time, node)` entries, at most one per node (`in_heap`).
+//! A node gets an entry when it becomes an unlocked leaf (a new leaf on insert, the last node
+//! of a match, a node unlocked to 0, a parent whose last child was evicted) unless it already
+//! has one. Entries are updated lazily, when popped: a node that was locked or gained a child
+//! since loses its entry (it gets a new one when it is an unlocked leaf again); a node that
+//! was accessed since is pushed back with its new time. An entry's time is thus never later
+//! than its node's access time, so the first popped entry whose time equals its node's is
+//! the least recently used unlocked leaf. The heap never holds more entries than nodes, and
+//! `evict(n)` costs O((k + r) log h) for k evicted nodes and r entries refreshed or dropped,
+//! each paid for by an earlier access, lock or insert.
+//!
+//! This is the lazy-update priority queue of textbook LRU caches; SGLang's `RadixCache`
+//! instead collects the unlocked leaves into a fresh heap on each eviction.
 
 use std::cmp::Reverse;
 
@@ -16,85 +21,86 @@ use crate::allocator::TokenToKVPoolAllocator;
 use crate::error::CoreResult;
 
 impl RadixCache {
-    fn is_evictable_leaf(&self, id: usize) -> bool {
+    pub(crate) fn is_evictable_leaf(&self, id: usize) -> bool {
         let n = &self.nodes[id];
         id != ROOT && n.live && n.children.is_empty() && n.lock_ref == 0
     }
 
-    /// Gives `id` a fresh heap entry if it is an unlocked leaf (no-op otherwise).
+    /// Gives `id` a heap entry if it is an unlocked leaf without one (no-op otherwise).
     pub(crate) fn push_if_evictable(&mut self, id: usize) {
-        if !self.is_evictable_leaf(id) {
+        if self.nodes[id].in_heap || !self.is_evictable_leaf(id) {
             return;
         }
-        self.next_stamp += 1;
         let n = &mut self.nodes[id];
-        n.heap_stamp = self.next_stamp;
-        self.lru.push(Reverse((n.last_access, self.next_stamp, id)));
-        if self.lru.len() > 2 * self.nodes.len() + 64 {
-            self.rebuild_lru();
-        }
-    }
-
-    /// Replaces the heap by one entry per current unlocked leaf (O(n)).
-    fn rebuild_lru(&mut self) {
-        self.lru.clear();
-        for id in 0..self.nodes.len() {
-            if self.is_evictable_leaf(id) {
-                self.next_stamp += 1;
-                let n = &mut self.nodes[id];
-                n.heap_stamp = self.next_stamp;
-                self.lru.push(Reverse((n.last_access, self.next_stamp, id)));
-            }
-        }
-    }
-
-    /// Whether a popped entry is the node's current one and the node is still evictable.
-    pub(crate) fn entry_is_valid(&self, stamp: u64, id: usize) -> bool {
-        id < self.nodes.len() && self.nodes[id].heap_stamp == stamp && self.is_evictable_leaf(id)
+        n.in_heap = true;
+        self.lru.push(Reverse((n.last_access, id)));
     }
 
     /// Evicts least-recently-used unlocked leaves until at least `num_tokens` slots are freed
     /// or nothing is evictable; a parent left as an unlocked leaf becomes a candidate too.
     /// Returns the number of slots (tokens) freed: whole nodes, so possibly more than asked.
     ///
+    /// Two phases: first the victims are chosen and unlinked (heap and tree only), then their
+    /// slots are freed. Between the two, one slot per cache line of every victim is read, so
+    /// the cache misses on the victims' scattered slot buffers overlap instead of each
+    /// stalling the free loop in turn.
+    ///
     /// Mutates: removes nodes, frees their pages into `alloc`.
     /// Errors: whatever `alloc.free` reports (a page of the tree already free: a broken
-    /// invariant); nodes evicted before the error stay evicted.
+    /// invariant); every victim stays evicted and the other victims' pages are still freed.
     pub fn evict(
         &mut self,
         num_tokens: usize,
         alloc: &mut TokenToKVPoolAllocator,
     ) -> CoreResult<usize> {
+        let mut victims: Vec<Vec<u32>> = Vec::new();
         let mut freed = 0;
         while freed < num_tokens {
-            let Some(Reverse((_, stamp, id))) = self.lru.pop() else {
+            let Some(Reverse((time, id))) = self.lru.pop() else {
                 break;
             };
-            if !self.entry_is_valid(stamp, id) {
+            self.nodes[id].in_heap = false;
+            if !self.is_evictable_leaf(id) {
+                continue; // locked or grew a child: pushed again once an unlocked leaf
+            }
+            let last_access = self.nodes[id].last_access;
+            if last_access > time {
+                self.nodes[id].in_heap = true; // accessed since the push: requeue
+                self.lru.push(Reverse((last_access, id)));
                 continue;
             }
-            alloc.free(&self.nodes[id].value)?;
-            freed += self.nodes[id].value.len();
-            let parent = self.remove_leaf(id);
+            let (parent, value) = self.remove_leaf(id);
+            freed += value.len();
+            victims.push(value);
             self.push_if_evictable(parent);
         }
-        Ok(freed)
+        const SLOTS_PER_LINE: usize = 64 / std::mem::size_of::<u32>();
+        let touched = victims
+            .iter()
+            .flat_map(|v| v.iter().step_by(SLOTS_PER_LINE))
+            .fold(0u32, |acc, &s| acc ^ s);
+        std::hint::black_box(touched);
+        let mut result = Ok(freed);
+        for value in &victims {
+            if let Err(e) = alloc.free(value) {
+                result = result.and(Err(e));
+            }
+        }
+        result
     }
 
     /// Unlinks unlocked leaf `id` from its parent and puts the id on the free list. Returns
-    /// the parent.
-    fn remove_leaf(&mut self, id: usize) -> usize {
+    /// the parent and the leaf's slots, which the caller must free.
+    fn remove_leaf(&mut self, id: usize) -> (usize, Vec<u32>) {
         let ps = self.page_size();
         let n = &mut self.nodes[id];
         n.live = false;
-        n.heap_stamp = 0;
         let parent = n.parent;
-        let first: Box<[i32]> = n.key[..ps].into();
-        self.evictable_size -= n.value.len();
-        n.key = Vec::new();
-        n.value = Vec::new();
-        self.nodes[parent].children.remove(&first);
+        let key = std::mem::take(&mut n.key);
+        let value = std::mem::take(&mut n.value);
+        self.evictable_size -= value.len();
+        self.nodes[parent].children.remove(&key[..ps]);
         self.free_nodes.push(id);
-        parent
+        (parent, value)
     }
 }

@@ -1,7 +1,7 @@
 //! Consistency check of the radix tree, for tests and debug builds of the scheduler.
 
 use std::cmp::Reverse;
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use super::{RadixCache, ROOT};
 use crate::error::{CoreError, CoreResult};
@@ -17,7 +17,9 @@ impl RadixCache {
     /// free list; parent/child links agree; each non-root key is a non-empty whole number of
     /// pages, as long as its value, and filed under its first page; each value is a run of
     /// whole pages (`p * page_size + 0, 1, ...`); no KV slot appears twice or lies in the
-    /// reserved page 0; every unlocked leaf has a valid entry in the LRU heap; a
+    /// reserved page 0; the LRU heap holds exactly one entry per node marked `in_heap`, for
+    /// live nodes only, none later than its node's access time, and every unlocked leaf is
+    /// marked; a
     /// node's `lock_ref` is at least the sum of its children's (every lock passing through a
     /// child also counts on the parent); `evictable_size` / `protected_size` equal the sums
     /// over unlocked / locked nodes. Mutates nothing.
@@ -57,7 +59,7 @@ impl RadixCache {
                     return Err(broken(format!("node {c} key/value lengths differ")));
                 }
                 for (i, &s) in child.value.iter().enumerate() {
-                    let page_start = child.value[i - i % ps];
+                    let (s, page_start) = (i64::from(s), i64::from(child.value[i - i % ps]));
                     let whole = page_start % ps as i64 == 0 && s == page_start + (i % ps) as i64;
                     if s < ps as i64 || !whole || !seen_slots.insert(s) {
                         return Err(broken(format!(
@@ -92,13 +94,24 @@ impl RadixCache {
         if self.free_nodes.iter().any(|&f| self.nodes[f].live) {
             return Err(broken("a live node is on the free list".into()));
         }
-        let entries: HashSet<(u64, u64, usize)> = self.lru.iter().map(|Reverse(e)| *e).collect();
-        for (id, n) in self.nodes.iter().enumerate() {
-            let leaf = id != ROOT && n.live && n.children.is_empty() && n.lock_ref == 0;
-            if leaf && !entries.contains(&(n.last_access, n.heap_stamp, id)) {
+        let mut entries: HashMap<usize, u64> = HashMap::new();
+        for &Reverse((time, id)) in self.lru.iter() {
+            let n = self.nodes.get(id).filter(|n| n.live && n.in_heap);
+            if !n.is_some_and(|n| time <= n.last_access) || entries.insert(id, time).is_some() {
                 return Err(broken(format!(
-                    "unlocked leaf {id} has no valid LRU heap entry"
+                    "LRU heap entry ({time}, {id}): dead node, not marked, later than its \
+                     access time, or a second entry"
                 )));
+            }
+        }
+        for (id, n) in self.nodes.iter().enumerate() {
+            if n.in_heap != entries.contains_key(&id) {
+                return Err(broken(format!(
+                    "node {id} in_heap flag disagrees with the heap"
+                )));
+            }
+            if self.is_evictable_leaf(id) && !n.in_heap {
+                return Err(broken(format!("unlocked leaf {id} has no LRU heap entry")));
             }
         }
         if evictable != self.evictable_size || protected != self.protected_size {
