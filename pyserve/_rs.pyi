@@ -1,15 +1,18 @@
 """Type stubs of `pyserve._rs`, the native KV bookkeeping core (Rust, rust/core + rust/py).
 
-Units: token ids are ints that fit in int32; lengths are tokens; KV slots are int64. Slots come
+Units: token ids are ints that fit in int32; lengths are tokens; KV slots are below 2^31
+(int64 arrays, except the int32 `kv_indices`). Slots come
 in pages of `page_size`: page p holds slots p * page_size .. (p + 1) * page_size - 1, page 0
 (with the padding slot 0) is reserved, so the KV tensors need `num_slot_rows` =
 max_total_tokens + page_size rows. Cached prefixes are whole pages.
 
 Array inputs accept numpy integer arrays, lists/tuples of ints, or anything `numpy.asarray`
 turns into a 1-D integer array; anything else (floats, 2-D, negative ids or lengths) raises
-ShapeError. Array outputs are 1-D int64 numpy arrays handed over without an element copy.
-Only the scheduler (loop) thread may call these objects; the calls release the GIL while the
-core works. Expected shortfalls (not enough free KV or rows) return None; broken contracts
+ShapeError. Array outputs are 1-D numpy arrays handed over without an element copy.
+Only the scheduler (loop) thread may call these objects. The per-batch calls, `evict` and
+`check_integrity` release the GIL while the core works; the calls on one request's token ids
+(`match_prefix`, `add_req`, `cache_*_req`) take microseconds, keep the GIL and read a
+C-contiguous int32 token array in place. Expected shortfalls (not enough free KV or rows) return None; broken contracts
 raise the `CoreError` subclasses below, with nothing changed unless stated.
 """
 
@@ -31,6 +34,7 @@ __all__ = [
 
 _IntArray = Union[npt.NDArray[np.integer], Sequence[int]]
 _Int64Array = npt.NDArray[np.int64]
+_Int32Array = npt.NDArray[np.int32]
 
 class CoreError(Exception):
     """Base class of every error raised by the pyserve Rust core."""
@@ -53,7 +57,7 @@ class InvariantError(CoreError):
 
 @final
 class BatchArrays:
-    """All arrays of one forward batch of B requests (1-D int64)."""
+    """All arrays of one forward batch of B requests (1-D; int64 except the int32 kv_indices)."""
 
     @property
     def req_pool_indices(self) -> _Int64Array:
@@ -77,7 +81,7 @@ class BatchArrays:
     def kv_indptr(self) -> _Int64Array:
         """[B + 1] CSR offsets: request i attends to kv_indices[kv_indptr[i]:kv_indptr[i+1]]."""
     @property
-    def kv_indices(self) -> _Int64Array:
+    def kv_indices(self) -> _Int32Array:
         """[sum(seq_lens)] KV slots of every token each request attends to."""
 
 @final

@@ -125,8 +125,8 @@ class ScheduleBatch:
 
     def to_forward_batch(self, device: str) -> ForwardBatch:
         """Tensors for the worker. numpy arrays become tensors without a copy on CPU."""
-        def t(x: Any) -> torch.Tensor:
-            tensor = torch.as_tensor(x, dtype=torch.int64)
+        def t(x: Any, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            tensor = torch.as_tensor(x, dtype=dtype)
             return tensor.to(device, non_blocking=True) if device != "cpu" else tensor
 
         extend = self.forward_mode is ForwardMode.EXTEND
@@ -138,7 +138,7 @@ class ScheduleBatch:
             out_cache_loc=t(self.arrays.out_cache_loc),
             seq_lens=t(self.arrays.seq_lens),
             kv_indptr=t(self.arrays.kv_indptr),
-            kv_indices=t(self.arrays.kv_indices),
+            kv_indices=t(self.arrays.kv_indices, torch.int32),
             extend_prefix_lens=t(self.arrays.prefix_lens) if extend else None,
             extend_seq_lens=t(self.arrays.extend_lens) if extend else None,
             sampling_info=sampling_batch_info(self.reqs, device),

@@ -123,8 +123,9 @@ class ForwardBatch:
       seq_lens:      [B] int64   tokens per request after this step (prefix + new)
       extend_prefix_lens / extend_seq_lens: [B] int64 (EXTEND only) cached and new tokens
       kv_indptr:     [B + 1] int64  CSR offsets into kv_indices
-      kv_indices:    [sum(seq_lens)] int64  KV slots of every token of request i, in order,
-                     at kv_indices[kv_indptr[i]:kv_indptr[i + 1]] (new tokens included)
+      kv_indices:    [sum(seq_lens)] int32 (as the Rust core builds it; int64 works too)
+                     KV slots of every token of request i, in order, at
+                     kv_indices[kv_indptr[i]:kv_indptr[i + 1]] (new tokens included)
     All tensors are on the model device.
     """
 

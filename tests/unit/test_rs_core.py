@@ -59,7 +59,8 @@ def test_extend_and_decode_exact_arrays():
     a = c.prepare_extend(np.array([r0, r1]), [3, 2])
     names = ("req_pool_indices", "prefix_lens", "extend_lens", "seq_lens", "out_cache_loc",
              "positions", "kv_indptr", "kv_indices")
-    assert all(getattr(a, n).dtype == np.int64 for n in names)
+    assert all(getattr(a, n).dtype == np.int64 for n in names[:-1])
+    assert a.kv_indices.dtype == np.int32
     assert [getattr(a, n).tolist() for n in names] == [
         [row0, row1], [0, 0], [3, 2], [3, 2], [1, 2, 3, 4, 5], [0, 1, 2, 0, 1], [0, 3, 5],
         [1, 2, 3, 4, 5]]

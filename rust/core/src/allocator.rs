@@ -11,10 +11,15 @@
 //! `1, 2, 3, ...` and a freed page is reused after every page freed before it, which makes
 //! slot reuse exact and testable. The owner of a partly filled page (a request's last page)
 //! holds the whole page; freeing any of its slots frees the page.
+//!
+//! The free list holds runs of consecutive pages, and the free-page bitset is updated a word
+//! (64 pages) at a time, so freeing a long run (an evicted prompt) or taking one (a prefill)
+//! costs per run, not per page.
 
 use std::collections::VecDeque;
 
 use crate::error::{CoreError, CoreResult};
+use crate::slot_runs::SlotRuns;
 
 /// Allocator of KV pages `1..=num_pages` (page 0, holding the padding slot 0, is reserved).
 #[derive(Debug, Clone)]
@@ -23,8 +28,10 @@ pub struct TokenToKVPoolAllocator {
     /// `log2(page_size)` when it is a power of two (then slot -> page is a shift).
     page_shift: Option<u32>,
     num_pages: usize,
-    /// Free pages in hand-out order (front first).
-    free_pages: VecDeque<u32>,
+    /// Free pages in hand-out order (front first), as `(first page, count)` runs.
+    free_runs: VecDeque<(u32, u32)>,
+    /// Number of free pages (the sum of the run counts).
+    num_free: usize,
     /// Bit `p` is set when page `p` is free, for every page `0..=num_pages`; page 0 never is.
     /// A bitset rather than `Vec<bool>`: frees touch pages in whatever order the slots were
     /// recycled, and at 1/8 of the size the set stays in cache (1.7M pages: 212 KiB).
@@ -35,12 +42,12 @@ impl TokenToKVPoolAllocator {
     /// Creates an allocator of `size` slots (tokens) in pages of `page_size`, all free.
     ///
     /// Errors: [`CoreError::ShapeMismatch`] if `page_size == 0`, `size` is not a multiple of
-    /// `page_size`, or a slot would not fit in `u32` (`size + page_size > u32::MAX`; the
-    /// radix cache stores slots as `u32`).
+    /// `page_size`, or a slot would not fit in `i32` (`size + page_size > i32::MAX`: request
+    /// rows and `kv_indices` store slots as `i32`, the radix cache as `u32`).
     pub fn new(size: usize, page_size: usize) -> CoreResult<Self> {
         if page_size == 0
             || !size.is_multiple_of(page_size)
-            || size.saturating_add(page_size) > u32::MAX as usize
+            || size.saturating_add(page_size) > i32::MAX as usize
         {
             return Err(CoreError::ShapeMismatch(format!(
                 "KV pool of {size} slots cannot be split into pages of {page_size}"
@@ -56,7 +63,11 @@ impl TokenToKVPoolAllocator {
                 .is_power_of_two()
                 .then(|| page_size.trailing_zeros()),
             num_pages,
-            free_pages: (1..=num_pages as u32).collect(),
+            free_runs: (num_pages > 0)
+                .then_some((1, num_pages as u32))
+                .into_iter()
+                .collect(),
+            num_free: num_pages,
             page_free,
         })
     }
@@ -78,13 +89,27 @@ impl TokenToKVPoolAllocator {
 
     /// Takes `n` free pages, oldest-freed first; `None`, changing nothing, if fewer are free.
     pub fn alloc_pages(&mut self, n: usize) -> Option<Vec<u32>> {
-        if n > self.free_pages.len() {
+        if n > self.num_free {
             return None;
         }
-        let out: Vec<u32> = self.free_pages.drain(..n).collect();
-        for &p in &out {
-            self.set_free(p, false);
+        let mut out = Vec::with_capacity(n);
+        while out.len() < n {
+            let front = self
+                .free_runs
+                .front_mut()
+                .expect("num_free counts the runs");
+            let take = (n - out.len()).min(front.1 as usize) as u32;
+            let first = front.0;
+            if take == front.1 {
+                self.free_runs.pop_front();
+            } else {
+                front.0 += take;
+                front.1 -= take;
+            }
+            self.mark_range(first, first + take, false);
+            out.extend(first..first + take);
         }
+        self.num_free -= n;
         Some(out)
     }
 
@@ -109,55 +134,93 @@ impl TokenToKVPoolAllocator {
     /// free, or a slot repeats, or a page's slots appear in two separate runs.
     pub fn free<S: Copy + Into<i64>>(&mut self, slots: &[S]) -> CoreResult<()> {
         if self.page_size == 1 {
-            return self.free_unit_pages(slots);
+            let high = self.num_pages as i64 + 1;
+            if let Some(s) = slots
+                .iter()
+                .map(|&s| s.into())
+                .find(|&s| s < 1 || s >= high)
+            {
+                return Err(CoreError::OutOfRange {
+                    what: "kv slot",
+                    value: s,
+                    low: 1,
+                    high,
+                });
+            }
+            return self.free_page_runs(SlotRuns::from_slots(slots).runs());
         }
         let slots: Vec<i64> = slots.iter().map(|&s| s.into()).collect();
         let pages = self.pages_of_runs(&slots)?;
         self.free_pages_checked(&pages)
     }
 
-    /// [`Self::free`] for page size 1, where every slot is its own page: frees straight from
-    /// `slots` instead of building a page list first (eviction and finishing a request free
-    /// thousands of slots per call). Same checks and errors as the general path.
+    /// Frees the pages holding the slots of `slots` (see [`Self::free`]), one run at a time:
+    /// each run of consecutive slots covers the pages from its first slot's to its last's.
     ///
-    /// Slots are checked and marked free one run of consecutive slots at a time, 64 to a
-    /// bitset word: a prefill's slots are mostly such runs, so the bitset is touched once per
-    /// word instead of once per slot.
-    fn free_unit_pages<S: Copy + Into<i64>>(&mut self, slots: &[S]) -> CoreResult<()> {
-        let high = self.num_pages as i64 + 1;
-        let mut i = 0;
-        while i < slots.len() {
-            let start: i64 = slots[i].into();
-            let mut end = start + 1;
-            let mut j = i + 1;
-            while j < slots.len() && slots[j].into() == end {
-                end += 1;
-                j += 1;
+    /// Errors, with nothing freed: [`CoreError::OutOfRange`] if a run leaves the allocatable
+    /// pages; [`CoreError::DoubleFree`] if a page is already free or is covered twice.
+    pub fn free_slot_runs(&mut self, slots: &SlotRuns) -> CoreResult<()> {
+        if self.page_size == 1 {
+            return self.free_page_runs(slots.runs());
+        }
+        let mut pages = SlotRuns::new();
+        let mut last_page = None;
+        for &(first, len) in slots.runs() {
+            let (lo, hi) = (
+                self.page_of(first.into()),
+                self.page_of(i64::from(first) + i64::from(len) - 1),
+            );
+            if last_page == Some(lo) {
+                return Err(CoreError::DoubleFree(first.into())); // a page in two runs
             }
-            let err = if start < 1 || end > high {
+            pages.push_run(lo, hi - lo + 1);
+            last_page = Some(hi);
+        }
+        self.free_page_runs(pages.runs())
+    }
+
+    /// Frees `(first page, count)` runs of pages, appending them to the free list in order.
+    ///
+    /// Errors, with nothing freed: [`CoreError::OutOfRange`] for page 0 or a page past the
+    /// end, [`CoreError::DoubleFree`] for a page already free or repeated (reported as the
+    /// page's first slot).
+    pub fn free_page_runs(&mut self, runs: &[(u32, u32)]) -> CoreResult<()> {
+        let high = self.num_pages as i64 + 1;
+        for (i, &(first, count)) in runs.iter().enumerate() {
+            let end = i64::from(first) + i64::from(count);
+            let err = if count == 0 {
+                None
+            } else if first == 0 || end > high {
                 Some(CoreError::OutOfRange {
-                    what: "kv slot",
-                    value: if start < 1 { start } else { start.max(high) },
+                    what: "kv page",
+                    value: if first == 0 {
+                        0
+                    } else {
+                        i64::from(first).max(high)
+                    },
                     low: 1,
                     high,
                 })
             } else {
-                self.mark_free_range(start as u32, end as u32)
+                // Marked as we go, so a page repeated by a later run is caught too.
+                self.mark_free_range(first, end as u32)
                     .err()
-                    .map(|p| CoreError::DoubleFree(p.into()))
+                    .map(|p| CoreError::DoubleFree(self.first_slot(p)))
             };
             if let Some(e) = err {
-                // Roll back the runs marked before this one (a repeat was caught as a free
-                // page, so each of them is still marked by this call alone).
-                for &q in &slots[..i] {
-                    self.set_free(q.into() as u32, false);
+                for &(f, c) in &runs[..i] {
+                    self.mark_range(f, f + c, false);
                 }
                 return Err(e);
             }
-            i = j;
         }
-        self.free_pages
-            .extend(slots.iter().map(|&s| s.into() as u32));
+        for &(first, count) in runs.iter().filter(|r| r.1 > 0) {
+            self.num_free += count as usize;
+            match self.free_runs.back_mut() {
+                Some(back) if back.0 + back.1 == first => back.1 += count,
+                _ => self.free_runs.push_back((first, count)),
+            }
+        }
         Ok(())
     }
 
@@ -165,30 +228,30 @@ impl TokenToKVPoolAllocator {
     /// the first page of the range that is already free, with nothing changed.
     fn mark_free_range(&mut self, lo: u32, hi: u32) -> Result<(), u32> {
         let words = lo as usize / 64..=(hi as usize - 1) / 64;
-        let mask = |w: usize| {
-            let (a, b) = ((lo as usize).max(w * 64), (hi as usize).min(w * 64 + 64));
-            (u64::MAX >> (64 - (b - a))) << (a - w * 64)
-        };
         for w in words.clone() {
-            let taken = self.page_free[w] & mask(w);
+            let taken = self.page_free[w] & word_mask(lo, hi, w);
             if taken != 0 {
                 return Err((w * 64) as u32 + taken.trailing_zeros());
             }
         }
         for w in words {
-            self.page_free[w] |= mask(w);
+            self.page_free[w] |= word_mask(lo, hi, w);
         }
         Ok(())
     }
 
-    /// Marks page `p` free or in use.
-    #[inline]
-    fn set_free(&mut self, p: u32, free: bool) {
-        let (word, bit) = (p as usize / 64, 1u64 << (p % 64));
-        if free {
-            self.page_free[word] |= bit;
-        } else {
-            self.page_free[word] &= !bit;
+    /// Marks pages `lo..hi` free or in use without checking them, a word at a time.
+    fn mark_range(&mut self, lo: u32, hi: u32, free: bool) {
+        if lo >= hi {
+            return;
+        }
+        for w in lo as usize / 64..=(hi as usize - 1) / 64 {
+            let mask = word_mask(lo, hi, w);
+            if free {
+                self.page_free[w] |= mask;
+            } else {
+                self.page_free[w] &= !mask;
+            }
         }
     }
 
@@ -231,40 +294,21 @@ impl TokenToKVPoolAllocator {
     /// a page past the end, [`CoreError::DoubleFree`] for a free or repeated page (reported
     /// as its first slot).
     pub fn free_pages_checked(&mut self, pages: &[u32]) -> CoreResult<()> {
-        // Mark as we check so repeats inside `pages` are caught; roll back on error.
-        for (i, &p) in pages.iter().enumerate() {
-            let err = if p == 0 || p as usize > self.num_pages {
-                Some(CoreError::OutOfRange {
-                    what: "kv page",
-                    value: p as i64,
-                    low: 1,
-                    high: self.num_pages as i64 + 1,
-                })
-            } else if self.is_page_free(p) {
-                Some(CoreError::DoubleFree(self.first_slot(p)))
-            } else {
-                None
-            };
-            if let Some(e) = err {
-                for &q in &pages[..i] {
-                    self.set_free(q, false);
-                }
-                return Err(e);
-            }
-            self.set_free(p, true);
+        let mut runs = SlotRuns::new();
+        for &p in pages {
+            runs.push(p);
         }
-        self.free_pages.extend(pages.iter().copied());
-        Ok(())
+        self.free_page_runs(runs.runs())
     }
 
     /// Number of free slots (tokens): free pages times `page_size`.
     pub fn available_size(&self) -> usize {
-        self.free_pages.len() * self.page_size
+        self.num_free * self.page_size
     }
 
     /// Number of free pages.
     pub fn available_pages(&self) -> usize {
-        self.free_pages.len()
+        self.num_free
     }
 
     /// Number of allocatable slots (tokens), excluding the reserved page 0.
@@ -301,8 +345,17 @@ impl TokenToKVPoolAllocator {
 
     /// The free pages in hand-out order (for integrity checks).
     pub fn free_page_list(&self) -> impl Iterator<Item = u32> + '_ {
-        self.free_pages.iter().copied()
+        self.free_runs
+            .iter()
+            .flat_map(|&(first, count)| first..first + count)
     }
+}
+
+/// The bits of bitset word `w` that pages `lo..hi` cover (the range must touch word `w`).
+#[inline]
+fn word_mask(lo: u32, hi: u32, w: usize) -> u64 {
+    let (a, b) = ((lo as usize).max(w * 64), (hi as usize).min(w * 64 + 64));
+    (u64::MAX >> (64 - (b - a))) << (a - w * 64)
 }
 
 #[cfg(test)]
@@ -372,10 +425,10 @@ mod tests {
     }
 
     #[test]
-    fn slots_must_fit_in_u32() {
+    fn slots_must_fit_in_i32() {
         // (Only the refusals: an accepted pool this size would allocate 16 GiB of free list.)
-        assert!(TokenToKVPoolAllocator::new(u32::MAX as usize, 1).is_err());
-        assert!(TokenToKVPoolAllocator::new(u32::MAX as usize - 15, 16).is_err());
+        assert!(TokenToKVPoolAllocator::new(i32::MAX as usize, 1).is_err());
+        assert!(TokenToKVPoolAllocator::new(i32::MAX as usize - 15, 16).is_err());
     }
 
     #[test]

@@ -11,7 +11,8 @@
 use crate::error::{CoreError, CoreResult};
 use crate::kv_cache::KVCache;
 
-/// Flat int64 arrays describing one forward batch of `B` requests.
+/// Flat arrays describing one forward batch of `B` requests (int64, except the int32
+/// `kv_indices`).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct BatchArrays {
     /// `[B]` row of each request in the request pool.
@@ -30,8 +31,9 @@ pub struct BatchArrays {
     /// `kv_indices[kv_indptr[i]..kv_indptr[i + 1]]`.
     pub kv_indptr: Vec<i64>,
     /// `[sum(seq_lens)]` KV slots of every token each request attends to (its stored prefix
-    /// and its new tokens), requests concatenated in batch order.
-    pub kv_indices: Vec<i64>,
+    /// and its new tokens), requests concatenated in batch order. `i32`, as request rows are
+    /// (slots stay below 2^31): the largest array of a step, copied from the rows each step.
+    pub kv_indices: Vec<i32>,
 }
 
 impl BatchArrays {
@@ -133,7 +135,7 @@ impl KVCache {
             let end = kv + extend_lens[i];
             let start = a.out_cache_loc.len();
             let mut slot = if kv % ps != 0 {
-                self.req_pool.read(row, kv - 1, kv)?[0]
+                i64::from(self.req_pool.read(row, kv - 1, kv)?[0])
             } else {
                 0
             };
@@ -144,6 +146,7 @@ impl KVCache {
                     slot + 1
                 };
                 a.out_cache_loc.push(slot);
+                self.own[row].push(slot as u32);
             }
             self.req_pool.write(row, kv, &a.out_cache_loc[start..])?;
             a.positions.extend(kv as i64..end as i64);
@@ -184,9 +187,10 @@ impl KVCache {
             let slot = if kv % ps == 0 {
                 self.alloc.first_slot(next_page.next().expect("counted"))
             } else {
-                self.req_pool.read(row, kv - 1, kv)?[0] + 1
+                i64::from(self.req_pool.read(row, kv - 1, kv)?[0]) + 1
             };
             self.req_pool.write(row, kv, &[slot])?;
+            self.own[row].push(slot as u32);
             a.kv_indices
                 .extend_from_slice(self.req_pool.read(row, 0, kv + 1)?);
             a.kv_indptr.push(a.kv_indices.len() as i64);

@@ -6,7 +6,10 @@
 //! knows the row (`req_pool_idx`), the cached prefix the request locked (`prefix_len` tokens
 //! ending at tree node `last_node`, always whole pages) and `kv_len`, the tokens whose KV is
 //! stored. Row columns `[0, prefix_len)` hold tree slots; columns `[prefix_len, kv_len)` hold
-//! the request's own pages, the last one possibly partly filled.
+//! the request's own pages, the last one possibly partly filled. The own slots are also kept
+//! as runs (`own`, per row, appended as they are allocated), which the tree takes over when
+//! the request is cached and the allocator takes back when it is dropped: neither reads the
+//! row again.
 //!
 //! The delicate sequences (insert, free the duplicate pages the tree already held, re-match
 //! and re-lock, free the row) each happen inside ONE call here, never orchestrated from
@@ -24,6 +27,7 @@ use crate::error::{CoreError, CoreResult};
 use crate::fxhash::FxBuildHasher;
 use crate::radix_cache::{MatchResult, RadixCache, ROOT};
 use crate::req_to_token::ReqToTokenPool;
+use crate::slot_runs::SlotRuns;
 
 /// What `KVCache` knows about one admitted request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,6 +64,8 @@ pub struct KVCache {
     pub req_pool: ReqToTokenPool,
     pub(crate) reqs: HashMap<u64, ReqState, FxBuildHasher>,
     pub(crate) next_req_id: u64,
+    /// Per row: the own slots (columns `[prefix_len, kv_len)`) of the request holding it.
+    pub(crate) own: Vec<SlotRuns>,
 }
 
 impl KVCache {
@@ -80,6 +86,7 @@ impl KVCache {
             req_pool: ReqToTokenPool::new(num_rows, max_context_len),
             reqs: HashMap::default(),
             next_req_id: 0,
+            own: vec![SlotRuns::new(); num_rows],
         })
     }
 
@@ -107,7 +114,7 @@ impl KVCache {
     }
 
     /// Row columns `[0, kv_len)` of live request `req_id`: the KV slot of each stored token.
-    pub fn req_slots(&self, req_id: u64) -> CoreResult<&[i64]> {
+    pub fn req_slots(&self, req_id: u64) -> CoreResult<&[i32]> {
         let r = self.req(req_id)?;
         self.req_pool.read(r.req_pool_idx, 0, r.kv_len)
     }
@@ -145,6 +152,7 @@ impl KVCache {
         let m = self.tree.match_prefix(key);
         let row = self.req_pool.alloc().expect("a row is free");
         self.req_pool.write(row, 0, &m.indices)?;
+        self.own[row] = SlotRuns::new();
         self.tree.inc_lock_ref(m.last_node)?;
         let req_id = self.next_req_id;
         self.next_req_id += 1;
@@ -190,11 +198,13 @@ impl KVCache {
     }
 
     /// Inserts the whole pages of the request's tokens and frees the request's own pages the
-    /// tree already held (`[prefix_len, already_cached)`) and, if `free_tail`, the pages
-    /// after the last whole page. Returns the number of tokens now held by the tree.
+    /// tree already held (`[prefix_len, already_cached)`); the own pages after the last whole
+    /// page are freed if `free_tail`, else kept as the request's own. Returns the number of
+    /// tokens now held by the tree.
     ///
     /// The insert starts at the request's locked `last_node`, whose path is its first
-    /// `prefix_len` tokens: those are neither read nor compared again.
+    /// `prefix_len` tokens: those are neither read nor compared again. The slots come from
+    /// the request's own runs, not from its row.
     fn insert_own(
         &mut self,
         r: &ReqState,
@@ -202,17 +212,16 @@ impl KVCache {
         free_tail: bool,
     ) -> CoreResult<usize> {
         let aligned = r.kv_len - r.kv_len % self.page_size();
-        let slots = self.req_pool.read(r.req_pool_idx, 0, r.kv_len)?;
-        let (own_tokens, own_slots) = (
-            &token_ids[r.prefix_len..aligned],
-            &slots[r.prefix_len..aligned],
-        );
-        let cached = r.prefix_len + self.tree.insert_below(r.last_node, own_tokens, own_slots)?;
-        if cached > r.prefix_len {
-            self.alloc.free(&slots[r.prefix_len..cached])?;
-        }
+        let mut tail = std::mem::take(&mut self.own[r.req_pool_idx]);
+        let whole = tail.split_front(aligned - r.prefix_len);
+        let (_, duplicates) =
+            self.tree
+                .insert_below(r.last_node, &token_ids[r.prefix_len..aligned], whole)?;
+        self.alloc.free_slot_runs(&duplicates)?;
         if free_tail {
-            self.alloc.free(&slots[aligned..])?;
+            self.alloc.free_slot_runs(&tail)?;
+        } else {
+            self.own[r.req_pool_idx] = tail;
         }
         Ok(aligned)
     }
@@ -268,8 +277,8 @@ impl KVCache {
         };
         self.check_tokens(&r, token_ids)?;
         if self.tree.disabled() {
-            let own = self.req_pool.read(r.req_pool_idx, r.prefix_len, r.kv_len)?;
-            self.alloc.free(own)?;
+            let own = std::mem::take(&mut self.own[r.req_pool_idx]);
+            self.alloc.free_slot_runs(&own)?;
         } else {
             self.insert_own(&r, token_ids, true)?;
         }
@@ -286,8 +295,8 @@ impl KVCache {
         let Some(r) = self.live_or_released(req_id)? else {
             return Ok(false);
         };
-        let own = self.req_pool.read(r.req_pool_idx, r.prefix_len, r.kv_len)?;
-        self.alloc.free(own)?;
+        let own = std::mem::take(&mut self.own[r.req_pool_idx]);
+        self.alloc.free_slot_runs(&own)?;
         self.release(req_id, &r)?;
         Ok(true)
     }

@@ -23,6 +23,7 @@ mod fxhash;
 pub mod kv_cache;
 pub mod radix_cache;
 pub mod req_to_token;
+pub mod slot_runs;
 
 pub use allocator::TokenToKVPoolAllocator;
 pub use batch::BatchArrays;
@@ -30,3 +31,4 @@ pub use error::{CoreError, CoreResult};
 pub use kv_cache::{AdmittedReq, KVCache, ReqState};
 pub use radix_cache::{MatchResult, RadixCache, ROOT};
 pub use req_to_token::ReqToTokenPool;
+pub use slot_runs::SlotRuns;

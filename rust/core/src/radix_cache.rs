@@ -29,6 +29,7 @@ use std::collections::{BinaryHeap, HashMap};
 use crate::allocator::TokenToKVPoolAllocator;
 use crate::error::{CoreError, CoreResult};
 use crate::fxhash::FxBuildHasher;
+use crate::slot_runs::SlotRuns;
 use smallvec::SmallVec;
 
 /// Node id of the root. The root holds no tokens and is never locked, evicted or freed.
@@ -45,10 +46,12 @@ pub(crate) type Children = HashMap<PageKey, usize, FxBuildHasher>;
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Node {
     pub(crate) key: Vec<i32>,
-    /// KV slots, one per token of `key`, stored as `u32` (the allocator keeps every slot
-    /// below 2^32): a third less memory per cached token than `i64`, and less to read when
-    /// matching or evicting.
-    pub(crate) value: Vec<u32>,
+    /// `key[..page_size]`, the key under which the parent files this node (kept inline so
+    /// unlinking a node does not read its key buffer).
+    pub(crate) first: PageKey,
+    /// KV slots, one per token of `key`, as runs of consecutive slots: a cached prompt is
+    /// usually one run, so matching, evicting and splitting cost per run, not per token.
+    pub(crate) value: SlotRuns,
     pub(crate) parent: usize,
     pub(crate) children: Children,
     pub(crate) lock_ref: usize,
@@ -206,14 +209,16 @@ impl RadixCache {
         let parent = self.nodes[child].parent;
         let c = &mut self.nodes[child];
         let key: Vec<i32> = c.key.drain(..at).collect();
-        let value: Vec<u32> = c.value.drain(..at).collect();
+        let value = c.value.split_front(at);
         let (lock_ref, last_access) = (c.lock_ref, c.last_access);
         let child_first = PageKey::from_slice(&c.key[..ps]);
+        c.first = child_first.clone();
         let first = PageKey::from_slice(&key[..ps]);
         let mut children = Children::default();
         children.insert(child_first, child);
         let id = self.new_node(Node {
             key,
+            first: first.clone(),
             value,
             parent,
             children,
@@ -270,9 +275,7 @@ impl RadixCache {
                 last_node: ROOT,
             };
         }
-        let (_, last_node) = self.descend(ROOT, key, now, |n| {
-            indices.extend(n.value.iter().map(|&s| i64::from(s)))
-        });
+        let (_, last_node) = self.descend(ROOT, key, now, |n| n.value.extend_into(&mut indices));
         self.push_if_evictable(last_node);
         MatchResult { indices, last_node }
     }
@@ -306,19 +309,6 @@ impl RadixCache {
     ///
     /// Errors: [`CoreError::ShapeMismatch`] if `key.len() != value.len()` (nothing changed).
     pub fn insert(&mut self, key: &[i32], value: &[i64]) -> CoreResult<usize> {
-        self.insert_below(ROOT, key, value)
-    }
-
-    /// [`Self::insert`] of a key that continues the path of live node `node`: `key` and
-    /// `value` are the tokens after `node`'s path (which a running request has locked, so the
-    /// path is known without reading its tokens again). The nodes from the root to `node` get
-    /// the access time too, as if the whole key had been inserted. Returns how many leading
-    /// tokens of `key` (after `node`) were already cached.
-    ///
-    /// Errors (nothing changed): [`CoreError::UnknownNode`] if `node` is not live,
-    /// [`CoreError::ShapeMismatch`] if `key.len() != value.len()`.
-    pub fn insert_below(&mut self, node: usize, key: &[i32], value: &[i64]) -> CoreResult<usize> {
-        self.check_node(node)?;
         if key.len() != value.len() {
             return Err(CoreError::ShapeMismatch(format!(
                 "insert: key has {} tokens but value has {} slots",
@@ -326,22 +316,55 @@ impl RadixCache {
                 value.len()
             )));
         }
+        let end = key.len() - key.len() % self.page_size;
+        let runs = SlotRuns::from_slots(&value[..end]);
+        Ok(self.insert_below(ROOT, &key[..end], runs)?.0)
+    }
+
+    /// Inserts `key`, a whole number of pages that continues the path of live node `node`,
+    /// with KV slots `value` (one per token). `node`'s path is known without reading its
+    /// tokens again: a running request has it locked. The nodes from the root to `node` get
+    /// the access time too, as if the whole key had been inserted.
+    ///
+    /// Returns `(n, not_taken)`: the first `n` tokens of `key` (a multiple of `page_size`)
+    /// were already cached and the tree keeps its own slots for them, so it takes only
+    /// `value[n..]` (as a new unlocked leaf) and gives back `value[..n]`. Disabled: takes
+    /// nothing, returns `(0, value)`.
+    ///
+    /// Errors (nothing changed): [`CoreError::UnknownNode`] if `node` is not live,
+    /// [`CoreError::ShapeMismatch`] if `key.len() != value.len()` or `key` is not whole pages.
+    pub fn insert_below(
+        &mut self,
+        node: usize,
+        key: &[i32],
+        mut value: SlotRuns,
+    ) -> CoreResult<(usize, SlotRuns)> {
+        self.check_node(node)?;
+        let ps = self.page_size;
+        if key.len() != value.len() || !key.len().is_multiple_of(ps) {
+            return Err(CoreError::ShapeMismatch(format!(
+                "insert: key has {} tokens (page size {ps}) but value has {} slots",
+                key.len(),
+                value.len()
+            )));
+        }
         let now = self.tick();
         if self.disable {
-            return Ok(0);
+            return Ok((0, value));
         }
-        let ps = self.page_size;
-        let end = key.len() - key.len() % ps;
         let mut n = node;
         while n != ROOT {
             self.nodes[n].last_access = now;
             n = self.nodes[n].parent;
         }
-        let (pos, node) = self.descend(node, &key[..end], now, |_| {});
-        if pos < end {
+        let (pos, node) = self.descend(node, key, now, |_| {});
+        let not_taken = value.split_front(pos);
+        if pos < key.len() {
+            let first = PageKey::from_slice(&key[pos..pos + ps]);
             let id = self.new_node(Node {
-                key: key[pos..end].to_vec(),
-                value: value[pos..end].iter().map(|&s| s as u32).collect(),
+                key: key[pos..].to_vec(),
+                first: first.clone(),
+                value,
                 parent: node,
                 children: Children::default(),
                 lock_ref: 0,
@@ -349,15 +372,13 @@ impl RadixCache {
                 live: true,
                 in_heap: false,
             });
-            self.nodes[node]
-                .children
-                .insert(PageKey::from_slice(&key[pos..pos + ps]), id);
-            self.evictable_size += end - pos;
+            self.nodes[node].children.insert(first, id);
+            self.evictable_size += key.len() - pos;
             self.push_if_evictable(id);
         } else {
             self.push_if_evictable(node);
         }
-        Ok(pos)
+        Ok((pos, not_taken))
     }
 
     /// Locks `node` and all its ancestors (one more running request uses this prefix). Nodes
@@ -419,15 +440,13 @@ impl RadixCache {
     /// Empties the tree, freeing every slot it holds into `alloc`. Locks held by requests are
     /// dropped too, so call it only when no request is running.
     ///
-    /// Errors: whatever `alloc.free` reports; the tree is then left unchanged.
+    /// Errors: whatever `alloc.free_slot_runs` reports; the tree is then left unchanged.
     pub fn reset(&mut self, alloc: &mut TokenToKVPoolAllocator) -> CoreResult<()> {
-        let slots: Vec<u32> = self
-            .nodes
-            .iter()
-            .filter(|n| n.live)
-            .flat_map(|n| n.value.iter().copied())
-            .collect();
-        alloc.free(&slots)?;
+        let mut slots = SlotRuns::new();
+        for n in self.nodes.iter().filter(|n| n.live) {
+            slots.append(&n.value);
+        }
+        alloc.free_slot_runs(&slots)?;
         let fresh = Self::new(self.page_size, self.disable)?;
         *self = Self {
             clock: self.clock,

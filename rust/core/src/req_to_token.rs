@@ -1,6 +1,7 @@
 //! Request rows: for each running request, the KV slot of every token position.
 //!
-//! The pool is a `size x max_context_len` table of `i64` KV slots. A request owns one row
+//! The pool is a `size x max_context_len` table of KV slots, stored as `i32` (the allocator
+//! keeps every slot below 2^31; SGLang's `req_to_token` is int32 too). A request owns one row
 //! (`req_pool_idx`) from admission until it finishes or aborts; column `p` of its row is the
 //! KV slot of the token at position `p`.
 
@@ -14,7 +15,7 @@ pub struct ReqToTokenPool {
     size: usize,
     max_context_len: usize,
     /// Row-major `[size, max_context_len]` KV slots; unwritten cells hold 0 (the padding slot).
-    table: Vec<i64>,
+    table: Vec<i32>,
     free_rows: VecDeque<usize>,
     in_use: Vec<bool>,
 }
@@ -54,14 +55,17 @@ impl ReqToTokenPool {
         Ok(())
     }
 
-    /// Writes `slots` into row `idx` at columns `[start, start + slots.len())`.
+    /// Writes `slots` (each below 2^31) into row `idx` at columns
+    /// `[start, start + slots.len())`.
     ///
     /// Errors: [`CoreError::UnknownReqSlot`] if the row is not allocated,
     /// [`CoreError::OutOfRange`] if the columns run past `max_context_len`.
     pub fn write(&mut self, idx: usize, start: usize, slots: &[i64]) -> CoreResult<()> {
         self.check_span(idx, start, start + slots.len())?;
         let base = idx * self.max_context_len + start;
-        self.table[base..base + slots.len()].copy_from_slice(slots);
+        for (cell, &s) in self.table[base..base + slots.len()].iter_mut().zip(slots) {
+            *cell = s as i32;
+        }
         Ok(())
     }
 
@@ -69,7 +73,7 @@ impl ReqToTokenPool {
     ///
     /// Errors: [`CoreError::UnknownReqSlot`] if the row is not allocated,
     /// [`CoreError::OutOfRange`] if `start > end` or `end > max_context_len`.
-    pub fn read(&self, idx: usize, start: usize, end: usize) -> CoreResult<&[i64]> {
+    pub fn read(&self, idx: usize, start: usize, end: usize) -> CoreResult<&[i32]> {
         self.check_span(idx, start, end)?;
         let base = idx * self.max_context_len;
         Ok(&self.table[base + start..base + end])
@@ -150,6 +154,6 @@ mod tests {
         assert!(matches!(p.read(r, 3, 2), Err(CoreError::OutOfRange { .. })));
         assert_eq!(p.read(1, 0, 1), Err(CoreError::UnknownReqSlot(1)));
         assert_eq!(p.write(1, 0, &[1]), Err(CoreError::UnknownReqSlot(1)));
-        assert_eq!(p.read(r, 2, 2).unwrap(), &[] as &[i64]);
+        assert_eq!(p.read(r, 2, 2).unwrap(), &[] as &[i32]);
     }
 }

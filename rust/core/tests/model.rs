@@ -177,7 +177,13 @@ impl Model {
         for r in &self.reqs {
             let st = self.c.req(r.id).unwrap();
             assert_eq!((st.prefix_len, st.kv_len), (r.prefix_len, r.tokens.len()));
-            let slots = self.c.req_slots(r.id).unwrap();
+            let slots: Vec<i64> = self
+                .c
+                .req_slots(r.id)
+                .unwrap()
+                .iter()
+                .map(|&s| s.into())
+                .collect();
             assert_eq!(
                 slots[..r.prefix_len],
                 self.ref_match(&r.tokens)[..r.prefix_len]
@@ -275,7 +281,13 @@ impl Model {
             Op::Finish(i) => {
                 if let Some(i) = self.pick(i) {
                     let r = self.reqs.swap_remove(i);
-                    let slots = self.c.req_slots(r.id).unwrap().to_vec();
+                    let slots: Vec<i64> = self
+                        .c
+                        .req_slots(r.id)
+                        .unwrap()
+                        .iter()
+                        .map(|&s| s.into())
+                        .collect();
                     assert!(self.c.cache_finished_req(r.id, &r.tokens).unwrap());
                     self.ref_insert(&r.tokens, &slots);
                     self.released.push(r.id);
@@ -284,7 +296,13 @@ impl Model {
             Op::Unfinished(i) => {
                 if let Some(i) = self.pick(i) {
                     let (id, tokens) = (self.reqs[i].id, self.reqs[i].tokens.clone());
-                    let slots = self.c.req_slots(id).unwrap().to_vec();
+                    let slots: Vec<i64> = self
+                        .c
+                        .req_slots(id)
+                        .unwrap()
+                        .iter()
+                        .map(|&s| s.into())
+                        .collect();
                     let p = self.c.cache_unfinished_req(id, &tokens).unwrap();
                     assert_eq!(p, tokens.len() / self.ps * self.ps);
                     self.ref_insert(&tokens, &slots);

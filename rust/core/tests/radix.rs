@@ -1,6 +1,6 @@
 //! Tree operations of RadixCache: match, insert, split, lock, evict, reset.
 
-use pyserve_core::{CoreError, RadixCache, TokenToKVPoolAllocator, ROOT};
+use pyserve_core::{CoreError, RadixCache, SlotRuns, TokenToKVPoolAllocator, ROOT};
 
 fn cache() -> RadixCache {
     RadixCache::new(1, false).unwrap()
@@ -201,23 +201,33 @@ fn evict_prefers_older_access() {
 
 #[test]
 fn insert_below_continues_a_nodes_path() {
+    let runs = |s: &[i64]| SlotRuns::from_slots(s);
     let mut c = cache();
     c.insert(&[1, 2, 3], &[11, 12, 13]).unwrap();
     let n = c.match_prefix(&[1, 2]).last_node; // splits [1 2 | 3]
-                                               // Below [1, 2]: [3] is cached already, [4, 5] is new.
-    assert_eq!(c.insert_below(n, &[3, 4, 5], &[23, 24, 25]).unwrap(), 1);
+                                               // Below [1, 2]: [3] is cached already (slot 23 comes back), [4, 5] is new.
+    let (cached, not_taken) = c.insert_below(n, &[3, 4, 5], runs(&[23, 24, 25])).unwrap();
+    assert_eq!((cached, not_taken), (1, runs(&[23])));
     assert_eq!(
         c.match_prefix(&[1, 2, 3, 4, 5, 6]).indices,
         vec![11, 12, 13, 24, 25]
     );
-    assert_eq!(c.insert_below(ROOT, &[7], &[17]).unwrap(), 0);
+    assert_eq!(
+        c.insert_below(ROOT, &[7], runs(&[17])).unwrap(),
+        (0, SlotRuns::new())
+    );
     assert_eq!(c.total_size(), 6);
     assert_eq!(
-        c.insert_below(99, &[1], &[1]),
+        c.insert_below(99, &[1], runs(&[1])),
         Err(CoreError::UnknownNode(99))
     );
     assert!(matches!(
-        c.insert_below(n, &[3], &[]),
+        c.insert_below(n, &[3], SlotRuns::new()),
+        Err(CoreError::ShapeMismatch(_))
+    ));
+    let mut paged = RadixCache::new(2, false).unwrap();
+    assert!(matches!(
+        paged.insert_below(ROOT, &[1, 2, 3], runs(&[4, 5, 6])),
         Err(CoreError::ShapeMismatch(_))
     ));
     c.check_integrity().unwrap();

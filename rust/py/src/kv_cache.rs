@@ -13,7 +13,8 @@ use pyserve_core as rs;
 use crate::convert::{to_array, u64_vec, usize_vec, with_tokens};
 use crate::errors::IntoPyResult;
 
-/// All arrays of one forward batch (1-D int64 numpy arrays; see `rs::BatchArrays`).
+/// All arrays of one forward batch (1-D numpy arrays, int64 except the int32 `kv_indices`;
+/// see `rs::BatchArrays`).
 #[pyclass(module = "pyserve._rs", name = "BatchArrays", frozen)]
 pub struct BatchArrays {
     #[pyo3(get)]
@@ -31,7 +32,7 @@ pub struct BatchArrays {
     #[pyo3(get)]
     kv_indptr: Py<PyArray1<i64>>,
     #[pyo3(get)]
-    kv_indices: Py<PyArray1<i64>>,
+    kv_indices: Py<PyArray1<i32>>,
 }
 
 impl BatchArrays {
@@ -45,7 +46,7 @@ impl BatchArrays {
             out_cache_loc: arr(a.out_cache_loc),
             positions: arr(a.positions),
             kv_indptr: arr(a.kv_indptr),
-            kv_indices: arr(a.kv_indices),
+            kv_indices: PyArray1::from_vec(py, a.kv_indices).unbind(),
         }
     }
 }
@@ -196,7 +197,8 @@ impl KVCache {
     }
 
     fn req_slots<'py>(&self, py: Python<'py>, req_id: u64) -> PyResult<Bound<'py, PyArray1<i64>>> {
-        Ok(PyArray1::from_slice(py, self.inner.req_slots(req_id).py()?))
+        let slots = self.inner.req_slots(req_id).py()?;
+        Ok(to_array(py, slots.iter().map(|&s| i64::from(s)).collect()))
     }
 
     fn evict(&mut self, py: Python<'_>, num_tokens: usize) -> PyResult<usize> {

@@ -55,7 +55,8 @@ impl KVCache {
             claim(&mut owner, p, Owner::Free)?;
         }
         for n in self.tree.nodes.iter().filter(|n| n.live) {
-            for chunk in n.value.chunks(ps) {
+            let slots: Vec<u32> = n.value.iter().collect();
+            for chunk in slots.chunks(ps) {
                 claim(&mut owner, self.alloc.page_of(chunk[0].into()), Owner::Tree)?;
             }
         }
@@ -81,13 +82,15 @@ impl KVCache {
                     r.prefix_len, r.kv_len
                 )));
             }
-            let row = self.req_pool.read(r.req_pool_idx, 0, r.kv_len)?;
+            let row: Vec<i64> = (self.req_pool.read(r.req_pool_idx, 0, r.kv_len)?.iter())
+                .map(|&s| i64::from(s))
+                .collect();
             self.tree.check_node(r.last_node)?;
             let mut path: Vec<usize> = self.tree.path_to_root(r.last_node).collect();
             path.reverse();
             let tree_slots: Vec<i64> = path
                 .iter()
-                .flat_map(|&n| self.tree.nodes[n].value.iter().map(|&s| i64::from(s)))
+                .flat_map(|&n| self.tree.nodes[n].value.iter().map(i64::from))
                 .collect();
             if tree_slots != row[..r.prefix_len] {
                 return Err(broken(format!(
@@ -96,6 +99,18 @@ impl KVCache {
             }
             for n in path {
                 *locks.entry(n).or_default() += 1;
+            }
+            let own = &self.own[r.req_pool_idx];
+            if !own.is_well_formed()
+                || !own
+                    .iter()
+                    .map(i64::from)
+                    .eq(row[r.prefix_len..].iter().copied())
+            {
+                return Err(broken(format!(
+                    "request {id}: own slot runs differ from row [{}, {})",
+                    r.prefix_len, r.kv_len
+                )));
             }
             for (pos, &slot) in row.iter().enumerate().skip(r.prefix_len) {
                 let page = self.alloc.page_of(slot);

@@ -19,6 +19,7 @@ use std::cmp::Reverse;
 use super::{RadixCache, ROOT};
 use crate::allocator::TokenToKVPoolAllocator;
 use crate::error::CoreResult;
+use crate::slot_runs::SlotRuns;
 
 impl RadixCache {
     pub(crate) fn is_evictable_leaf(&self, id: usize) -> bool {
@@ -40,20 +41,14 @@ impl RadixCache {
     /// or nothing is evictable; a parent left as an unlocked leaf becomes a candidate too.
     /// Returns the number of slots (tokens) freed: whole nodes, so possibly more than asked.
     ///
-    /// Two phases: first the victims are chosen and unlinked (heap and tree only), then their
-    /// slots are freed. Between the two, one slot per cache line of every victim is read, so
-    /// the cache misses on the victims' scattered slot buffers overlap instead of each
-    /// stalling the free loop in turn.
-    ///
-    /// Mutates: removes nodes, frees their pages into `alloc`.
-    /// Errors: whatever `alloc.free` reports (a page of the tree already free: a broken
-    /// invariant); every victim stays evicted and the other victims' pages are still freed.
+    /// Mutates: removes nodes, frees their pages into `alloc` (run by run).
+    /// Errors: whatever `alloc.free_slot_runs` reports (a page of the tree already free: a
+    /// broken invariant); nodes evicted before the error stay evicted.
     pub fn evict(
         &mut self,
         num_tokens: usize,
         alloc: &mut TokenToKVPoolAllocator,
     ) -> CoreResult<usize> {
-        let mut victims: Vec<Vec<u32>> = Vec::new();
         let mut freed = 0;
         while freed < num_tokens {
             let Some(Reverse((time, id))) = self.lru.pop() else {
@@ -71,35 +66,23 @@ impl RadixCache {
             }
             let (parent, value) = self.remove_leaf(id);
             freed += value.len();
-            victims.push(value);
+            alloc.free_slot_runs(&value)?;
             self.push_if_evictable(parent);
         }
-        const SLOTS_PER_LINE: usize = 64 / std::mem::size_of::<u32>();
-        let touched = victims
-            .iter()
-            .flat_map(|v| v.iter().step_by(SLOTS_PER_LINE))
-            .fold(0u32, |acc, &s| acc ^ s);
-        std::hint::black_box(touched);
-        let mut result = Ok(freed);
-        for value in &victims {
-            if let Err(e) = alloc.free(value) {
-                result = result.and(Err(e));
-            }
-        }
-        result
+        Ok(freed)
     }
 
     /// Unlinks unlocked leaf `id` from its parent and puts the id on the free list. Returns
     /// the parent and the leaf's slots, which the caller must free.
-    fn remove_leaf(&mut self, id: usize) -> (usize, Vec<u32>) {
-        let ps = self.page_size();
+    fn remove_leaf(&mut self, id: usize) -> (usize, SlotRuns) {
         let n = &mut self.nodes[id];
         n.live = false;
         let parent = n.parent;
-        let key = std::mem::take(&mut n.key);
+        let first = std::mem::take(&mut n.first);
+        n.key = Vec::new();
         let value = std::mem::take(&mut n.value);
         self.evictable_size -= value.len();
-        self.nodes[parent].children.remove(&key[..ps]);
+        self.nodes[parent].children.remove(&first);
         self.free_nodes.push(id);
         (parent, value)
     }

@@ -50,16 +50,21 @@ impl RadixCache {
                 if child.parent != id {
                     return Err(broken(format!("node {c} parent {} != {id}", child.parent)));
                 }
-                if child.key.is_empty() || child.key.len() % ps != 0 || child.key[..ps] != **first {
+                if child.key.is_empty()
+                    || child.key.len() % ps != 0
+                    || child.key[..ps] != **first
+                    || child.first != *first
+                {
                     return Err(broken(format!(
                         "node {c} empty, not whole pages or misfiled"
                     )));
                 }
-                if child.key.len() != child.value.len() {
+                if child.key.len() != child.value.len() || !child.value.is_well_formed() {
                     return Err(broken(format!("node {c} key/value lengths differ")));
                 }
-                for (i, &s) in child.value.iter().enumerate() {
-                    let (s, page_start) = (i64::from(s), i64::from(child.value[i - i % ps]));
+                let slots: Vec<i64> = child.value.iter().map(i64::from).collect();
+                for (i, &s) in slots.iter().enumerate() {
+                    let page_start = slots[i - i % ps];
                     let whole = page_start % ps as i64 == 0 && s == page_start + (i % ps) as i64;
                     if s < ps as i64 || !whole || !seen_slots.insert(s) {
                         return Err(broken(format!(
@@ -97,7 +102,7 @@ impl RadixCache {
         let mut entries: HashMap<usize, u64> = HashMap::new();
         for &Reverse((time, id)) in self.lru.iter() {
             let n = self.nodes.get(id).filter(|n| n.live && n.in_heap);
-            if !n.is_some_and(|n| time <= n.last_access) || entries.insert(id, time).is_some() {
+            if n.is_none_or(|n| time > n.last_access) || entries.insert(id, time).is_some() {
                 return Err(broken(format!(
                     "LRU heap entry ({time}, {id}): dead node, not marked, later than its \
                      access time, or a second entry"
