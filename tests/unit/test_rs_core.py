@@ -162,3 +162,37 @@ def test_rows_run_out():
         c.add_req([0] * 9)
     with pytest.raises(InvariantError):
         c.reset()
+
+
+def test_lifecycle_reads_only_the_tokens_after_the_locked_prefix():
+    # The prefix a request locked is known by its tree node: finishing or caching a chunk
+    # neither reads nor compares those tokens again, so the new pages always go below it.
+    c = Checked(32, 4, 32)
+    r, _, _ = c.add_req([])
+    c.prepare_extend([r], [4])
+    c.cache_finished_req(r, [1, 2, 3, 4])
+    r2, _, prefix = c.add_req([1, 2, 3, 4, 5])
+    assert prefix == 4
+    c.prepare_extend([r2], [2])
+    assert c.cache_unfinished_req(r2, [9, 9, 9, 9, 5, 6]) == 6
+    assert (c.req_info(r2)[:3], c.req_slots(r2).tolist()) == ((1, 6, 6), [1, 2, 3, 4, 5, 6])
+    assert c.match_prefix([1, 2, 3, 4, 5, 6])[0].tolist() == [1, 2, 3, 4, 5, 6]
+    assert c.match_prefix([9, 9])[0].tolist() == []
+    assert c.abort_req(r2)
+    assert (c.free_size(), c.evictable_size(), c.protected_size()) == (26, 6, 0)
+
+
+def test_out_of_range_inputs_are_refused_not_wrapped():
+    c = Checked(32, 4, 32)
+    r, _, _ = c.add_req([])
+    c.prepare_extend([r], [3])
+    c.cache_finished_req(r, [-1, 2, 3])
+    with pytest.raises(ShapeError, match="does not fit in int64"):
+        c.match_prefix(np.array([2**64 - 1, 2, 3], dtype=np.uint64))
+    with pytest.raises(ShapeError, match="overflows i32"):
+        c.match_prefix(np.array([2**31, 2, 3], dtype=np.uint64))
+    assert c.match_prefix(np.array([3, 2], dtype=np.uint64))[0].tolist() == []
+    with pytest.raises(ShapeError, match="cannot be allocated"):
+        _rs.KVCache(16, 2**40, 2**20)
+    with pytest.raises(ShapeError, match="cannot be allocated"):
+        _rs.KVCache(16, 2, 2**63)

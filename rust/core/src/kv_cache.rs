@@ -72,7 +72,9 @@ impl KVCache {
     /// A cache of `size` KV slots (tokens) in pages of `page_size`, `num_rows` request rows of
     /// `max_context_len` tokens each, prefix caching off if `disable`.
     ///
-    /// Errors: [`CoreError::ShapeMismatch`] if `page_size == 0` or `size % page_size != 0`.
+    /// Errors: [`CoreError::ShapeMismatch`] if `page_size == 0`, `size % page_size != 0`, a
+    /// slot would not fit in `i32`, or the `num_rows x max_context_len` table cannot be
+    /// allocated.
     pub fn new(
         size: usize,
         page_size: usize,
@@ -83,7 +85,7 @@ impl KVCache {
         Ok(Self {
             tree: RadixCache::new(page_size, disable)?,
             alloc: TokenToKVPoolAllocator::new(size, page_size)?,
-            req_pool: ReqToTokenPool::new(num_rows, max_context_len),
+            req_pool: ReqToTokenPool::new(num_rows, max_context_len)?,
             reqs: HashMap::default(),
             next_req_id: 0,
             own: vec![SlotRuns::new(); num_rows],
@@ -132,8 +134,8 @@ impl KVCache {
 
     /// Admits a request: matches `key` (the tokens whose cached KV it may reuse; the caller
     /// leaves out at least the last prompt token, whose logits it needs), takes a row, writes
-    /// the prefix's slots into it and locks the prefix. `Ok(None)`, with nothing changed but
-    /// access times, when no row is free.
+    /// the prefix's slots into it and locks the prefix. `Ok(None)`, with nothing changed,
+    /// when no row is free.
     ///
     /// Errors (nothing changed): [`CoreError::OutOfRange`] if `key` is longer than a row.
     pub fn add_req(&mut self, key: &[i32]) -> CoreResult<Option<AdmittedReq>> {
@@ -227,11 +229,13 @@ impl KVCache {
     }
 
     /// A chunk of a running request's prefill ended: caches its whole pages so far and keeps
-    /// it running on them. `token_ids` must be exactly its `kv_len` stored tokens.
+    /// it running on them. `token_ids` must be exactly its `kv_len` stored tokens; the first
+    /// `prefix_len` of them are the prefix it locked and are not read again.
     ///
-    /// Inserts the whole pages, frees the request's duplicate pages, re-matches and writes the
-    /// tree's slots into row `[0, aligned)`, locks the new last node, then unlocks the old
-    /// one; a partial last page stays the request's own. Returns the new `prefix_len`.
+    /// Inserts the whole pages below the locked node, frees the request's duplicate pages,
+    /// matches the new pages below the locked node again and writes the tree's slots into row
+    /// `[prefix_len, aligned)`, locks the new last node, then unlocks the old one; a partial
+    /// last page stays the request's own. Returns the new `prefix_len`.
     /// Disabled cache: changes nothing and returns the current `prefix_len` (0).
     ///
     /// Errors (checked before any change): [`CoreError::UnknownReq`] if `req_id` is not live;
@@ -243,14 +247,18 @@ impl KVCache {
             return Ok(r.prefix_len);
         }
         let aligned = self.insert_own(&r, token_ids, false)?;
-        let m = self.tree.match_prefix(&token_ids[..aligned]);
-        if m.indices.len() != aligned {
+        let m = self
+            .tree
+            .match_below(r.last_node, &token_ids[r.prefix_len..aligned])?;
+        if m.indices.len() != aligned - r.prefix_len {
             return Err(CoreError::Invariant(format!(
-                "re-match after insert found {} of {aligned} tokens",
-                m.indices.len()
+                "re-match after insert found {} of {} tokens",
+                m.indices.len(),
+                aligned - r.prefix_len
             )));
         }
-        self.req_pool.write(r.req_pool_idx, 0, &m.indices)?;
+        self.req_pool
+            .write(r.req_pool_idx, r.prefix_len, &m.indices)?;
         // Lock the new path before unlocking the old one so the shared part never drops to 0.
         self.tree.inc_lock_ref(m.last_node)?;
         self.tree.dec_lock_ref(r.last_node)?;

@@ -267,17 +267,28 @@ impl RadixCache {
     /// Mutates: splits the node in which the match ends, so that `last_node` ends exactly at
     /// the match; updates the access time of every node on the path. Disabled: empty, root.
     pub fn match_prefix(&mut self, key: &[i32]) -> MatchResult {
+        self.match_below(ROOT, key)
+            .expect("the root is always live")
+    }
+
+    /// [`Self::match_prefix`] of a key that continues the path of live node `node`: matches
+    /// `key` below `node` and returns the slots of the matched part of `key` only (the path
+    /// down to `node` is neither read nor returned). Disabled: empty, `node`.
+    ///
+    /// Errors (nothing changed): [`CoreError::UnknownNode`] if `node` is not live.
+    pub fn match_below(&mut self, node: usize, key: &[i32]) -> CoreResult<MatchResult> {
+        self.check_node(node)?;
         let now = self.tick();
         let mut indices = Vec::new();
         if self.disable {
-            return MatchResult {
+            return Ok(MatchResult {
                 indices,
-                last_node: ROOT,
-            };
+                last_node: node,
+            });
         }
-        let (_, last_node) = self.descend(ROOT, key, now, |n| n.value.extend_into(&mut indices));
+        let (_, last_node) = self.descend(node, key, now, |n| n.value.extend_into(&mut indices));
         self.push_if_evictable(last_node);
-        MatchResult { indices, last_node }
+        Ok(MatchResult { indices, last_node })
     }
 
     /// Length of the longest cached page-aligned prefix of `key`, without changing anything
@@ -307,7 +318,8 @@ impl RadixCache {
     /// matched itself). The new tail becomes an unlocked (evictable) leaf and its slots belong
     /// to the tree. Disabled: stores nothing, returns 0.
     ///
-    /// Errors: [`CoreError::ShapeMismatch`] if `key.len() != value.len()` (nothing changed).
+    /// Errors (nothing changed): [`CoreError::ShapeMismatch`] if `key.len() != value.len()`,
+    /// [`CoreError::OutOfRange`] for a slot outside `1..2^31`.
     pub fn insert(&mut self, key: &[i32], value: &[i64]) -> CoreResult<usize> {
         if key.len() != value.len() {
             return Err(CoreError::ShapeMismatch(format!(
@@ -315,6 +327,14 @@ impl RadixCache {
                 key.len(),
                 value.len()
             )));
+        }
+        if let Some(&s) = value.iter().find(|&&s| s < 1 || s > i64::from(i32::MAX)) {
+            return Err(CoreError::OutOfRange {
+                what: "kv slot",
+                value: s,
+                low: 1,
+                high: i64::from(i32::MAX) + 1,
+            });
         }
         let end = key.len() - key.len() % self.page_size;
         let runs = SlotRuns::from_slots(&value[..end]);

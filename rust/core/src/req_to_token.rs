@@ -22,14 +22,25 @@ pub struct ReqToTokenPool {
 
 impl ReqToTokenPool {
     /// Creates `size` free rows of `max_context_len` slots, filled with 0.
-    pub fn new(size: usize, max_context_len: usize) -> Self {
-        Self {
+    ///
+    /// Errors: [`CoreError::ShapeMismatch`] if the table's size overflows or its memory
+    /// cannot be reserved (rather than aborting the process).
+    pub fn new(size: usize, max_context_len: usize) -> CoreResult<Self> {
+        let cells = size.checked_mul(max_context_len);
+        let mut table = Vec::new();
+        if cells.is_none_or(|n| table.try_reserve_exact(n).is_err()) {
+            return Err(CoreError::ShapeMismatch(format!(
+                "a request table of {size} rows x {max_context_len} tokens cannot be allocated"
+            )));
+        }
+        table.resize(size * max_context_len, 0);
+        Ok(Self {
             size,
             max_context_len,
-            table: vec![0; size * max_context_len],
+            table,
             free_rows: (0..size).collect(),
             in_use: vec![false; size],
-        }
+        })
     }
 
     /// Takes a free row, lowest-freed-first (FIFO). `None` if every row is in use.
@@ -129,7 +140,7 @@ mod tests {
 
     #[test]
     fn alloc_free_rows() {
-        let mut p = ReqToTokenPool::new(2, 8);
+        let mut p = ReqToTokenPool::new(2, 8).unwrap();
         assert_eq!((p.size(), p.max_context_len()), (2, 8));
         assert_eq!(p.alloc(), Some(0));
         assert_eq!(p.alloc(), Some(1));
@@ -142,8 +153,14 @@ mod tests {
     }
 
     #[test]
+    fn impossible_tables_are_refused() {
+        assert!(ReqToTokenPool::new(2, usize::MAX).is_err());
+        assert!(ReqToTokenPool::new(1 << 40, 1 << 20).is_err());
+    }
+
+    #[test]
     fn write_read_bounds() {
-        let mut p = ReqToTokenPool::new(2, 4);
+        let mut p = ReqToTokenPool::new(2, 4).unwrap();
         let r = p.alloc().unwrap();
         p.write(r, 1, &[7, 8, 9]).unwrap();
         assert_eq!(p.read(r, 0, 4).unwrap(), &[0, 7, 8, 9]);

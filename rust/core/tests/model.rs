@@ -1,7 +1,7 @@
 //! Property-based test: random sequences of add / lock / unlock / match / extend / decode /
 //! finish (insert) / unfinished / abort / repeated finish / evict on a `KVCache`, compared
 //! after every operation with a naive reference model and with `check_integrity()`, for page
-//! sizes 1, 16 and 64 (64 cases x 100 operations each: 19,200 operations per run).
+//! sizes 1, 3, 16 and 64 (64 cases x 100 operations each: 25,600 operations per run).
 //!
 //! The reference stores every cached page-aligned prefix (token ids -> first slot of its last
 //! page, access time). It predicts matches exactly, the tree/protected/free sizes exactly,
@@ -361,4 +361,7 @@ proptest! {
 
     #[test]
     fn model_page_size_64(ops in prop::collection::vec(op(), 100)) { run(64, ops) }
+
+    #[test]
+    fn model_page_size_3(ops in prop::collection::vec(op(), 100)) { run(3, ops) }
 }

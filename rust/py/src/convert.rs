@@ -35,6 +35,14 @@ pub fn i64_vec(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
             obj.get_type().name()?
         )));
     }
+    if kind == "u" && arr.getattr("size")?.extract::<usize>()? > 0 {
+        let max: u64 = arr.call_method0("max")?.extract()?;
+        if max > i64::MAX as u64 {
+            return Err(ShapeError::new_err(format!(
+                "integer {max} does not fit in int64"
+            )));
+        }
+    }
     let arr = arr.call_method1("astype", ("int64",))?;
     let a = arr.extract::<PyReadonlyArray1<'_, i64>>()?;
     Ok(a.as_array().to_vec())
@@ -89,8 +97,11 @@ pub fn u64_vec(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
 pub fn with_tokens<R>(obj: &Bound<'_, PyAny>, f: impl FnOnce(&[i32]) -> R) -> PyResult<R> {
     if let Ok(a) = obj.cast::<PyArray1<i32>>() {
         // SAFETY: the slice lives only while `f` runs, with the GIL held and without calling
-        // into Python, so no Python code can write to the array meanwhile; this crate never
-        // borrows a numpy array mutably, so no native alias writes to it either.
+        // into Python, so no Python code can write to the array meanwhile, and this crate never
+        // borrows a numpy array mutably. What the GIL cannot exclude is native code in another
+        // thread writing the same memory with the GIL released (a numpy or torch operation on
+        // a shared buffer); the copying path has the same exposure while it copies. Callers
+        // pass arrays no other thread writes: pyserve passes fresh `np.asarray` results.
         if let Ok(tokens) = unsafe { a.as_slice() } {
             return Ok(f(tokens));
         }
