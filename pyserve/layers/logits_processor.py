@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from pyserve.layers.linear import linear
 from pyserve.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 
@@ -20,8 +21,9 @@ def last_token_indices(forward_batch: ForwardBatch) -> torch.Tensor:
 
 
 class LogitsProcessor(torch.nn.Module):
-    """forward(hidden [T, hidden], lm_head_weight [vocab, hidden], forward_batch) ->
-    logits [B, vocab] float32 for the last token of each request.
+    """forward(hidden [T, hidden], lm_head_weight [vocab, hidden], forward_batch,
+    lm_head_packed = None) -> logits [B, vocab] float32 for the last token of each request
+    (lm_head_packed: a `pyserve.layers.linear.prepack` copy of the weight, used when given).
 
     When forward_batch.input_logits_rows ([N] int64 token rows) is set, the logits of those
     rows are computed in the same matmul and stored in forward_batch.input_logits
@@ -32,12 +34,12 @@ class LogitsProcessor(torch.nn.Module):
         self.vocab_size = vocab_size
 
     def forward(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor,
-                forward_batch: ForwardBatch) -> torch.Tensor:
+                forward_batch: ForwardBatch, lm_head_packed: torch.Tensor | None = None) -> torch.Tensor:
         rows = last_token_indices(forward_batch)
         extra = forward_batch.input_logits_rows
         if extra is not None:
             rows = torch.cat((rows, extra))
-        logits = torch.matmul(hidden[rows], lm_head_weight.t())[:, : self.vocab_size].float()
+        logits = linear(hidden[rows], lm_head_weight, None, lm_head_packed)[:, : self.vocab_size].float()
         if extra is None:
             return logits
         batch = forward_batch.batch_size

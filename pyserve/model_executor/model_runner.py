@@ -90,6 +90,9 @@ class ModelRunner:
         self.dtype = self.model_config.dtype
         self.model = load_model(self.model_config, torch_device, progress=load_progress,
                                 load_format=load_format)
+        # On CPU in float32, oneDNN-packed copies of the projection weights (layers/linear.py).
+        prepack_weights = getattr(self.model, "prepack_linear_weights", None)
+        self.packed_weight_bytes: int = prepack_weights() if prepack_weights else 0
         self.page_size = int(page_size)
         pool = self._kv_pool_size(torch_device, max_total_tokens, mem_fraction_static)
         self.max_total_num_tokens = pool - pool % self.page_size
@@ -120,6 +123,7 @@ class ModelRunner:
             return int(max_total_tokens)
         free = available_memory_bytes(device)
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        weight_bytes += self.packed_weight_bytes
         if device.type == "cuda":
             # mem_get_info already excludes the loaded weights.
             budget = int(free * mem_fraction_static)

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pyserve.layers.activation import get_act_fn
 from pyserve.layers.layernorm import RMSNorm
+from pyserve.layers.linear import linear, prepack, prepack_supported
 from pyserve.layers.logits_processor import LogitsProcessor
 from pyserve.layers.rotary_embedding import RotaryEmbedding
 from pyserve.model_executor.forward_batch import ForwardBatch
@@ -119,12 +119,16 @@ class LlamaAttention(nn.Module):
         for prefill), same HF parameter names, no extra memory."""
         self.qkv_weight = _fuse([self.q_proj, self.k_proj, self.v_proj], "weight")
         self.qkv_bias = _fuse([self.q_proj, self.k_proj, self.v_proj], "bias")
+        # oneDNN-packed copies (LlamaForCausalLM.prepack_linear_weights), else None
+        self.qkv_packed: torch.Tensor | None = None
+        self.o_packed: torch.Tensor | None = None
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 forward_batch: ForwardBatch, attn_backend: Any) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = F.linear(hidden, self.qkv_weight, self.qkv_bias).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = linear(hidden, self.qkv_weight, self.qkv_bias, self.qkv_packed).split(
+            [q_size, kv_size, kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -133,7 +137,8 @@ class LlamaAttention(nn.Module):
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         out = attn_backend.forward(q, k, v, self.layer_id, self.scaling, forward_batch,
                                    sliding_window=self.sliding_window)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        out = out.reshape(num_tokens, self.num_heads * self.head_dim)
+        return linear(out, self.o_proj.weight, self.o_proj.bias, self.o_packed)
 
 
 class LlamaMLP(nn.Module):
@@ -150,10 +155,14 @@ class LlamaMLP(nn.Module):
         # gate and up as one GEMM whose output is already [gate | up] (parameters are views)
         self.gate_up_weight = _fuse([self.gate_proj, self.up_proj], "weight")
         self.gate_up_bias = _fuse([self.gate_proj, self.up_proj], "bias")
+        # oneDNN-packed copies (LlamaForCausalLM.prepack_linear_weights), else None
+        self.gate_up_packed: torch.Tensor | None = None
+        self.down_packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
-        return self.down_proj(self.act_fn(gate_up))
+        gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_packed)
+        return linear(self.act_fn(gate_up), self.down_proj.weight, self.down_proj.bias,
+                      self.down_packed)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -222,6 +231,34 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = _linear(config.hidden_size, config.vocab_size, False, dtype, device)
         self.logits_processor = LogitsProcessor(config.vocab_size)
+        self.lm_head_packed: torch.Tensor | None = None
+
+    def prepack_linear_weights(self) -> int:
+        """Keep a oneDNN-packed copy of every projection weight (q/k/v, o, gate/up, down, LM
+        head) and use it in `forward` (see pyserve/layers/linear.py): on CPU in float32 only,
+        else a no-op. Call after the weights are final; loading weights again drops the
+        copies. Returns the bytes the copies take."""
+        if not prepack_supported(self.lm_head_weight()):
+            return 0
+        added = 0
+
+        def pack(weight: torch.Tensor) -> torch.Tensor:
+            nonlocal added
+            added += weight.numel() * weight.element_size()
+            return prepack(weight)
+
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_packed, attn.o_packed = pack(attn.qkv_weight), pack(attn.o_proj.weight)
+            mlp.gate_up_packed, mlp.down_packed = pack(mlp.gate_up_weight), pack(mlp.down_proj.weight)
+        self.lm_head_packed = pack(self.lm_head_weight())
+        return added
+
+    def _drop_packed_weights(self) -> None:
+        for layer in self.model.layers:
+            layer.self_attn.qkv_packed = layer.self_attn.o_packed = None
+            layer.mlp.gate_up_packed = layer.mlp.down_packed = None
+        self.lm_head_packed = None
 
     def lm_head_weight(self) -> torch.Tensor:
         """[vocab, hidden]: the embedding matrix when tied, else lm_head.weight."""
@@ -237,12 +274,14 @@ class LlamaForCausalLM(nn.Module):
         Returns logits [B, vocab] float32 of the last new token of each request.
         """
         hidden = self.model(forward_batch, attn_backend)
-        return self.logits_processor(hidden, self.lm_head_weight(), forward_batch)
+        return self.logits_processor(hidden, self.lm_head_weight(), forward_batch,
+                                     self.lm_head_packed)
 
     def init_dummy_weights(self, seed: int = 0) -> None:
         """Random weights for benchmarks (`--load-format dummy`): linear and embedding weights
         ~ N(0, 0.02), biases 0, norm weights 1. Deterministic for a given `seed`; mutates the
         parameters in place."""
+        self._drop_packed_weights()
         gen = torch.Generator(device="cpu").manual_seed(seed)
         with torch.no_grad():
             for name, param in self.named_parameters():
@@ -261,6 +300,7 @@ class LlamaForCausalLM(nn.Module):
         Raises KeyError for an unknown name, ValueError for a shape mismatch or for parameters
         the checkpoint did not provide.
         """
+        self._drop_packed_weights()
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:

@@ -115,7 +115,9 @@ def test_gguf_tensor_types_load_exactly(tmp_path, qtype: str) -> None:
     logits = runner.forward(Requests(list(range(1, 33))).extend({0: prompt}))
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0, -1]
-    torch.testing.assert_close(logits[0], ref, atol=1e-4, rtol=0)
+    # 1e-5 relative on top: the runner's CPU float32 GEMMs are oneDNN's (layers/linear.py),
+    # which sum in another order than the MKL sgemm HF's F.linear runs.
+    torch.testing.assert_close(logits[0], ref, atol=1e-4, rtol=1e-5)
 
 
 def test_gguf_bf16_run_dtype(tmp_path) -> None:

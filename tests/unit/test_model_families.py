@@ -71,13 +71,17 @@ def hf_model(family: str) -> transformers.PreTrainedModel:
     return model
 
 
+@pytest.mark.parametrize("prepacked", [False, True], ids=["F.linear", "onednn-packed"])
 @pytest.mark.parametrize("batch_size", [1, 8])
 @pytest.mark.parametrize("family", ["llama", "llama_dynamic", "qwen2", "qwen3", "mistral"])
-def test_family_matches_transformers(family: str, batch_size: int) -> None:
+def test_family_matches_transformers(family: str, batch_size: int, prepacked: bool) -> None:
     hf = hf_model(family)
     config = hf.config
     model = get_model_class(type(hf).__name__)(config, dtype=torch.float32, device="cpu")
     model.load_weights(hf.state_dict().items())
+    if prepacked:  # the CPU float32 path ModelRunner takes (pyserve/layers/linear.py)
+        projections = sum(p.numel() for n, p in model.named_parameters() if n.endswith("proj.weight"))
+        assert model.prepack_linear_weights() == 4 * (projections + model.lm_head_weight().numel())
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     pool_size = batch_size * 80
     pool = MHATokenToKVPool(pool_size, config.num_hidden_layers, config.num_key_value_heads,
