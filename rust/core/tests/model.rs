@@ -160,6 +160,16 @@ impl Model {
         gone.len() * self.ps
     }
 
+    /// The KV slot of each stored token of live request `id` (its row), as `i64`.
+    fn slots_of(&self, id: u64) -> Vec<i64> {
+        self.c
+            .req_slots(id)
+            .unwrap()
+            .iter()
+            .map(|&s| s.into())
+            .collect()
+    }
+
     fn own_pages(&self, r: &Req) -> usize {
         r.tokens.len().div_ceil(self.ps) - r.prefix_len / self.ps
     }
@@ -177,13 +187,7 @@ impl Model {
         for r in &self.reqs {
             let st = self.c.req(r.id).unwrap();
             assert_eq!((st.prefix_len, st.kv_len), (r.prefix_len, r.tokens.len()));
-            let slots: Vec<i64> = self
-                .c
-                .req_slots(r.id)
-                .unwrap()
-                .iter()
-                .map(|&s| s.into())
-                .collect();
+            let slots = self.slots_of(r.id);
             assert_eq!(
                 slots[..r.prefix_len],
                 self.ref_match(&r.tokens)[..r.prefix_len]
@@ -281,13 +285,7 @@ impl Model {
             Op::Finish(i) => {
                 if let Some(i) = self.pick(i) {
                     let r = self.reqs.swap_remove(i);
-                    let slots: Vec<i64> = self
-                        .c
-                        .req_slots(r.id)
-                        .unwrap()
-                        .iter()
-                        .map(|&s| s.into())
-                        .collect();
+                    let slots = self.slots_of(r.id);
                     assert!(self.c.cache_finished_req(r.id, &r.tokens).unwrap());
                     self.ref_insert(&r.tokens, &slots);
                     self.released.push(r.id);
@@ -296,13 +294,7 @@ impl Model {
             Op::Unfinished(i) => {
                 if let Some(i) = self.pick(i) {
                     let (id, tokens) = (self.reqs[i].id, self.reqs[i].tokens.clone());
-                    let slots: Vec<i64> = self
-                        .c
-                        .req_slots(id)
-                        .unwrap()
-                        .iter()
-                        .map(|&s| s.into())
-                        .collect();
+                    let slots = self.slots_of(id);
                     let p = self.c.cache_unfinished_req(id, &tokens).unwrap();
                     assert_eq!(p, tokens.len() / self.ps * self.ps);
                     self.ref_insert(&tokens, &slots);
