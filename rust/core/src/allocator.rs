@@ -106,7 +106,7 @@ impl TokenToKVPoolAllocator {
                 front.0 += take;
                 front.1 -= take;
             }
-            self.mark_range(first, first + take, false);
+            self.mark_used(first, first + take);
             out.extend(first..first + take);
         }
         self.num_free -= n;
@@ -209,7 +209,7 @@ impl TokenToKVPoolAllocator {
             };
             if let Some(e) = err {
                 for &(f, c) in &runs[..i] {
-                    self.mark_range(f, f + c, false);
+                    self.mark_used(f, f + c);
                 }
                 return Err(e);
             }
@@ -240,18 +240,13 @@ impl TokenToKVPoolAllocator {
         Ok(())
     }
 
-    /// Marks pages `lo..hi` free or in use without checking them, a word at a time.
-    fn mark_range(&mut self, lo: u32, hi: u32, free: bool) {
+    /// Marks pages `lo..hi` in use (they were free), a bitset word at a time.
+    fn mark_used(&mut self, lo: u32, hi: u32) {
         if lo >= hi {
             return;
         }
         for w in lo as usize / 64..=(hi as usize - 1) / 64 {
-            let mask = word_mask(lo, hi, w);
-            if free {
-                self.page_free[w] |= mask;
-            } else {
-                self.page_free[w] &= !mask;
-            }
+            self.page_free[w] &= !word_mask(lo, hi, w);
         }
     }
 
