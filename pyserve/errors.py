@@ -27,18 +27,20 @@ class PyserveError(Exception):
 
 
 class InvalidRequestError(PyserveError, ValueError):
-    """A request pyserve cannot serve; the server answers 400 with an OpenAI-style error body.
+    """A request pyserve cannot serve; the server answers `status` (400 unless stated, 404 for
+    an unknown model) with an OpenAI-style error body.
 
     `param` names the offending field (dotted path) if known; `code` is a machine-readable
-    reason such as "context_length_exceeded".
+    reason such as "context_length_exceeded" or "model_not_found".
     """
 
     def __init__(self, message: str, param: str | None = None,
-                 code: str | int | None = None) -> None:
+                 code: str | int | None = None, status: int = 400) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code
+        self.status = status
 
 
 __all__ = [

@@ -51,7 +51,7 @@ async def parse_json(request: Request) -> Any:
 
 async def handle_invalid_request(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, InvalidRequestError)
-    return error_response(400, str(exc), param=exc.param, code=exc.code)
+    return error_response(exc.status, str(exc), param=exc.param, code=exc.code)
 
 
 async def handle_validation_error(request: Request, exc: Exception) -> JSONResponse:

@@ -244,6 +244,15 @@ def test_openai_errors(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
     r = httpx.get(server.base_url + "/nope")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 1}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                 "max_tokens": 1})):
+        r = post(server, path, dict(body, model="gpt-4"))
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        assert r.json()["error"]["param"] == "model" and "stories260k" in r.json()["error"]["message"]
+    for model in ("default", "stories260k", None):
+        r = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "model": model})
+        assert r.status_code == 200 and r.json()["model"] == "stories260k"
 
 
 def _raw_post(port: int, path: str, body: str) -> socket.socket:

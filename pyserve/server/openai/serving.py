@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from pyserve.engine.engine_core import EngineCore
+from pyserve.errors import InvalidRequestError
 from pyserve.io_struct import GenerateOutput, SingleReq
 from pyserve.server.errors import parse_json
 from pyserve.server.native import anext_or_none, engine_of
@@ -40,19 +41,27 @@ def usage(outs: list[GenerateOutput]) -> dict[str, Any]:
 
 
 def model_name(engine: EngineCore, requested: str | None) -> str:
-    return requested or engine.model_name
+    """The served model's name for a request's `model` field, which may be left out or name
+    the served model (its served name, "default" as SGLang clients send, or its path).
+    Raises InvalidRequestError (404, code "model_not_found") for any other model, as the
+    OpenAI API and vLLM do."""
+    if requested is None or requested in (engine.model_name, "default", str(engine.model_path)):
+        return engine.model_name
+    raise InvalidRequestError(
+        f"The model `{requested}` does not exist; this server serves `{engine.model_name}`.",
+        param="model", code="model_not_found", status=404)
 
 
 async def chat_completions(request: Request) -> Response:
     body = ChatCompletionRequest.model_validate(await parse_json(request))
     body.check_supported()
     engine = engine_of(request)
+    name = model_name(engine, body.model)
     prompt = await engine.apply_chat_template([m.to_template() for m in body.messages])
     req = SingleReq(text=prompt, input_ids=None, sampling_params=body.sampling_params(body.max_new_tokens),
                     stream=body.stream, add_special_tokens=False, logprob=body.logprob_params())
     rid = f"chatcmpl-{req.rid}"
     created = int(time.time())
-    name = model_name(engine, body.model)
     if body.stream:
         stream = engine.generate(req)
         first = await anext_or_none(stream)
@@ -104,11 +113,11 @@ async def completions(request: Request) -> Response:
     body = CompletionRequest.model_validate(await parse_json(request))
     body.check_supported()
     engine = engine_of(request)
+    name = model_name(engine, body.model)
     reqs = [SingleReq(text=text, input_ids=ids, sampling_params=body.sampling_params(body.max_tokens),
                       stream=body.stream, logprob=body.logprob_params()) for text, ids in body.prompts()]
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    name = model_name(engine, body.model)
     if body.stream:
         stream = engine.generate(reqs[0])
         first = await anext_or_none(stream)  # validates the prompt before echoing it
