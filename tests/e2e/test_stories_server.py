@@ -244,6 +244,8 @@ def test_openai_errors(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
     r = httpx.get(server.base_url + "/nope")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = post(server, "/generate", {"sampling_params": {}})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "give exactly one of 'text' and 'input_ids'"
     for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 1}),
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                  "max_tokens": 1})):
