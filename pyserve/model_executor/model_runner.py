@@ -59,7 +59,8 @@ class ModelRunner:
     Attributes: model_config, model, device (str: "cpu", "cuda", "cuda:1"), dtype
     (torch.dtype), kv_pool (MHATokenToKVPool), max_total_num_tokens (real slots
     page_size..max_total_num_tokens + page_size - 1; slot 0 is padding), kv_cache_bytes,
-    attn_backend.
+    attn_backend, packed_weight_bytes (on CPU in float32: the oneDNN-packed weight copies the
+    model's projections run on, counted against the KV pool's memory; else 0).
     Raises ModelNotFoundError for a missing path, ValueError for an unsupported architecture or
     dtype, and ValueError when memory leaves no room for a KV cache.
     """
