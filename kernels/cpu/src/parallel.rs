@@ -1,0 +1,173 @@
+//! Spreading a kernel's work over threads: on the OpenMP team torch itself runs on, when
+//! `use_openmp` was given libgomp's entry points, else on scoped threads of our own.
+//!
+//! Why torch's team: between torch ops libgomp's idle team threads keep spinning for a while
+//! (GOMP_SPINCOUNT), so a thread of our own started right after a torch op shares its core with
+//! a spinning one; on the 2-core test machine that made the decode-attention kernel 1.5-3x
+//! slower than alone. Work handed to the spinning team starts at once, on no extra thread.
+//! This is what a C++ kernel gets from `at::parallel_for` (as SGLang's and IPEX's CPU kernels
+//! use); from Rust we call libgomp's `GOMP_parallel` ourselves.
+
+use std::ffi::{c_int, c_uint, c_void};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, OnceLock};
+
+/// Below this many floats per thread, extra threads cost more than they save.
+pub const MIN_FLOATS_PER_THREAD: usize = 1 << 16;
+
+/// How many threads (at most `num_threads`, at least 1) to use for `work` floats.
+pub fn threads_for(work: usize, num_threads: usize) -> usize {
+    num_threads.max(1).min(work / MIN_FLOATS_PER_THREAD + 1)
+}
+
+type GompParallel = unsafe extern "C" fn(unsafe extern "C" fn(*mut c_void), *mut c_void, c_uint, c_uint);
+type OmpQuery = unsafe extern "C" fn() -> c_int;
+
+#[derive(Clone, Copy)]
+struct OpenMp {
+    parallel: GompParallel,
+    thread_num: OmpQuery,
+    num_threads: OmpQuery,
+}
+
+static OPENMP: OnceLock<OpenMp> = OnceLock::new();
+
+/// Makes every later parallel kernel run on the calling thread's OpenMP team through these
+/// libgomp functions (`GOMP_parallel`, `omp_get_thread_num`, `omp_get_num_threads`). Returns
+/// false (and changes nothing) if entry points were already set.
+///
+/// # Safety
+/// The three addresses must be those functions of the libgomp loaded in this process.
+pub unsafe fn use_openmp(parallel: usize, thread_num: usize, num_threads: usize) -> bool {
+    let omp = OpenMp {
+        parallel: std::mem::transmute::<usize, GompParallel>(parallel),
+        thread_num: std::mem::transmute::<usize, OmpQuery>(thread_num),
+        num_threads: std::mem::transmute::<usize, OmpQuery>(num_threads),
+    };
+    OPENMP.set(omp).is_ok()
+}
+
+/// Whether kernels run on the OpenMP team (see `use_openmp`).
+pub fn uses_openmp() -> bool {
+    OPENMP.get().is_some()
+}
+
+struct Job<'a> {
+    num_tasks: usize,
+    task: &'a (dyn Fn(usize) + Sync),
+    omp: OpenMp,
+    panicked: AtomicBool,
+}
+
+unsafe extern "C" fn run_job(data: *mut c_void) {
+    // SAFETY: `data` is the `Job` that `run_tasks` keeps alive until GOMP_parallel returns.
+    let job = &*(data as *const Job<'_>);
+    let (first, stride) = ((job.omp.thread_num)() as usize, ((job.omp.num_threads)() as usize).max(1));
+    // A panic must not unwind into C; it is re-raised on the calling thread.
+    let result = catch_unwind(AssertUnwindSafe(|| {
+        for i in (first..job.num_tasks).step_by(stride) {
+            (job.task)(i);
+        }
+    }));
+    if result.is_err() {
+        job.panicked.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Calls `task(i)` once for each i in 0..num_tasks, on up to num_tasks threads (the calling
+/// thread among them), and returns when all are done.
+pub fn run_tasks(num_tasks: usize, task: &(dyn Fn(usize) + Sync)) {
+    match num_tasks {
+        0 => return,
+        1 => return task(0),
+        _ => {}
+    }
+    if let Some(&omp) = OPENMP.get() {
+        let job = Job { num_tasks, task, omp, panicked: AtomicBool::new(false) };
+        // SAFETY: entry points from `use_openmp`'s contract; `job` outlives the call.
+        unsafe { (omp.parallel)(run_job, &job as *const Job<'_> as *mut c_void, num_tasks as c_uint, 0) };
+        assert!(!job.panicked.load(Ordering::Relaxed), "a kernel task panicked");
+        return;
+    }
+    std::thread::scope(|scope| {
+        for i in 1..num_tasks {
+            scope.spawn(move || task(i));
+        }
+        task(0);
+    });
+}
+
+/// Calls `f(first_row, rows)` on consecutive chunks of `out`'s rows (`row_len` floats each),
+/// one chunk per thread (at most `threads`), all done before returning.
+pub fn for_row_chunks<F>(out: &mut [f32], row_len: usize, threads: usize, f: F)
+where
+    F: Fn(usize, &mut [f32]) + Sync,
+{
+    for_row_chunks2(out, &mut [], row_len, 0, threads, |first, a, _| f(first, a));
+}
+
+/// As `for_row_chunks` over two arrays split at the same rows: `a` has `a_row_len` floats per
+/// row, `b` has `b_row_len` (0: `b` is ignored and may be empty).
+pub fn for_row_chunks2<F>(a: &mut [f32], b: &mut [f32], a_row_len: usize, b_row_len: usize, threads: usize, f: F)
+where
+    F: Fn(usize, &mut [f32], &mut [f32]) + Sync,
+{
+    let rows = if a_row_len == 0 { 0 } else { a.len() / a_row_len };
+    let threads = threads.clamp(1, rows.max(1));
+    if threads == 1 {
+        return f(0, a, b);
+    }
+    let per = rows.div_ceil(threads);
+    let mut chunks = Vec::with_capacity(threads);
+    let (mut a_rest, mut b_rest) = (a, b);
+    let mut first_row = 0;
+    while first_row < rows {
+        let n = per.min(rows - first_row);
+        let (a_chunk, a_tail) = std::mem::take(&mut a_rest).split_at_mut(n * a_row_len);
+        let (b_chunk, b_tail) = std::mem::take(&mut b_rest).split_at_mut(n * b_row_len);
+        (a_rest, b_rest) = (a_tail, b_tail);
+        chunks.push(Mutex::new((first_row, a_chunk, b_chunk)));
+        first_row += n;
+    }
+    run_tasks(chunks.len(), &|i| {
+        let mut chunk = chunks[i].lock().unwrap();
+        let (first, ref mut a, ref mut b) = *chunk;
+        f(first, a, b);
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_row_visited_once_with_its_index() {
+        for threads in 1..5 {
+            let mut out = vec![0f32; 7 * 3];
+            for_row_chunks(&mut out, 3, threads, |first, chunk| {
+                for (i, row) in chunk.chunks_mut(3).enumerate() {
+                    for x in row {
+                        *x += (first + i) as f32;
+                    }
+                }
+            });
+            let want: Vec<f32> = (0..7).flat_map(|r| [r as f32; 3]).collect();
+            assert_eq!(out, want, "threads {threads}");
+        }
+    }
+
+    #[test]
+    fn small_work_stays_on_one_thread() {
+        assert_eq!(threads_for(1000, 8), 1);
+        assert_eq!(threads_for(3 * MIN_FLOATS_PER_THREAD, 2), 2);
+        assert_eq!(threads_for(3 * MIN_FLOATS_PER_THREAD, 0), 1);
+    }
+
+    #[test]
+    fn run_tasks_runs_each_task_once() {
+        let hits: Vec<Mutex<u32>> = (0..5).map(|_| Mutex::new(0)).collect();
+        run_tasks(5, &|i| *hits[i].lock().unwrap() += 1);
+        assert!(hits.iter().all(|h| *h.lock().unwrap() == 1));
+    }
+}

@@ -1,0 +1,242 @@
+//! pyo3 binding `pyserve_kernels._cpu`: numpy arrays in, results written into given arrays,
+//! the GIL released while a kernel runs. Callers pass torch CPU tensors as `tensor.numpy()`
+//! views (no copy); every array must be C-contiguous float32 (int64 / int32 for indices).
+//! Length errors raise ValueError before anything is written.
+
+use numpy::ndarray::Axis;
+use numpy::{PyReadonlyArray1, PyReadonlyArray3, PyReadonlyArrayDyn, PyReadwriteArray3, PyReadwriteArrayDyn, PyUntypedArrayMethods};
+use pyo3::exceptions::{PyIndexError, PyValueError};
+use pyo3::prelude::*;
+
+use crate::decode_attention::{self as kernel, DecodeAttentionError, DecodeAttentionShape};
+use crate::{activation, norm, rotary, store_kv as kv_store};
+
+fn contiguous<'a, T>(name: &str, slice: Result<&'a [T], numpy::AsSliceError>) -> PyResult<&'a [T]> {
+    slice.map_err(|_| PyValueError::new_err(format!("{name} must be C-contiguous")))
+}
+
+/// decode_attention(q, k_buffer, v_buffer, kv_indptr, kv_indices, out, scaling,
+/// sliding_window=None, num_threads=1)
+///
+/// q, out: [batch, num_heads, head_dim] float32; k_buffer, v_buffer: [num_slots, num_kv_heads,
+/// head_dim] float32; kv_indptr: [batch + 1] int64; kv_indices: int32 slots. Writes `out`.
+/// Raises ValueError (shapes, dtypes, non-contiguous arrays) or IndexError (bad kv_indptr,
+/// slot outside the pool); `out` is untouched then.
+#[pyfunction]
+#[pyo3(signature = (q, k_buffer, v_buffer, kv_indptr, kv_indices, out, scaling, sliding_window=None, num_threads=1))]
+#[allow(clippy::too_many_arguments)]
+fn decode_attention(
+    py: Python<'_>,
+    q: PyReadonlyArray3<'_, f32>,
+    k_buffer: PyReadonlyArray3<'_, f32>,
+    v_buffer: PyReadonlyArray3<'_, f32>,
+    kv_indptr: PyReadonlyArray1<'_, i64>,
+    kv_indices: PyReadonlyArray1<'_, i32>,
+    mut out: PyReadwriteArray3<'_, f32>,
+    scaling: f32,
+    sliding_window: Option<usize>,
+    num_threads: usize,
+) -> PyResult<()> {
+    let (qs, ks) = (q.shape(), k_buffer.shape());
+    if out.shape() != qs || v_buffer.shape() != ks || qs[2] != ks[2] {
+        return Err(PyValueError::new_err(format!(
+            "shapes do not fit: q {qs:?}, out {:?}, k_buffer {ks:?}, v_buffer {:?}",
+            out.shape(),
+            v_buffer.shape()
+        )));
+    }
+    let shape = DecodeAttentionShape {
+        batch: qs[0],
+        num_heads: qs[1],
+        num_kv_heads: ks[1],
+        head_dim: qs[2],
+        num_slots: ks[0],
+    };
+    let q = contiguous("q", q.as_slice())?;
+    let k = contiguous("k_buffer", k_buffer.as_slice())?;
+    let v = contiguous("v_buffer", v_buffer.as_slice())?;
+    let indptr = contiguous("kv_indptr", kv_indptr.as_slice())?;
+    let indices = contiguous("kv_indices", kv_indices.as_slice())?;
+    let out = out
+        .as_slice_mut()
+        .map_err(|_| PyValueError::new_err("out must be C-contiguous"))?;
+    py.detach(|| {
+        kernel::decode_attention(q, k, v, indptr, indices, out, shape, scaling, sliding_window, num_threads)
+    })
+    .map_err(|e| match e {
+        DecodeAttentionError::Shape(m) => PyValueError::new_err(m),
+        DecodeAttentionError::Index(m) => PyIndexError::new_err(m),
+    })
+}
+
+fn last_dim(name: &str, shape: &[usize]) -> PyResult<usize> {
+    match shape.last() {
+        Some(&d) if d > 0 => Ok(d),
+        _ => Err(PyValueError::new_err(format!("{name} must have a non-empty last dimension, got shape {shape:?}"))),
+    }
+}
+
+/// rms_norm(x, weight, eps, out, num_threads=1): out = x / sqrt(mean(x^2, -1) + eps) * weight.
+/// x, out: [..., hidden]; weight: [hidden].
+#[pyfunction]
+#[pyo3(signature = (x, weight, eps, out, num_threads=1))]
+fn rms_norm(
+    py: Python<'_>,
+    x: PyReadonlyArrayDyn<'_, f32>,
+    weight: PyReadonlyArray1<'_, f32>,
+    eps: f32,
+    mut out: PyReadwriteArrayDyn<'_, f32>,
+    num_threads: usize,
+) -> PyResult<()> {
+    if x.shape() != out.shape() || last_dim("x", x.shape())? != weight.len() {
+        return Err(PyValueError::new_err(format!(
+            "rms_norm: x {:?}, out {:?} and weight {:?} do not fit", x.shape(), out.shape(), weight.shape())));
+    }
+    let (x, w) = (contiguous("x", x.as_slice())?, contiguous("weight", weight.as_slice())?);
+    let out = out.as_slice_mut().map_err(|_| PyValueError::new_err("out must be C-contiguous"))?;
+    py.detach(|| norm::rms_norm(x, w, eps, out, num_threads));
+    Ok(())
+}
+
+/// fused_add_rms_norm(x, residual, weight, eps, num_threads=1): residual += x, then
+/// x = rms_norm(residual), both in place. x, residual: [..., hidden]; weight: [hidden].
+#[pyfunction]
+#[pyo3(signature = (x, residual, weight, eps, num_threads=1))]
+fn fused_add_rms_norm(
+    py: Python<'_>,
+    mut x: PyReadwriteArrayDyn<'_, f32>,
+    mut residual: PyReadwriteArrayDyn<'_, f32>,
+    weight: PyReadonlyArray1<'_, f32>,
+    eps: f32,
+    num_threads: usize,
+) -> PyResult<()> {
+    if x.shape() != residual.shape() || last_dim("x", x.shape())? != weight.len() {
+        return Err(PyValueError::new_err(format!(
+            "fused_add_rms_norm: x {:?}, residual {:?} and weight {:?} do not fit", x.shape(), residual.shape(), weight.shape())));
+    }
+    let w = contiguous("weight", weight.as_slice())?;
+    let x = x.as_slice_mut().map_err(|_| PyValueError::new_err("x must be C-contiguous"))?;
+    let r = residual.as_slice_mut().map_err(|_| PyValueError::new_err("residual must be C-contiguous"))?;
+    py.detach(|| norm::fused_add_rms_norm(x, r, w, eps, num_threads));
+    Ok(())
+}
+
+/// rotary_embedding(x, cos, sin, num_heads, head_dim, num_threads=1): rotates in place the
+/// first num_heads heads of each row of x [num_tokens, row_len] (rotate-half layout).
+/// cos, sin: [num_tokens, head_dim].
+#[pyfunction]
+#[pyo3(signature = (x, cos, sin, num_heads, head_dim, num_threads=1))]
+fn rotary_embedding(
+    py: Python<'_>,
+    mut x: PyReadwriteArrayDyn<'_, f32>,
+    cos: PyReadonlyArrayDyn<'_, f32>,
+    sin: PyReadonlyArrayDyn<'_, f32>,
+    num_heads: usize,
+    head_dim: usize,
+    num_threads: usize,
+) -> PyResult<()> {
+    let xs = x.shape().to_vec();
+    if xs.len() != 2 || head_dim == 0 || head_dim % 2 != 0 || xs[1] < num_heads * head_dim
+        || cos.shape() != [xs[0], head_dim] || sin.shape() != cos.shape() {
+        return Err(PyValueError::new_err(format!(
+            "rotary_embedding: x {xs:?} (needs [num_tokens, >= {num_heads} x {head_dim}], even head_dim), cos {:?}, sin {:?} (need [num_tokens, head_dim])",
+            cos.shape(), sin.shape())));
+    }
+    let (c, s) = (contiguous("cos", cos.as_slice())?, contiguous("sin", sin.as_slice())?);
+    let x = x.as_slice_mut().map_err(|_| PyValueError::new_err("x must be C-contiguous"))?;
+    if xs[0] == 0 {
+        return Ok(());
+    }
+    py.detach(|| rotary::rotary_embedding(x, xs[1], num_heads, head_dim, c, s, num_threads));
+    Ok(())
+}
+
+/// silu_and_mul(x, out, num_threads=1): out = silu(x[..., :d]) * x[..., d:], x [..., 2 d],
+/// out [..., d].
+#[pyfunction]
+#[pyo3(signature = (x, out, num_threads=1))]
+fn silu_and_mul(
+    py: Python<'_>,
+    x: PyReadonlyArrayDyn<'_, f32>,
+    mut out: PyReadwriteArrayDyn<'_, f32>,
+    num_threads: usize,
+) -> PyResult<()> {
+    let (xs, os) = (x.shape().to_vec(), out.shape().to_vec());
+    let d = last_dim("out", &os)?;
+    if xs.len() != os.len() || xs[..xs.len() - 1] != os[..os.len() - 1] || xs[xs.len() - 1] != 2 * d {
+        return Err(PyValueError::new_err(format!("silu_and_mul: x {xs:?} must be out {os:?} with a last dim twice as long")));
+    }
+    let x = contiguous("x", x.as_slice())?;
+    let out = out.as_slice_mut().map_err(|_| PyValueError::new_err("out must be C-contiguous"))?;
+    py.detach(|| activation::silu_and_mul(x, out, d, num_threads));
+    Ok(())
+}
+
+/// _use_openmp(parallel, thread_num, num_threads) -> bool: run parallel kernels on the
+/// calling thread's OpenMP team through these libgomp functions (addresses of
+/// `GOMP_parallel`, `omp_get_thread_num`, `omp_get_num_threads` of the libgomp torch uses).
+/// Called once by `pyserve_kernels._native` at import. Returns False if already set.
+///
+/// Private: wrong addresses crash the process.
+#[pyfunction]
+fn _use_openmp(parallel: usize, thread_num: usize, num_threads: usize) -> PyResult<bool> {
+    if parallel == 0 || thread_num == 0 || num_threads == 0 {
+        return Err(PyValueError::new_err("null libgomp entry point"));
+    }
+    // SAFETY: the caller passes the libgomp functions named above (private API).
+    Ok(unsafe { crate::parallel::use_openmp(parallel, thread_num, num_threads) })
+}
+
+/// _uses_openmp() -> bool: whether parallel kernels run on the OpenMP team.
+#[pyfunction]
+fn _uses_openmp() -> bool {
+    crate::parallel::uses_openmp()
+}
+
+/// store_kv(k_buffer, v_buffer, loc, k, v): k_buffer[loc[t]] = k[t], v_buffer[loc[t]] = v[t].
+/// k_buffer, v_buffer: [num_slots, num_kv_heads, head_dim] C-contiguous; loc: [T] int64;
+/// k, v: [T, num_kv_heads, head_dim] whose rows may be strided (views of a fused q|k|v
+/// projection) but each row contiguous. Raises ValueError (shapes, layouts) or IndexError (a
+/// slot outside the pool; nothing written then).
+#[pyfunction]
+fn store_kv(
+    py: Python<'_>,
+    mut k_buffer: PyReadwriteArray3<'_, f32>,
+    mut v_buffer: PyReadwriteArray3<'_, f32>,
+    loc: PyReadonlyArray1<'_, i64>,
+    k: PyReadonlyArray3<'_, f32>,
+    v: PyReadonlyArray3<'_, f32>,
+) -> PyResult<()> {
+    let bs = k_buffer.shape().to_vec();
+    let (kv, vv) = (k.as_array(), v.as_array());
+    if v_buffer.shape() != bs.as_slice() || kv.shape() != vv.shape() || kv.shape()[1..] != bs[1..] || kv.shape()[0] != loc.len() {
+        return Err(PyValueError::new_err(format!(
+            "store_kv: buffers {bs:?}, k {:?}, v {:?}, loc [{}] do not fit", kv.shape(), vv.shape(), loc.len())));
+    }
+    let row_len = bs[1] * bs[2];
+    let k_rows: Vec<&[f32]> = kv.axis_iter(Axis(0)).map(|r| r.to_slice()).collect::<Option<_>>()
+        .ok_or_else(|| PyValueError::new_err("store_kv: each row of k must be contiguous"))?;
+    let v_rows: Vec<&[f32]> = vv.axis_iter(Axis(0)).map(|r| r.to_slice()).collect::<Option<_>>()
+        .ok_or_else(|| PyValueError::new_err("store_kv: each row of v must be contiguous"))?;
+    let loc = contiguous("loc", loc.as_slice())?;
+    let kb = k_buffer.as_slice_mut().map_err(|_| PyValueError::new_err("k_buffer must be C-contiguous"))?;
+    let vb = v_buffer.as_slice_mut().map_err(|_| PyValueError::new_err("v_buffer must be C-contiguous"))?;
+    if row_len == 0 {
+        return Ok(());
+    }
+    py.detach(|| kv_store::store_kv(kb, vb, row_len, loc, |t| k_rows[t], |t| v_rows[t]))
+        .map_err(|slot| PyIndexError::new_err(format!("store_kv: slot {slot} is outside the pool of {} slots", bs[0])))
+}
+
+#[pymodule]
+fn _cpu(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(_use_openmp, m)?)?;
+    m.add_function(wrap_pyfunction!(_uses_openmp, m)?)?;
+    m.add_function(wrap_pyfunction!(decode_attention, m)?)?;
+    m.add_function(wrap_pyfunction!(store_kv, m)?)?;
+    m.add_function(wrap_pyfunction!(rms_norm, m)?)?;
+    m.add_function(wrap_pyfunction!(fused_add_rms_norm, m)?)?;
+    m.add_function(wrap_pyfunction!(rotary_embedding, m)?)?;
+    m.add_function(wrap_pyfunction!(silu_and_mul, m)?)?;
+    Ok(())
+}

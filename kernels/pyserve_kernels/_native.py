@@ -1,0 +1,61 @@
+"""The native CPU module `pyserve_kernels._cpu` (Rust, kernels/cpu), when built; the test for
+whether a call can use it (float32 CPU tensors, C-contiguous); and, at import, pointing its
+parallel kernels at the OpenMP team torch runs on (Linux, libgomp), so they use torch's
+threads instead of starting their own (see kernels/cpu/src/parallel.rs for why)."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+
+try:
+    from pyserve_kernels import _cpu
+except ImportError:  # a source tree whose native module was never built
+    _cpu = None
+
+logger = logging.getLogger(__name__)
+
+
+def native_available() -> bool:
+    """Whether `pyserve_kernels._cpu` was built and imports."""
+    return _cpu is not None
+
+
+def native_applies(*tensors: torch.Tensor) -> bool:
+    """Whether the native kernels can take these tensors: module built, each float32 on CPU,
+    C-contiguous, and not requiring grad (the kernels write through numpy views)."""
+    return _cpu is not None and all(
+        t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+        and not t.requires_grad for t in tensors)
+
+
+def _torch_libgomp() -> str | None:
+    """Path of the one libgomp mapped into this process (torch's), or None (not Linux, no
+    libgomp, e.g. an LLVM/Intel OpenMP build, or several copies)."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as f:
+            paths = {line.split()[-1] for line in f if "libgomp" in line}
+    except OSError:
+        return None
+    paths = {p for p in paths if p.startswith("/")}
+    return paths.pop() if len(paths) == 1 else None
+
+
+def _attach_openmp() -> None:
+    path = _torch_libgomp() if _cpu is not None else None
+    if path is None:
+        return
+    try:
+        lib = ctypes.CDLL(path)  # the already-loaded copy: dlopen returns its handle
+        addr = [ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+                for name in ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads")]
+    except (OSError, AttributeError) as e:
+        logger.debug("native kernels keep their own threads: %s", e)
+        return
+    if all(addr):
+        _cpu._use_openmp(*addr)
+
+
+_attach_openmp()
