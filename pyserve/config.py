@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
+ATTENTION_BACKENDS = ("auto", "torch_native", "cpu")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -33,6 +34,7 @@ class ServerArgs:
     port: int = 30000
     dtype: str = "auto"
     load_format: str = "auto"
+    attention_backend: str = "auto"
     device: str = "auto"
     context_length: int | None = None
     max_total_tokens: int | None = None
@@ -57,6 +59,9 @@ class ServerArgs:
             raise bad("dtype", f"got {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         if self.load_format not in LOAD_FORMATS:
             raise bad("load_format", f"got {self.load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise bad("attention_backend", f"got {self.attention_backend!r}; choose one of "
+                      f"{', '.join(ATTENTION_BACKENDS)}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise bad("device", f"got {self.device!r}; choose one of auto, cpu, cuda")
         if self.log_level.lower() not in LOG_LEVELS:
@@ -101,6 +106,9 @@ class ServerArgs:
         a("--dtype", type=str, default="auto", choices=DTYPES, help="auto: float32 on CPU, bfloat16 on CUDA")
         a("--load-format", type=str, default="auto", choices=LOAD_FORMATS,
           help="auto: the checkpoint's weights; dummy: random weights from its config (benchmarks)")
+        a("--attention-backend", type=str, default="auto", choices=ATTENTION_BACKENDS,
+          help="auto: cpu where it applies (float32 on CPU), else torch_native; cpu: native CPU "
+               "decode-attention kernel; torch_native: the torch SDPA reference")
         a("--device", type=str, default="auto", choices=("auto", "cpu", "cuda"))
         a("--context-length", type=int, default=None, help="max tokens of prompt + output; default: the model's")
         a("--max-total-tokens", type=int, default=None,

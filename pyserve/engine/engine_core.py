@@ -85,7 +85,8 @@ class EngineCore:
             self.model_path, dtype=args.dtype, device=args.resolved_device,
             context_length=args.context_length, max_total_tokens=args.max_total_tokens,
             mem_fraction_static=args.mem_fraction_static, random_seed=args.random_seed,
-            page_size=args.page_size, load_format=args.load_format)
+            page_size=args.page_size, load_format=args.load_format,
+            attention_backend=args.attention_backend)
         mc = self.model_runner.model_config
         self.context_len = mc.context_len
         self.model_name = args.served_model_name or _default_name(self.model_path)

@@ -10,6 +10,7 @@ Only the worker thread touches these tensors.
 from __future__ import annotations
 
 import torch
+from pyserve_kernels import store_kv
 
 
 class MHATokenToKVPool:
@@ -89,9 +90,6 @@ class MHATokenToKVPool:
 
         loc: [num_tokens] int64 slot ids in 0..size + page_size - 1, on the pool device
         k, v: [num_tokens, num_kv_heads, head_dim]; cast to the pool dtype.
+        Raises IndexError for a slot outside the pool.
         """
-        if k.dtype != self.dtype:
-            k = k.to(self.dtype)
-            v = v.to(self.dtype)
-        self.k_buffer[layer_id][loc] = k
-        self.v_buffer[layer_id][loc] = v
+        store_kv(self.k_buffer[layer_id], self.v_buffer[layer_id], loc, k, v)

@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from pyserve.layers.attention.cpu_backend import CpuAttnBackend
 from pyserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from pyserve.layers.logprobs import logprobs_of_rows
 from pyserve.layers.sampler import sample as sample_tokens
@@ -55,14 +56,17 @@ class ModelRunner:
     load_progress: show tqdm bars while loading weights.
     load_format: "auto" (the checkpoint's weights) or "dummy" (random weights from the
       config, no weight file read: for benchmarks).
+    attention_backend: "torch_native" (TorchNativeAttnBackend, the SDPA reference), "cpu"
+      (CpuAttnBackend: native decode kernel; float32 on CPU only) or "auto" (cpu where it
+      applies, else torch_native).
 
     Attributes: model_config, model, device (str: "cpu", "cuda", "cuda:1"), dtype
     (torch.dtype), kv_pool (MHATokenToKVPool), max_total_num_tokens (real slots
     page_size..max_total_num_tokens + page_size - 1; slot 0 is padding), kv_cache_bytes,
     attn_backend, packed_weight_bytes (on CPU in float32: the oneDNN-packed weight copies the
     model's projections run on, counted against the KV pool's memory; else 0).
-    Raises ModelNotFoundError for a missing path, ValueError for an unsupported architecture or
-    dtype, and ValueError when memory leaves no room for a KV cache.
+    Raises ModelNotFoundError for a missing path, ValueError for an unsupported architecture,
+    dtype or attention backend, and ValueError when memory leaves no room for a KV cache.
     """
 
     def __init__(
@@ -78,6 +82,7 @@ class ModelRunner:
         load_progress: bool = True,
         page_size: int = 1,
         load_format: str = "auto",
+        attention_backend: str = "auto",
     ) -> None:
         if not 0.0 < mem_fraction_static <= 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1], got {mem_fraction_static}")
@@ -105,12 +110,23 @@ class ModelRunner:
             cfg.head_dim, self.dtype, torch_device, page_size=self.page_size,
         )
         self.kv_cache_bytes = self.kv_pool.total_bytes
-        self.attn_backend = TorchNativeAttnBackend(self.kv_pool)
+        self.attn_backend = self._attention_backend(attention_backend)
         self._input_groups: list | None = None  # prompt-logprob plan of the last forward
         logger.info(
             "KV cache: %d tokens, %.1f MiB (%s, %s)", self.max_total_num_tokens,
             self.kv_cache_bytes / 2**20, self.dtype, self.device,
         )
+
+    def _attention_backend(self, name: str) -> TorchNativeAttnBackend:
+        cpu_ok = CpuAttnBackend.supported(self.kv_pool)
+        if name == "cpu" and not cpu_ok:
+            raise ValueError("attention backend 'cpu' needs float32 on CPU and the native "
+                             "pyserve_kernels._cpu module")
+        if name == "cpu" or (name == "auto" and cpu_ok):
+            return CpuAttnBackend(self.kv_pool)
+        if name in ("auto", "torch_native"):
+            return TorchNativeAttnBackend(self.kv_pool)
+        raise ValueError(f"attention backend {name!r} is not supported; supported: auto, cpu, torch_native")
 
     def _kv_pool_size(self, device: torch.device, max_total_tokens: int | None,
                       mem_fraction_static: float) -> int:

@@ -26,7 +26,7 @@ from pyserve.layers.logits_processor import LogitsProcessor
 from pyserve.layers.rotary_embedding import RotaryEmbedding
 from pyserve.model_executor.forward_batch import ForwardBatch
 from pyserve.model_loader.config import rope_parameters
-from pyserve_kernels import apply_rotary_pos_emb
+from pyserve_kernels import apply_rotary_pos_emb, rotary_embedding_
 
 
 @dataclass(frozen=True)
@@ -127,14 +127,15 @@ class LlamaAttention(nn.Module):
                 forward_batch: ForwardBatch, attn_backend: Any) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = linear(hidden, self.qkv_weight, self.qkv_bias, self.qkv_packed).split(
-            [q_size, kv_size, kv_size], dim=-1)
+        qkv = linear(hidden, self.qkv_weight, self.qkv_bias, self.qkv_packed)
+        if self.q_norm is None:  # rotate the q and k heads in place in the fused row
+            rotary_embedding_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            q, k = apply_rotary_pos_emb(self.q_norm(q), self.k_norm(k), cos, sin)
         out = attn_backend.forward(q, k, v, self.layer_id, self.scaling, forward_batch,
                                    sliding_window=self.sliding_window)
         out = out.reshape(num_tokens, self.num_heads * self.head_dim)
@@ -166,7 +167,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.))."""
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.)).
+
+    As in SGLang and vLLM, the residual stream is carried beside the block's output and added
+    inside the next norm (`fused_add_rms_norm`): forward(hidden, residual, ...) ->
+    (mlp output, residual stream before it); residual=None for the first layer, whose input
+    is the embedding. The sum of the pair is the block's output.
+    """
 
     def __init__(self, config: Any, layer_id: int, dtype: torch.dtype, device: Any,
                  spec: DecoderSpec = DecoderSpec()) -> None:
@@ -177,11 +184,17 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                forward_batch: ForwardBatch, attn_backend: Any) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, forward_batch,
-                                         attn_backend)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, forward_batch: ForwardBatch, attn_backend: Any
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, forward_batch, attn_backend)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -204,9 +217,12 @@ class LlamaModel(nn.Module):
     def forward(self, forward_batch: ForwardBatch, attn_backend: Any) -> torch.Tensor:
         hidden = self.embed_tokens(forward_batch.input_ids)
         cos, sin = self.rotary_emb.get_cos_sin(forward_batch.positions)
+        residual = None
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin, forward_batch, attn_backend)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos, sin, forward_batch, attn_backend)
+        if residual is None:  # no layers
+            return self.norm(hidden)
+        return self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

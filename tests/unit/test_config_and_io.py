@@ -17,6 +17,8 @@ from pyserve.io_struct import GenerateReqInput
     ({"max_total_tokens": 0}, "--max-total-tokens: got 0; must be a positive number of tokens"),
     ({"context_length": -5}, "--context-length: got -5; must be a positive number of tokens"),
     ({"max_running_requests": 0}, "--max-running-requests: got 0; must be >= 1"),
+    ({"attention_backend": "flashinfer"},
+     "--attention-backend: got 'flashinfer'; choose one of auto, torch_native, cpu"),
 ])
 def test_server_args_validation(kwargs, message):
     with pytest.raises(ServerArgsError) as exc:
@@ -27,8 +29,10 @@ def test_server_args_validation(kwargs, message):
 def test_cli_uses_sglang_flag_names():
     ns = build_parser().parse_args([
         "serve", "--model-path", "m", "--max-total-tokens", "100", "--disable-radix-cache",
-        "--mem-fraction-static", "0.5", "--random-seed", "3", "--context-length", "64"])
+        "--mem-fraction-static", "0.5", "--random-seed", "3", "--context-length", "64",
+        "--attention-backend", "torch_native"])
     args = ServerArgs.from_cli_args(ns)
+    assert args.attention_backend == "torch_native"
     assert (args.model_path, args.max_total_tokens, args.disable_radix_cache) == ("m", 100, True)
     assert (args.mem_fraction_static, args.random_seed, args.context_length) == (0.5, 3, 64)
     assert (args.host, args.port) == ("127.0.0.1", 30000)

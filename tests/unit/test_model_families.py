@@ -10,6 +10,7 @@ import pytest
 import torch
 import transformers
 
+from pyserve.layers.attention.cpu_backend import CpuAttnBackend
 from pyserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from pyserve.layers.rotary_embedding import compute_inv_freq
 from pyserve.mem_cache.memory_pool import MHATokenToKVPool
@@ -71,10 +72,11 @@ def hf_model(family: str) -> transformers.PreTrainedModel:
     return model
 
 
+@pytest.mark.parametrize("attention", ["torch_native", "cpu"])
 @pytest.mark.parametrize("prepacked", [False, True], ids=["F.linear", "onednn-packed"])
 @pytest.mark.parametrize("batch_size", [1, 8])
 @pytest.mark.parametrize("family", ["llama", "llama_dynamic", "qwen2", "qwen3", "mistral"])
-def test_family_matches_transformers(family: str, batch_size: int, prepacked: bool) -> None:
+def test_family_matches_transformers(family: str, batch_size: int, prepacked: bool, attention: str) -> None:
     hf = hf_model(family)
     config = hf.config
     model = get_model_class(type(hf).__name__)(config, dtype=torch.float32, device="cpu")
@@ -86,7 +88,8 @@ def test_family_matches_transformers(family: str, batch_size: int, prepacked: bo
     pool_size = batch_size * 80
     pool = MHATokenToKVPool(pool_size, config.num_hidden_layers, config.num_key_value_heads,
                             head_dim, torch.float32, "cpu")
-    backend = TorchNativeAttnBackend(pool)
+    # cpu: decode through the native kernel (pyserve_kernels.decode_attention)
+    backend = {"torch_native": TorchNativeAttnBackend, "cpu": CpuAttnBackend}[attention](pool)
     gen = torch.Generator().manual_seed(batch_size)
     reqs = Requests((torch.randperm(pool_size, generator=gen) + 1).tolist())
     rids = list(range(batch_size))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pyserve.layers.attention.cpu_backend import CpuAttnBackend
 from pyserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from pyserve.mem_cache.memory_pool import MHATokenToKVPool
 from pyserve.model_executor.forward_batch import ForwardBatch, ForwardMode, SamplingBatchInfo
@@ -91,4 +92,44 @@ def test_inconsistent_batch_raises() -> None:
     batch = ForwardBatch(ForwardMode.EXTEND, 1, t([5, 6]), t([0, 1]), t([1, 2]), t([3]), t([0, 3]),
                          t([1, 2, 3]), extend_prefix_lens=t([0]), extend_seq_lens=t([2]))
     with pytest.raises(ValueError, match="prefix 0 \\+ extend 2 != seq_len 3"):
+        backend.init_forward_metadata(batch)
+
+
+def test_attention_backend_choice(stories_path) -> None:
+    def backend(name: str, dtype: str = "float32") -> type:
+        return type(ModelRunner(str(stories_path), max_total_tokens=64, load_progress=False,
+                                dtype=dtype, attention_backend=name).attn_backend)
+
+    # float32 on CPU: the native decode kernel by default
+    assert backend("auto") is CpuAttnBackend
+    assert backend("cpu") is CpuAttnBackend
+    assert backend("torch_native") is TorchNativeAttnBackend
+    assert backend("auto", "bfloat16") is TorchNativeAttnBackend
+    with pytest.raises(ValueError, match="attention backend 'cpu' needs float32 on CPU"):
+        backend("cpu", "bfloat16")
+    with pytest.raises(ValueError, match="attention backend 'triton' is not supported"):
+        backend("triton")
+
+
+def test_cpu_backend_decode_matches_torch_native(stories_path) -> None:
+    """The same decode batch through both backends: equal logits within float32 rounding."""
+    t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+    logits = []
+    for name in ("torch_native", "cpu"):
+        runner = ModelRunner(str(stories_path), max_total_tokens=64, load_progress=False,
+                             attention_backend=name)
+        runner.forward(ForwardBatch(ForwardMode.EXTEND, 2, t([1, 403, 407, 1, 22]), t([0, 1, 2, 0, 1]),
+                                    t([1, 2, 3, 4, 5]), t([3, 2]), t([0, 3, 5]), t([1, 2, 3, 4, 5]),
+                                    extend_prefix_lens=t([0, 0]), extend_seq_lens=t([3, 2])))
+        decode = ForwardBatch(ForwardMode.DECODE, 2, t([261, 9]), t([3, 2]), t([6, 7]), t([4, 3]),
+                              t([0, 4, 7]), t([1, 2, 3, 6, 4, 5, 7]))
+        logits.append(runner.forward(decode))
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=0)
+
+
+def test_cpu_backend_rejects_inconsistent_decode_batch() -> None:
+    backend = CpuAttnBackend(MHATokenToKVPool(8, 1, 1, 2, torch.float32, "cpu"))
+    t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+    batch = ForwardBatch(ForwardMode.DECODE, 1, t([5]), t([2]), t([3]), t([3]), t([0, 2]), t([1, 2]))
+    with pytest.raises(ValueError, match="kv_indptr does not match seq_lens"):
         backend.init_forward_metadata(batch)

@@ -79,6 +79,8 @@ class TorchNativeAttnBackend:
             self.query_valid = q_idx[None, :] < extend_lens[:, None]
             self.query_rows = (torch.arange(batch, device=device)[:, None] * self.max_q
                                + q_idx[None, :])[self.query_valid]
+            # Every request extends by max_q tokens: the padded grid is the batch itself.
+            self.query_dense = self.query_rows.shape[0] == batch * self.max_q
         self.key_pos = key_pos
         self.key_valid = key_valid
         self._masks = {}
@@ -146,8 +148,11 @@ class TorchNativeAttnBackend:
         if self.query_rows is None:  # DECODE: one query per request
             query = q.view(batch, num_kv_heads, group, head_dim)
         else:
-            padded = q.new_zeros(batch * max_q, num_heads, head_dim)
-            padded[self.query_rows] = q
+            if self.query_dense:
+                padded = q
+            else:
+                padded = q.new_zeros(batch * max_q, num_heads, head_dim)
+                padded[self.query_rows] = q
             # [B, Q, H_kv, G, D] -> [B, H_kv, G * Q, D] so each KV head serves its query heads.
             query = (padded.view(batch, max_q, num_kv_heads, group, head_dim)
                      .permute(0, 2, 3, 1, 4).reshape(batch, num_kv_heads, group * max_q, head_dim))
@@ -157,4 +162,4 @@ class TorchNativeAttnBackend:
             return attn.reshape(num_tokens, num_heads, head_dim)
         out = (attn.view(batch, num_kv_heads, group, max_q, head_dim)
                .permute(0, 3, 1, 2, 4).reshape(batch * max_q, num_heads, head_dim))
-        return out[self.query_rows]
+        return out if self.query_dense else out[self.query_rows]
