@@ -113,8 +113,9 @@ class ModelRunner:
         self.attn_backend = self._attention_backend(attention_backend)
         self._input_groups: list | None = None  # prompt-logprob plan of the last forward
         logger.info(
-            "KV cache: %d tokens, %.1f MiB (%s, %s)", self.max_total_num_tokens,
+            "KV cache: %d tokens, %.1f MiB (%s, %s); attention backend %s", self.max_total_num_tokens,
             self.kv_cache_bytes / 2**20, self.dtype, self.device,
+            "cpu" if isinstance(self.attn_backend, CpuAttnBackend) else "torch_native",
         )
 
     def _attention_backend(self, name: str) -> TorchNativeAttnBackend:
