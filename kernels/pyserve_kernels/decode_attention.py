@@ -35,8 +35,9 @@ def decode_attention(
     out:        optional [batch, num_heads, head_dim] float32 cpu C-contiguous to write into
     Returns out (a new tensor when not given). A request with no keys gets zeros.
     Raises RuntimeError if the native module is missing, ValueError for wrong dtypes, devices
-    or shapes, IndexError for a bad kv_indptr or a slot outside the pool. Runs on the calling
-    thread plus torch.get_num_threads() - 1 threads of its own, the GIL released.
+    or shapes, IndexError for a bad kv_indptr or a slot outside the pool. Runs on up to
+    torch.get_num_threads() threads (torch's OpenMP team where _native.py could attach to
+    it), the GIL released.
     """
     if _cpu is None:
         raise RuntimeError("pyserve_kernels._cpu is not built; reinstall pyserve-kernels")

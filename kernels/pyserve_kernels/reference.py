@@ -80,12 +80,17 @@ def apply_rotary_pos_emb(
         )
     if k.shape[0] != q.shape[0] or k.shape[-1] != q.shape[-1]:
         raise ValueError(f"apply_rotary_pos_emb: q {tuple(q.shape)} k {tuple(k.shape)}")
-    cos_u = cos.float().unsqueeze(1)
-    sin_u = sin.float().unsqueeze(1)
-    q32, k32 = q.float(), k.float()
-    q_rot = q32 * cos_u + rotate_half(q32) * sin_u
-    k_rot = k32 * cos_u + rotate_half(k32) * sin_u
-    return q_rot.to(q.dtype), k_rot.to(k.dtype)
+    return rotary(q, cos, sin), rotary(k, cos, sin)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary embedding of one tensor (see `apply_rotary_pos_emb`):
+    x * cos + rotate_half(x) * sin in float32, returned in x.dtype.
+
+    x: [num_tokens, num_heads, head_dim]; cos, sin: [num_tokens, head_dim].
+    """
+    x32 = x.float()
+    return (x32 * cos.float().unsqueeze(1) + rotate_half(x32) * sin.float().unsqueeze(1)).to(x.dtype)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

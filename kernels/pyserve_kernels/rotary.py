@@ -27,7 +27,6 @@ def rotary_embedding_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num
         _cpu.rotary_embedding(x.numpy(), cos.numpy(), sin.numpy(), num_heads, head_dim,
                               torch.get_num_threads())
         return x
-    heads = x[:, :num_heads * head_dim].view(x.shape[0], num_heads, head_dim)
-    rotated, _ = reference.apply_rotary_pos_emb(heads, heads[:, :0], cos, sin)
-    heads.copy_(rotated)
+    heads = x[:, :num_heads * head_dim].unflatten(1, (num_heads, head_dim))
+    heads.copy_(reference.rotary(heads, cos, sin))
     return x

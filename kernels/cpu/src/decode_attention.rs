@@ -11,11 +11,13 @@
 //!   out      [batch, num_heads, head_dim]
 //! Grouped-query attention: query head h reads KV head h / (num_heads / num_kv_heads).
 //!
-//! Work is split into units of (request, KV head); each unit reads its K rows once to score all
-//! query heads of the group, takes an exact softmax (max-subtracted, two passes over the
-//! scores), then reads its V rows once. Units are spread over `num_threads` threads in
-//! contiguous ranges of about equal key counts (see `parallel`). Nothing is gathered or padded, so a step reads
-//! each cached K/V row once; the torch reference gathers every row into a padded copy first.
+//! Work is split into units: a request's KV heads (all of them when there are enough requests
+//! to keep every thread busy, else one). A unit reads its K rows once to score all its query
+//! heads, takes an exact softmax (max-subtracted), then sweeps its V rows per KV head with the
+//! group's accumulators in registers (the rows are in cache by then: they were prefetched with
+//! the K rows). Units are spread over `num_threads` threads in contiguous ranges of about equal
+//! key counts (see `parallel`). Nothing is gathered or padded, so a step reads each cached K/V
+//! row from memory once; the torch reference gathers every row into a padded copy first.
 
 use std::fmt;
 use std::sync::Mutex;
@@ -24,7 +26,7 @@ use crate::exp::exp;
 use crate::parallel::run_tasks;
 #[cfg(target_arch = "x86_64")]
 use crate::simd::{Avx2, Avx512};
-use crate::simd::{Portable, RowOps};
+use crate::simd::{lane_sum, Portable, RowOps};
 
 /// Sizes of one decode-attention call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -55,8 +57,8 @@ impl fmt::Display for DecodeAttentionError {
 
 impl std::error::Error for DecodeAttentionError {}
 
-/// Below this many (key, KV head) rows in a call, one thread does everything: spawning a
-/// thread costs tens of microseconds, about what one thread needs for this many rows.
+/// Below this many (key, KV head) rows in a call, one thread does everything: handing work to
+/// other threads costs more than it saves.
 const MIN_ROWS_PER_THREAD: usize = 4096;
 
 /// Computes softmax(q k^T * scaling) v for every request's new token (see the module doc).
@@ -288,7 +290,7 @@ impl Ctx<'_> {
             for x in s.iter_mut() {
                 *x = exp(*x - max);
             }
-            *inv_sum = 1.0 / sum(s);
+            *inv_sum = 1.0 / lane_sum(s, |x| x);
         }
         for g in 0..self.kv_heads_per_unit {
             let mut h = g * group;
@@ -360,7 +362,8 @@ const GROUP_CHUNK: usize = 4;
 /// hardware prefetcher cannot guess the next row; a few rows of lead hide the memory latency.
 const PREFETCH_DISTANCE: usize = 8;
 
-/// Asks the CPU to bring `x`'s cache lines into L1 (a hint; no effect on results).
+/// Asks the CPU to bring `x`'s cache lines into L2 (a hint; no effect on results). L2 rather
+/// than L1: a core has more outstanding L2 misses in flight, and the rows are reused from L2.
 #[inline(always)]
 fn prefetch(x: &[f32]) {
     #[cfg(target_arch = "x86_64")]
@@ -372,18 +375,4 @@ fn prefetch(x: &[f32]) {
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = x;
-}
-
-/// Sum of x, accumulated in 16 independent partial sums (vectorizable).
-#[inline(always)]
-fn sum(x: &[f32]) -> f32 {
-    let mut acc = [0f32; 16];
-    let chunks = x.chunks_exact(16);
-    let tail = chunks.remainder().iter().sum::<f32>();
-    for c in chunks {
-        for l in 0..16 {
-            acc[l] += c[l];
-        }
-    }
-    acc.iter().sum::<f32>() + tail
 }

@@ -7,25 +7,11 @@
 //! then each element is (x * r) * w with r = 1 / sqrt(mean + eps).
 
 use crate::parallel::{for_row_chunks, for_row_chunks2, threads_for};
-use crate::simd::avx2_dispatch;
-
-/// Sum of squares of a row in 16 partial sums (vectorizable).
-#[inline(always)]
-fn sum_squares(x: &[f32]) -> f32 {
-    let mut acc = [0f32; 16];
-    let chunks = x.chunks_exact(16);
-    let tail: f32 = chunks.remainder().iter().map(|v| v * v).sum();
-    for c in chunks {
-        for l in 0..16 {
-            acc[l] += c[l] * c[l];
-        }
-    }
-    acc.iter().sum::<f32>() + tail
-}
+use crate::simd::{avx2_dispatch, lane_sum};
 
 #[inline(always)]
 fn normalize_row(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
-    let r = 1.0 / (sum_squares(x) / x.len() as f32 + eps).sqrt();
+    let r = 1.0 / (lane_sum(x, |v| v * v) / x.len() as f32 + eps).sqrt();
     for ((o, &v), &w) in out.iter_mut().zip(x).zip(weight) {
         *o = (v * r) * w;
     }

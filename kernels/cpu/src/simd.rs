@@ -225,6 +225,21 @@ impl RowOps for Avx512 {
     }
 }
 
+/// Sum of f(x[i]), accumulated in 16 independent partial sums so the compiler vectorizes it
+/// (an in-order float sum cannot be).
+#[inline(always)]
+pub(crate) fn lane_sum(x: &[f32], f: impl Fn(f32) -> f32) -> f32 {
+    let mut acc = [0f32; 16];
+    let chunks = x.chunks_exact(16);
+    let tail: f32 = chunks.remainder().iter().map(|&v| f(v)).sum();
+    for c in chunks {
+        for l in 0..16 {
+            acc[l] += f(c[l]);
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
 /// Defines `fn $name(args)` running `$body` compiled twice: with AVX2 and FMA enabled (chosen
 /// at run time when the CPU has them, so its loops are vectorized 8 floats wide) and for
 /// baseline x86-64 / other targets.
