@@ -31,6 +31,20 @@ def native_applies(*tensors: torch.Tensor) -> bool:
         and not t.requires_grad for t in tensors)
 
 
+def as_int_array(t: torch.Tensor, dtype: torch.dtype, name: str):
+    """A C-contiguous numpy view (or copy) of integer tensor `t` in `dtype` for the kernels.
+    Raises ValueError for a non-integer tensor and IndexError for a value that `dtype` cannot
+    hold (rather than letting a cast wrap it around)."""
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise ValueError(f"{name} must hold integers, got {t.dtype}")
+    if t.dtype != dtype and t.numel():
+        info = torch.iinfo(dtype)
+        low, high = int(t.min()), int(t.max())
+        if low < info.min or high > info.max:
+            raise IndexError(f"{name} holds {low if low < info.min else high}, outside {dtype}")
+    return t.to(dtype).contiguous().numpy()
+
+
 def _torch_libgomp() -> str | None:
     """Path of the one libgomp mapped into this process (torch's), or None (not Linux, no
     libgomp, e.g. an LLVM/Intel OpenMP build, or several copies)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from pyserve_kernels._native import _cpu
+from pyserve_kernels._native import _cpu, as_int_array
 
 
 def decode_attention(
@@ -34,8 +34,9 @@ def decode_attention(
     sliding_window: None, or W: each request attends to its last W keys only
     out:        optional [batch, num_heads, head_dim] float32 cpu C-contiguous to write into
     Returns out (a new tensor when not given). A request with no keys gets zeros.
-    Raises RuntimeError if the native module is missing, ValueError for wrong dtypes, devices
-    or shapes, IndexError for a bad kv_indptr or a slot outside the pool. Runs on up to
+    Raises RuntimeError if the native module is missing, ValueError for wrong dtypes, devices,
+    shapes or layouts or for `out` overlapping an input, IndexError for a bad kv_indptr or a
+    slot outside the pool. Runs on up to
     torch.get_num_threads() threads (torch's OpenMP team where _native.py could attach to
     it), the GIL released.
     """
@@ -51,8 +52,8 @@ def decode_attention(
         raise ValueError(f"out must be a C-contiguous float32 tensor of shape {tuple(q.shape)}")
     _cpu.decode_attention(
         q.numpy(), k_buffer.numpy(), v_buffer.numpy(),
-        kv_indptr.to(torch.int64).contiguous().numpy(),
-        kv_indices.to(torch.int32).contiguous().numpy(),
+        as_int_array(kv_indptr, torch.int64, "kv_indptr"),
+        as_int_array(kv_indices, torch.int32, "kv_indices"),
         out.numpy(), float(scaling), sliding_window, torch.get_num_threads(),
     )
     return out

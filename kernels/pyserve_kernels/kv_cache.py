@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from pyserve_kernels import reference
-from pyserve_kernels._native import _cpu, native_applies
+from pyserve_kernels._native import _cpu, as_int_array, native_applies
 
 
 def store_kv(k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor,
@@ -17,7 +17,8 @@ def store_kv(k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor,
     in 0..num_slots; k, v: [num_tokens, num_kv_heads, head_dim], cast to the buffers' dtype
     (they may be strided views, e.g. of a fused q|k|v projection). With repeated slots the
     last token wins. Raises IndexError for a slot outside the pool (nothing written on the
-    native path), ValueError for mismatched shapes.
+    native path), ValueError for mismatched shapes, non-integer slots, or k / v overlapping
+    the buffers.
     """
     if k.shape != v.shape or k.shape[1:] != k_buffer.shape[1:] or k.shape[0] != loc.shape[0]:
         raise ValueError(f"store_kv: buffers {tuple(k_buffer.shape)}, k {tuple(k.shape)}, "
@@ -25,7 +26,7 @@ def store_kv(k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor,
     rows_contiguous = all(t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
                           and t.device.type == "cpu" and t.dtype == torch.float32 for t in (k, v))
     if rows_contiguous and native_applies(k_buffer, v_buffer) and loc.device.type == "cpu":
-        _cpu.store_kv(k_buffer.numpy(), v_buffer.numpy(), loc.to(torch.int64).contiguous().numpy(),
+        _cpu.store_kv(k_buffer.numpy(), v_buffer.numpy(), as_int_array(loc, torch.int64, "loc"),
                       k.numpy(), v.numpy())
         return
     reference.store_kv(k_buffer, v_buffer, loc, k, v)

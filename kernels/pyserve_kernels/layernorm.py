@@ -30,7 +30,8 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     x, residual: [..., hidden] same shape and dtype; weight: [hidden].
     Returns (normed, new_residual). On the native path both are computed IN PLACE (normed is
     x, new_residual is residual); callers must use the returned tensors and not reuse the
-    inputs. Raises ValueError on mismatched shapes.
+    inputs. Raises ValueError on mismatched shapes or when x, residual and weight overlap in
+    memory on the native path.
     """
     if x.shape != residual.shape:
         raise ValueError(f"fused_add_rms_norm: x {tuple(x.shape)} != residual {tuple(residual.shape)}")

@@ -60,9 +60,14 @@ class ModelWorker:
                     next_ids = self._step(batch)
                 result: Any = next_ids
                 ok = True
-            except Exception as exc:  # a failed step fails its requests, not the server
+            # A failed step fails its requests, not the server. BaseException: a panic in a
+            # native kernel arrives as pyo3's PanicException, which is not an Exception, and
+            # must not end this thread (the loop would wait forever on the step's future).
+            except BaseException as exc:
                 logger.exception("forward step failed")
-                result, ok = exc, False
+                # the loop handles Exceptions; a panic is passed on as one
+                result = exc if isinstance(exc, Exception) else RuntimeError(f"{type(exc).__name__}: {exc}")
+                ok = False
             loop.call_soon_threadsafe(_resolve, future, ok, result)
 
     def _step(self, batch: ForwardBatch) -> StepOutput:

@@ -212,3 +212,56 @@ def test_store_kv_writes_rows_of_strided_views_and_refuses_bad_slots() -> None:
     assert torch.equal(k_buffer, before)
     with pytest.raises(ValueError, match="do not fit"):
         K.store_kv(k_buffer, v_buffer, loc[:4], k, v)
+
+
+def test_fortran_ordered_arrays_are_refused_not_misread() -> None:
+    import numpy as np
+
+    k, v, q = torch.randn(16, 2, 8), torch.randn(16, 2, 8), torch.randn(2, 4, 8)
+    fortran = k.permute(2, 1, 0).contiguous().permute(2, 1, 0)  # same values, column-major
+    with pytest.raises(ValueError, match="k_buffer must be C-contiguous"):
+        K.decode_attention(q, fortran, v, torch.tensor([0, 5, 9]), torch.arange(9), 0.3)
+    x = np.random.rand(4, 6).astype(np.float32)
+    with pytest.raises(ValueError, match="x must be C-contiguous"):
+        _native._cpu.rms_norm(np.asfortranarray(x), np.ones(6, np.float32), 1e-6, np.empty_like(x), 1)
+
+
+def test_overlapping_tensors_are_refused_untouched() -> None:
+    x, weight = torch.randn(4, 8), torch.rand(8)
+    before = x.clone()
+    with pytest.raises(ValueError, match="x overlaps residual in memory"):
+        K.fused_add_rms_norm(x, x, weight, 1e-6)
+    with pytest.raises(ValueError, match="x overlaps weight in memory"):
+        K.fused_add_rms_norm(x, torch.randn(4, 8), x[0], 1e-6)
+    assert torch.equal(x, before)
+    k_buffer, v_buffer = torch.randn(10, 2, 8), torch.randn(10, 2, 8)
+    k_before = k_buffer.clone()
+    with pytest.raises(ValueError, match="k_buffer overlaps k in memory"):
+        K.store_kv(k_buffer, v_buffer, torch.tensor([1, 2, 3]), k_buffer[0:3], torch.randn(3, 2, 8))
+    assert torch.equal(k_buffer, k_before)
+    q = torch.randn(2, 4, 8)
+    with pytest.raises(ValueError, match="out overlaps q in memory"):
+        K.decode_attention(q, k_buffer, v_buffer, torch.tensor([0, 3, 5]), torch.arange(5), 0.3, out=q)
+
+
+def test_indices_that_do_not_fit_int32_are_refused_not_wrapped() -> None:
+    q, k_buffer, v_buffer = torch.randn(2, 4, 8), torch.randn(16, 2, 8), torch.randn(16, 2, 8)
+    indptr = torch.tensor([0, 3, 5])
+    with pytest.raises(IndexError, match="kv_indices holds 4294967299, outside torch.int32"):
+        K.decode_attention(q, k_buffer, v_buffer, indptr, torch.tensor([0, 1, 2, 2**32 + 3, 4]), 0.3)
+    with pytest.raises(ValueError, match="kv_indices must hold integers"):
+        K.decode_attention(q, k_buffer, v_buffer, indptr, torch.tensor([0.0, 1.7, 2, 3, 4]), 0.3)
+    with pytest.raises(ValueError, match="loc must hold integers"):
+        K.store_kv(k_buffer, v_buffer, torch.tensor([1.9]), torch.randn(1, 2, 8), torch.randn(1, 2, 8))
+
+
+def test_degenerate_shapes_are_no_ops() -> None:
+    k_buffer = torch.randn(16, 2, 8)
+    out = K.decode_attention(torch.zeros(2, 0, 8), k_buffer, k_buffer.clone(), torch.tensor([0, 3, 5]),
+                             torch.arange(5), 0.3)
+    assert out.shape == (2, 0, 8)
+    x = torch.zeros(3, 0)
+    assert K.rotary_embedding_(x, torch.rand(3, 4), torch.rand(3, 4), 0, 4) is x
+    with pytest.raises(IndexError, match="slot 7 is outside the pool of 5 slots"):
+        _native._cpu.store_kv(*(t.numpy() for t in (torch.zeros(5, 0, 8), torch.zeros(5, 0, 8))),
+                              torch.tensor([7]).numpy(), torch.zeros(1, 0, 8).numpy(), torch.zeros(1, 0, 8).numpy())

@@ -137,3 +137,25 @@ def test_prefix_cache_reports_page_aligned_cached_tokens(engine, stories_referen
     again = engine.generate(input_ids=case["input_ids"], sampling_params=params)
     assert again["output_ids"] == case["output_ids"]
     assert again["meta_info"]["cached_tokens"] == (len(case["input_ids"]) - 1) // page_size * page_size
+
+
+def test_a_step_that_panics_fails_its_requests_and_the_engine_goes_on(engine, monkeypatch):
+    """A native kernel's panic reaches Python as pyo3's PanicException, a BaseException: the
+    step's requests end with abort, the worker thread survives, the next request runs."""
+
+    class FakePanic(BaseException):
+        pass
+
+    runner = engine.core.model_runner
+    forward = runner.forward
+
+    def panicking(batch):
+        monkeypatch.setattr(runner, "forward", forward)  # only this one step fails
+        raise FakePanic("kernel panicked")
+
+    monkeypatch.setattr(runner, "forward", panicking)
+    out = engine.generate("Once upon a time", {"temperature": 0, "max_new_tokens": 4})
+    assert out["meta_info"]["finish_reason"] == {"type": "abort",
+                                                  "message": "model step failed: FakePanic: kernel panicked"}
+    again = engine.generate("Once upon a time", {"temperature": 0, "max_new_tokens": 4})
+    assert again["meta_info"]["completion_tokens"] == 4

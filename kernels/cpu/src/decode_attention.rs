@@ -82,6 +82,9 @@ pub fn decode_attention(
     num_threads: usize,
 ) -> Result<(), DecodeAttentionError> {
     let ranges = validate(q, k_buffer, v_buffer, kv_indptr, kv_indices, out, shape, sliding_window)?;
+    if out.is_empty() {
+        return Ok(()); // no query heads (or no requests): nothing to compute
+    }
     let DecodeAttentionShape { num_heads, num_kv_heads, head_dim, .. } = shape;
     let group = num_heads / num_kv_heads;
     let total_rows: usize = ranges.iter().map(|r| r.len()).sum::<usize>() * num_kv_heads;

@@ -1,18 +1,60 @@
 //! pyo3 binding `pyserve_kernels._cpu`: numpy arrays in, results written into given arrays,
 //! the GIL released while a kernel runs. Callers pass torch CPU tensors as `tensor.numpy()`
-//! views (no copy); every array must be C-contiguous float32 (int64 / int32 for indices).
-//! Length errors raise ValueError before anything is written.
+//! views (no copy); every array must be C-contiguous float32 (int64 / int32 for indices), and
+//! an array a kernel writes must not overlap any other argument (torch views of one tensor
+//! reach numpy as separate arrays, so numpy's own borrow tracking cannot see the overlap).
+//! Shape, layout and overlap errors raise ValueError before anything is written.
 
-use numpy::ndarray::Axis;
-use numpy::{PyReadonlyArray1, PyReadonlyArray3, PyReadonlyArrayDyn, PyReadwriteArray3, PyReadwriteArrayDyn, PyUntypedArrayMethods};
+use std::ops::Range;
+
+use numpy::ndarray::{Axis, Dimension};
+use numpy::{
+    Element, PyReadonlyArray, PyReadonlyArray1, PyReadonlyArray3, PyReadonlyArrayDyn, PyReadwriteArray,
+    PyReadwriteArray3, PyReadwriteArrayDyn, PyUntypedArrayMethods,
+};
 use pyo3::exceptions::{PyIndexError, PyValueError};
 use pyo3::prelude::*;
 
 use crate::decode_attention::{self as kernel, DecodeAttentionError, DecodeAttentionShape};
 use crate::{activation, norm, rotary, store_kv as kv_store};
 
-fn contiguous<'a, T>(name: &str, slice: Result<&'a [T], numpy::AsSliceError>) -> PyResult<&'a [T]> {
-    slice.map_err(|_| PyValueError::new_err(format!("{name} must be C-contiguous")))
+fn not_c_contiguous(name: &str) -> PyErr {
+    PyValueError::new_err(format!("{name} must be C-contiguous"))
+}
+
+/// The elements of a C-contiguous array (rust-numpy's `as_slice` also takes Fortran order,
+/// which the kernels would misread).
+fn c_slice<'a, T: Element, D: Dimension>(name: &str, a: &'a PyReadonlyArray<'_, T, D>) -> PyResult<&'a [T]> {
+    if !a.is_c_contiguous() {
+        return Err(not_c_contiguous(name));
+    }
+    a.as_slice().map_err(|_| not_c_contiguous(name))
+}
+
+fn c_slice_mut<'a, T: Element, D: Dimension>(name: &str, a: &'a mut PyReadwriteArray<'_, T, D>) -> PyResult<&'a mut [T]> {
+    if !a.is_c_contiguous() {
+        return Err(not_c_contiguous(name));
+    }
+    a.as_slice_mut().map_err(|_| not_c_contiguous(name))
+}
+
+/// Byte addresses a slice covers.
+fn span<T>(s: &[T]) -> Range<usize> {
+    let start = s.as_ptr() as usize;
+    start..start + std::mem::size_of_val(s)
+}
+
+/// ValueError unless each written range is disjoint from every other argument's range.
+fn check_disjoint(written: &[(&str, Range<usize>)], read: &[(&str, Range<usize>)]) -> PyResult<()> {
+    for (i, (w_name, w)) in written.iter().enumerate() {
+        let others = written.iter().enumerate().filter(|(j, _)| *j != i).map(|(_, x)| x).chain(read);
+        for (name, r) in others {
+            if !w.is_empty() && !r.is_empty() && w.start < r.end && r.start < w.end {
+                return Err(PyValueError::new_err(format!("{w_name} overlaps {name} in memory; pass separate tensors")));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// decode_attention(q, k_buffer, v_buffer, kv_indptr, kv_indices, out, scaling,
@@ -52,14 +94,16 @@ fn decode_attention(
         head_dim: qs[2],
         num_slots: ks[0],
     };
-    let q = contiguous("q", q.as_slice())?;
-    let k = contiguous("k_buffer", k_buffer.as_slice())?;
-    let v = contiguous("v_buffer", v_buffer.as_slice())?;
-    let indptr = contiguous("kv_indptr", kv_indptr.as_slice())?;
-    let indices = contiguous("kv_indices", kv_indices.as_slice())?;
-    let out = out
-        .as_slice_mut()
-        .map_err(|_| PyValueError::new_err("out must be C-contiguous"))?;
+    let q = c_slice("q", &q)?;
+    let k = c_slice("k_buffer", &k_buffer)?;
+    let v = c_slice("v_buffer", &v_buffer)?;
+    let indptr = c_slice("kv_indptr", &kv_indptr)?;
+    let indices = c_slice("kv_indices", &kv_indices)?;
+    let out = c_slice_mut("out", &mut out)?;
+    check_disjoint(
+        &[("out", span(out))],
+        &[("q", span(q)), ("k_buffer", span(k)), ("v_buffer", span(v)), ("kv_indptr", span(indptr)), ("kv_indices", span(indices))],
+    )?;
     py.detach(|| {
         kernel::decode_attention(q, k, v, indptr, indices, out, shape, scaling, sliding_window, num_threads)
     })
@@ -92,8 +136,9 @@ fn rms_norm(
         return Err(PyValueError::new_err(format!(
             "rms_norm: x {:?}, out {:?} and weight {:?} do not fit", x.shape(), out.shape(), weight.shape())));
     }
-    let (x, w) = (contiguous("x", x.as_slice())?, contiguous("weight", weight.as_slice())?);
-    let out = out.as_slice_mut().map_err(|_| PyValueError::new_err("out must be C-contiguous"))?;
+    let (x, w) = (c_slice("x", &x)?, c_slice("weight", &weight)?);
+    let out = c_slice_mut("out", &mut out)?;
+    check_disjoint(&[("out", span(out))], &[("x", span(x)), ("weight", span(w))])?;
     py.detach(|| norm::rms_norm(x, w, eps, out, num_threads));
     Ok(())
 }
@@ -114,9 +159,10 @@ fn fused_add_rms_norm(
         return Err(PyValueError::new_err(format!(
             "fused_add_rms_norm: x {:?}, residual {:?} and weight {:?} do not fit", x.shape(), residual.shape(), weight.shape())));
     }
-    let w = contiguous("weight", weight.as_slice())?;
-    let x = x.as_slice_mut().map_err(|_| PyValueError::new_err("x must be C-contiguous"))?;
-    let r = residual.as_slice_mut().map_err(|_| PyValueError::new_err("residual must be C-contiguous"))?;
+    let w = c_slice("weight", &weight)?;
+    let x = c_slice_mut("x", &mut x)?;
+    let r = c_slice_mut("residual", &mut residual)?;
+    check_disjoint(&[("x", span(x)), ("residual", span(r))], &[("weight", span(w))])?;
     py.detach(|| norm::fused_add_rms_norm(x, r, w, eps, num_threads));
     Ok(())
 }
@@ -136,15 +182,17 @@ fn rotary_embedding(
     num_threads: usize,
 ) -> PyResult<()> {
     let xs = x.shape().to_vec();
-    if xs.len() != 2 || head_dim == 0 || head_dim % 2 != 0 || xs[1] < num_heads * head_dim
+    let rotated = num_heads.checked_mul(head_dim).unwrap_or(usize::MAX);
+    if xs.len() != 2 || head_dim == 0 || head_dim % 2 != 0 || xs[1] < rotated
         || cos.shape() != [xs[0], head_dim] || sin.shape() != cos.shape() {
         return Err(PyValueError::new_err(format!(
             "rotary_embedding: x {xs:?} (needs [num_tokens, >= {num_heads} x {head_dim}], even head_dim), cos {:?}, sin {:?} (need [num_tokens, head_dim])",
             cos.shape(), sin.shape())));
     }
-    let (c, s) = (contiguous("cos", cos.as_slice())?, contiguous("sin", sin.as_slice())?);
-    let x = x.as_slice_mut().map_err(|_| PyValueError::new_err("x must be C-contiguous"))?;
-    if xs[0] == 0 {
+    let (c, s) = (c_slice("cos", &cos)?, c_slice("sin", &sin)?);
+    let x = c_slice_mut("x", &mut x)?;
+    check_disjoint(&[("x", span(x))], &[("cos", span(c)), ("sin", span(s))])?;
+    if xs[0] == 0 || num_heads == 0 {
         return Ok(());
     }
     py.detach(|| rotary::rotary_embedding(x, xs[1], num_heads, head_dim, c, s, num_threads));
@@ -166,8 +214,9 @@ fn silu_and_mul(
     if xs.len() != os.len() || xs[..xs.len() - 1] != os[..os.len() - 1] || xs[xs.len() - 1] != 2 * d {
         return Err(PyValueError::new_err(format!("silu_and_mul: x {xs:?} must be out {os:?} with a last dim twice as long")));
     }
-    let x = contiguous("x", x.as_slice())?;
-    let out = out.as_slice_mut().map_err(|_| PyValueError::new_err("out must be C-contiguous"))?;
+    let x = c_slice("x", &x)?;
+    let out = c_slice_mut("out", &mut out)?;
+    check_disjoint(&[("out", span(out))], &[("x", span(x))])?;
     py.detach(|| activation::silu_and_mul(x, out, d, num_threads));
     Ok(())
 }
@@ -218,14 +267,25 @@ fn store_kv(
         .ok_or_else(|| PyValueError::new_err("store_kv: each row of k must be contiguous"))?;
     let v_rows: Vec<&[f32]> = vv.axis_iter(Axis(0)).map(|r| r.to_slice()).collect::<Option<_>>()
         .ok_or_else(|| PyValueError::new_err("store_kv: each row of v must be contiguous"))?;
-    let loc = contiguous("loc", loc.as_slice())?;
-    let kb = k_buffer.as_slice_mut().map_err(|_| PyValueError::new_err("k_buffer must be C-contiguous"))?;
-    let vb = v_buffer.as_slice_mut().map_err(|_| PyValueError::new_err("v_buffer must be C-contiguous"))?;
+    let loc = c_slice("loc", &loc)?;
+    let kb = c_slice_mut("k_buffer", &mut k_buffer)?;
+    let vb = c_slice_mut("v_buffer", &mut v_buffer)?;
+    let rows_span = |rows: &[&[f32]]| {
+        let spans: Vec<Range<usize>> = rows.iter().map(|r| span(r)).filter(|r| !r.is_empty()).collect();
+        spans.iter().map(|r| r.start).min().unwrap_or(0)..spans.iter().map(|r| r.end).max().unwrap_or(0)
+    };
+    check_disjoint(
+        &[("k_buffer", span(kb)), ("v_buffer", span(vb))],
+        &[("loc", span(loc)), ("k", rows_span(&k_rows)), ("v", rows_span(&v_rows))],
+    )?;
+    let slot_error = |slot: i64| PyIndexError::new_err(format!("store_kv: slot {slot} is outside the pool of {} slots", bs[0]));
     if row_len == 0 {
-        return Ok(());
+        return match loc.iter().find(|&&s| s < 0 || s as u64 >= bs[0] as u64) {
+            Some(&bad) => Err(slot_error(bad)),
+            None => Ok(()),
+        };
     }
-    py.detach(|| kv_store::store_kv(kb, vb, row_len, loc, |t| k_rows[t], |t| v_rows[t]))
-        .map_err(|slot| PyIndexError::new_err(format!("store_kv: slot {slot} is outside the pool of {} slots", bs[0])))
+    py.detach(|| kv_store::store_kv(kb, vb, row_len, loc, |t| k_rows[t], |t| v_rows[t])).map_err(slot_error)
 }
 
 #[pymodule]

@@ -22,6 +22,9 @@ pub fn rotary_embedding(
     num_threads: usize,
 ) {
     assert!(head_dim > 0 && head_dim % 2 == 0, "rotary_embedding: head_dim {head_dim} must be even");
+    if x.is_empty() || num_heads == 0 {
+        return;
+    }
     assert!(row_len >= num_heads * head_dim && row_len > 0 && x.len() % row_len == 0, "rotary_embedding: bad row length");
     let num_tokens = x.len() / row_len;
     assert!(cos.len() == num_tokens * head_dim && sin.len() == cos.len(), "rotary_embedding: cos/sin must be [num_tokens, head_dim]");
