@@ -4,6 +4,9 @@
 # and the other dependencies from PyPI, the Rust extension, and the default model's package.
 
 VENV ?= $(HOME)/.cache/pyserve-venv
+# The real clients the e2e tests drive (SGLang 0.5.2's bench_serving and frontend, lm-eval):
+# a venv of their own, so their pins never touch pyserve's.
+CLIENT_VENV ?= $(HOME)/.cache/pyserve-client-venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
@@ -11,7 +14,7 @@ export CARGO_TARGET_DIR ?= $(HOME)/.cache/pyserve-cargo-target
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-rust test-stubs test-python bench clean-venv
+.PHONY: setup serve test test-rust test-stubs test-python bench clean-venv client-venv
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +35,14 @@ setup: $(VENV)/.deps-stamp
 	$(PIP) install --quiet --no-deps --no-build-isolation -e kernels
 	$(PIP) install --quiet --no-deps --no-build-isolation -e .
 
+$(CLIENT_VENV)/.deps-stamp: tests/clients-requirements.txt
+	$(PYTHON) -m venv $(CLIENT_VENV)
+	$(CLIENT_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(CLIENT_VENV)/bin/python -m pip install --quiet -r tests/clients-requirements.txt
+	touch $@
+
+client-venv: $(CLIENT_VENV)/.deps-stamp
+
 serve: setup
 	$(PY) -m pyserve serve $(SERVE_ARGS)
 
@@ -48,8 +59,8 @@ test-stubs: setup
 bench: setup
 	$(PY) benches/bench_radix_cache.py
 
-test-python: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+test-python: setup client-venv
+	PYSERVE_CLIENT_VENV=$(CLIENT_VENV) PYSERVE_REQUIRE_CLIENTS=1 $(PY) -m pytest $(PYTEST_ARGS)
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(CLIENT_VENV)

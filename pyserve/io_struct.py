@@ -11,9 +11,36 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from pyserve.sampling_params import SamplingParams
+
+
+# SGLang request fields pyserve refuses unless left at their default, and the feature each names.
+UNSUPPORTED_FIELDS = {
+    "input_embeds": "input embeddings are",
+    "image_data": "images are", "video_data": "videos are", "audio_data": "audio is",
+    "modalities": "multimodal inputs are",
+    "session_params": "sessions are",
+    "lora_path": "LoRA adapters are", "lora_id": "LoRA adapters are",
+    "custom_logit_processor": "custom logit processors are",
+    "bootstrap_host": "prefill/decode disaggregation is", "bootstrap_port": "prefill/decode disaggregation is",
+    "bootstrap_room": "prefill/decode disaggregation is",
+    "bootstrap_pair_key": "prefill/decode disaggregation is",
+    "return_hidden_states": "returning hidden states is",
+    "background": "background requests are",
+    "return_bytes": "returning bytes is",
+    "priority": "request priorities are",
+}
+
+
+def is_unset(value: Any) -> bool:
+    """True for a field's default: None, False, or an empty or all-default list."""
+    if value is None or value is False:
+        return True
+    if isinstance(value, list):
+        return all(is_unset(v) for v in value)
+    return False
 
 
 class GenerateReqInput(BaseModel):
@@ -27,11 +54,51 @@ class GenerateReqInput(BaseModel):
     stream: bool = False
     rid: str | list[str] | None = None
     # logprobs (SGLang's names); a list gives one value per prompt
-    return_logprob: bool | list[bool] = False
-    logprob_start_len: int | list[int] = -1
-    top_logprobs_num: Annotated[int, Field(ge=0)] | list[Annotated[int, Field(ge=0)]] = 0
+    return_logprob: bool | list[bool] | None = False
+    logprob_start_len: int | list[int] | None = -1
+    top_logprobs_num: Annotated[int, Field(ge=0)] | list[Annotated[int, Field(ge=0)]] | None = 0
     token_ids_logprob: list[Annotated[int, Field(ge=0)]] | list[list[Annotated[int, Field(ge=0)]]] | None = None
     return_text_in_logprobs: bool = False
+    # metadata SGLang clients send; they do not change the output
+    log_metrics: bool = True
+    conversation_id: str | None = None
+    label: str | None = None
+    # The rest of SGLang 0.5.2's fields: accepted at their defaults (null, false, 0), so
+    # clients that always send them work; any other value names a feature pyserve lacks and
+    # is refused with a 400 naming the field.
+    input_embeds: Any = None
+    image_data: Any = None
+    video_data: Any = None
+    audio_data: Any = None
+    modalities: Any = None
+    session_params: Any = None
+    lora_path: Any = None
+    lora_id: Any = None
+    custom_logit_processor: Any = None
+    bootstrap_host: Any = None
+    bootstrap_port: Any = None
+    bootstrap_room: Any = None
+    bootstrap_pair_key: Any = None
+    data_parallel_rank: int | None = None
+    return_hidden_states: bool | list[bool] = False
+    background: bool = False
+    return_bytes: bool = False
+    priority: int | None = None
+
+    @field_validator(*UNSUPPORTED_FIELDS)
+    @classmethod
+    def _default_only(cls, v: Any, info: ValidationInfo) -> Any:
+        if not is_unset(v):
+            raise ValueError(f"{UNSUPPORTED_FIELDS[info.field_name]} not supported; leave it "  # type: ignore[index]
+                             "null (or false)")
+        return v
+
+    @field_validator("data_parallel_rank")
+    @classmethod
+    def _one_rank(cls, v: int | None) -> int | None:
+        if v not in (None, 0):
+            raise ValueError("this server has one data-parallel rank, 0")
+        return v
 
     @model_validator(mode="after")
     def _check(self) -> "GenerateReqInput":
@@ -94,9 +161,9 @@ class GenerateReqInput(BaseModel):
         for i in range(n):
             start = per_prompt(self.logprob_start_len, i)
             logprob = LogprobParams(
-                return_logprob=per_prompt(self.return_logprob, i),
-                logprob_start_len=None if start < 0 else start,
-                top_logprobs_num=per_prompt(self.top_logprobs_num, i),
+                return_logprob=bool(per_prompt(self.return_logprob, i)),
+                logprob_start_len=None if start is None or start < 0 else start,
+                top_logprobs_num=per_prompt(self.top_logprobs_num, i) or 0,
                 token_ids_logprob=list(token_ids[i]) if token_ids else None,  # type: ignore[arg-type]
                 return_text_in_logprobs=self.return_text_in_logprobs,
             )
@@ -167,7 +234,7 @@ class GenerateOutput:
         output_top_logprobs [[entry, ...] or None per token], output_token_ids_logprobs,
         input_token_logprobs, input_top_logprobs, input_token_ids_logprobs (input ones:
         None unless logprob_start_len was given). `num_logprobs_delta`: how many output
-        entries this chunk added (streaming). Logprobs are floats; -inf is sent as
+        entries this chunk added (streaming). `index`: which of a request's n > 1 samples. Logprobs are floats; -inf is sent as
         LOGPROB_FLOOR (see `json_safe_logprob`).
     """
 
@@ -181,14 +248,17 @@ class GenerateOutput:
     finish_reason: dict[str, Any] | None = None
     logprobs: dict[str, Any] | None = None
     num_logprobs_delta: int = 0
+    index: int | None = None  # the sample's index among a request's n > 1 samples
+
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     def to_native(self) -> dict[str, Any]:
-        """SGLang's /generate response shape."""
-        return {
+        """SGLang's /generate response shape (with "index" for one of n > 1 samples)."""
+        out: dict[str, Any] = {} if self.index is None else {"index": self.index}
+        return out | {
             "text": self.text,
             "output_ids": list(self.output_ids),
             "meta_info": {

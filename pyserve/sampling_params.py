@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # Temperatures below this sample greedily (SGLang uses the same cut-off).
 GREEDY_TEMPERATURE = 1e-5
+# Parallel samples per prompt at most (OpenAI's limit for n is 128).
+MAX_N = 128
 
 
 class SamplingParams(BaseModel):
@@ -29,6 +31,15 @@ class SamplingParams(BaseModel):
     ignore_eos:     keep going past EOS (benchmarks).
     skip_special_tokens: drop special tokens from the text.
     seed:           makes a sampled (temperature > 0) request reproducible.
+    n:              parallel samples of the prompt (prefilled once; see README "n > 1").
+    no_stop_trim:   keep the matched stop string or stop token's text in the output (SGLang's
+                    name; the OpenAI routes also take vLLM's `include_stop_str_in_output`).
+    stream_interval: stream a chunk every this many tokens (None: every step).
+
+    The rest of SGLang 0.5.2's fields are accepted at their defaults only, so a client that
+    always sends them works, and a feature pyserve lacks is refused, never ignored:
+    `json_schema`, `regex`, `ebnf`, `structural_tag` (structured output), `custom_params`
+    (None), `spaces_between_special_tokens` (true: what the fast tokenizers do).
     """
 
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -49,6 +60,38 @@ class SamplingParams(BaseModel):
     skip_special_tokens: bool = True
     # torch.Generator.manual_seed's range
     seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    no_stop_trim: bool = False
+    stream_interval: int | None = Field(default=None, ge=1)
+    # SGLang fields accepted at their default only (see the class docstring)
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
+    custom_params: dict[str, Any] | None = None
+    spaces_between_special_tokens: bool = True
+
+    @field_validator("json_schema", "regex", "ebnf", "structural_tag")
+    @classmethod
+    def _no_grammar(cls, v: str | None) -> str | None:
+        if v is not None:
+            raise ValueError("structured output (json_schema, regex, ebnf, structural_tag) is "
+                             "not supported yet; leave it null")
+        return v
+
+    @field_validator("custom_params")
+    @classmethod
+    def _no_custom_params(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None:
+            raise ValueError("custom logit processors are not supported; leave it null")
+        return v
+
+    @field_validator("spaces_between_special_tokens")
+    @classmethod
+    def _spaces(cls, v: bool) -> bool:
+        if not v:
+            raise ValueError("only true is supported (the fast tokenizers' decoding)")
+        return v
 
     @field_validator("top_k")
     @classmethod

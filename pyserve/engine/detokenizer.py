@@ -4,6 +4,9 @@ Text is decoded with a small window of context tokens so that word-initial space
 multi-byte characters come out exactly as a full decode would: a chunk is emitted only when
 the window's text grew and does not end in U+FFFD (an incomplete UTF-8 sequence). This is the
 prefix/read-offset technique used by HF text-generation-inference and vLLM, written here anew.
+The window starts on the last `PROMPT_CONTEXT_TOKENS` prompt tokens (as SGLang's detokenizer
+does): a SentencePiece tokenizer drops the word-initial space of the first token of a decode,
+so decoding the output alone would lose the space before the first output word.
 Text that could be the start of a stop string is held back until it cannot, so the streamed
 chunks always concatenate to the final text.
 """
@@ -18,20 +21,30 @@ from pyserve.io_struct import GenerateOutput, LogprobParams, json_safe_logprob
 from pyserve.model_executor.forward_batch import TokenLogprobs
 
 REPLACEMENT_CHAR = "\ufffd"
+# Prompt tokens decoded ahead of the output (SGLang uses the same number).
+PROMPT_CONTEXT_TOKENS = 5
 
 
 class DecodeState:
-    """Per-request text state: all output ids, decoded text, what has been sent."""
+    """Per-request text state: all output ids, decoded text, what has been sent.
+
+    decode_ids: the tail of the prompt (context only) followed by the output ids whose text
+    belongs in the output (a matched stop token is left out unless no_stop_trim);
+    prefix_offset / read_offset index it.
+    """
 
     def __init__(self, stop_strs: list[str], skip_special_tokens: bool,
-                 logprob: LogprobParams | None = None) -> None:
+                 logprob: LogprobParams | None = None, prompt_tail: list[int] | None = None,
+                 no_stop_trim: bool = False) -> None:
         self.ids: list[int] = []
+        self.decode_ids: list[int] = list(prompt_tail or [])
+        self.no_stop_trim = no_stop_trim
         self.logprob = logprob if logprob is not None and logprob.return_logprob else None
         # SGLang meta_info lists, filled only when logprobs were asked for
         self.logprobs: dict[str, list] = {}
         self.sent_logprobs = 0
         self.prefix_offset = 0
-        self.read_offset = 0
+        self.read_offset = len(self.decode_ids)
         self.text = ""
         self.sent_len = 0
         self.sent_ids = 0
@@ -56,8 +69,12 @@ class Detokenizer:
         self.queue: asyncio.Queue[list[TokenOut]] = asyncio.Queue()
 
     def register(self, rid: str, stop_strs: list[str], skip_special_tokens: bool,
-                 logprob: LogprobParams | None = None) -> None:
-        self.states[rid] = DecodeState(stop_strs, skip_special_tokens, logprob)
+                 logprob: LogprobParams | None = None, prompt_ids: list[int] | None = None,
+                 no_stop_trim: bool = False) -> None:
+        """Start tracking `rid`. prompt_ids: the prompt (its last PROMPT_CONTEXT_TOKENS are
+        the decoding context). no_stop_trim: keep a matched stop string or token in the text."""
+        tail = (prompt_ids or [])[-PROMPT_CONTEXT_TOKENS:]
+        self.states[rid] = DecodeState(stop_strs, skip_special_tokens, logprob, tail, no_stop_trim)
 
     def forget(self, rid: str) -> None:
         self.states.pop(rid, None)
@@ -73,6 +90,12 @@ class Detokenizer:
         if state is None or state.finish_reason is not None:
             return  # unknown, or already ended by a stop string: extra tokens are dropped
         state.ids.extend(out.ids_delta)
+        reason = out.finish_reason
+        if reason is not None and isinstance(reason.get("matched"), int) and not state.no_stop_trim \
+                and out.ids_delta and out.ids_delta[-1] == reason["matched"]:
+            state.decode_ids.extend(out.ids_delta[:-1])  # the stop token's text is trimmed
+        else:
+            state.decode_ids.extend(out.ids_delta)
         if state.logprob is not None:
             self._add_logprobs(state, out)
         finished = out.finish_reason is not None
@@ -161,12 +184,13 @@ class Detokenizer:
             return
         decode = self.tokenizer.decode
         skip = state.skip_special_tokens
-        prefix_text = decode(state.ids[state.prefix_offset:state.read_offset], skip_special_tokens=skip)
-        new_text = decode(state.ids[state.prefix_offset:], skip_special_tokens=skip)
+        ids = state.decode_ids
+        prefix_text = decode(ids[state.prefix_offset:state.read_offset], skip_special_tokens=skip)
+        new_text = decode(ids[state.prefix_offset:], skip_special_tokens=skip)
         if len(new_text) > len(prefix_text) and (flush or not new_text.endswith(REPLACEMENT_CHAR)):
             state.text += new_text[len(prefix_text):]
             state.prefix_offset = state.read_offset
-            state.read_offset = len(state.ids)
+            state.read_offset = len(ids)
 
     def _match_stop(self, state: DecodeState) -> bool:
         """Cut the text at the earliest stop string, if any; returns True when one matched."""
@@ -180,7 +204,7 @@ class Detokenizer:
                 best = (pos, stop)
         if best is None:
             return False
-        state.text = state.text[:best[0]]
+        state.text = state.text[:best[0] + (len(best[1]) if state.no_stop_trim else 0)]
         state.finish_reason = {"type": "stop", "matched": best[1]}
         return True
 

@@ -70,7 +70,7 @@ class Engine:
             return self._stream_sync(obj)
         outs = self._call(self.core.generate_all(obj.split()))
         dicts = [o.to_native() for o in outs]
-        return dicts if obj.is_batch else dicts[0]
+        return dicts if obj.is_batch or len(dicts) > 1 else dicts[0]
 
     def _stream_sync(self, obj: GenerateReqInput) -> Iterator[dict[str, Any]]:
         agen = self.core.generate(obj.split()[0]).__aiter__()
@@ -96,7 +96,7 @@ class Engine:
         fut = asyncio.run_coroutine_threadsafe(self.core.generate_all(obj.split()), self._loop)
         outs = await asyncio.wrap_future(fut)
         dicts = [o.to_native() for o in outs]
-        return dicts if obj.is_batch else dicts[0]
+        return dicts if obj.is_batch or len(dicts) > 1 else dicts[0]
 
     async def _stream_async(self, obj: GenerateReqInput) -> AsyncIterator[dict[str, Any]]:
         agen = self.core.generate(obj.split()[0]).__aiter__()

@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator
 import torch
 
 from pyserve.config import ServerArgs
+from pyserve.engine import parallel_sampling
 from pyserve.engine.scheduler import Scheduler
 from pyserve.engine.tokenizer_manager import TokenizerManager
 from pyserve.engine.worker import ModelWorker
@@ -36,6 +37,7 @@ class EngineCore:
         self.server_args = server_args
         self.started = False
         self._tasks: list[asyncio.Task] = []
+        self._children: dict[str, list[str]] = {}  # rid of an n > 1 request -> its samples' rids
 
     async def start(self) -> None:
         """Load the tokenizer and model, size the KV pool, start the scheduler. Raises what
@@ -112,24 +114,72 @@ class EngineCore:
 
     # ---- requests ----------------------------------------------------------------------------
     def generate(self, req: SingleReq) -> AsyncIterator[GenerateOutput]:
-        """Outputs of one request (all chunks if req.stream, else the final one)."""
+        """Outputs of one request (all chunks if req.stream, else the final one); with
+        sampling_params.n > 1 those of its n samples as they come, each with its `index`
+        (one final output per sample). Raises InvalidRequestError at the first step when
+        the request is invalid; closing the iterator aborts what still runs."""
         if not self.started:
             raise RuntimeError("the engine is not running")
-        return self.tokenizer_manager.generate(req)
+        if req.sampling_params.n == 1:
+            return self.tokenizer_manager.generate(req)
+        return self._generate_samples(req)
+
+    async def _generate_samples(self, req: SingleReq) -> AsyncIterator[GenerateOutput]:
+        treq = await self.tokenizer_manager.tokenize(req)
+        await self._prefill_once([(req, treq)])
+        samples = parallel_sampling.expand(req, treq)
+        self._children[req.rid] = [r.rid for r, _ in samples]
+        try:
+            merged = parallel_sampling.merge(
+                [self.tokenizer_manager.generate(r, t) for r, t in samples])
+            try:
+                async for out in merged:
+                    yield out
+            finally:
+                await merged.aclose()  # type: ignore[attr-defined]
+        finally:
+            self._children.pop(req.rid, None)
 
     async def generate_all(self, reqs: list[SingleReq]) -> list[GenerateOutput]:
-        """Final outputs of several non-streamed requests, run concurrently, in order.
+        """Final outputs of several non-streamed requests, run concurrently, in order; a
+        request with n > 1 gives its n samples' outputs in a row (prompt-major, `index` set).
         Validates every request before starting any (InvalidRequestError)."""
         rids = [r.rid for r in reqs]
         if len(set(rids)) != len(rids):
             raise InvalidRequestError("the rids of a batch must be unique", param="rid")
         tokenized = [await self.tokenizer_manager.tokenize(r) for r in reqs]
+        await self._prefill_once([(r, t) for r, t in zip(reqs, tokenized) if r.sampling_params.n > 1])
+        samples = []
+        for r, t in zip(reqs, tokenized):
+            expanded = parallel_sampling.expand(r, t)
+            if r.sampling_params.n > 1:
+                self._children[r.rid] = [s.rid for s, _ in expanded]
+            samples.append(expanded)
+        try:
+            outs = await self._run_final([pair for group in samples for pair in group])
+        finally:
+            for r in reqs:
+                self._children.pop(r.rid, None)
+        k = 0
+        for r, group in zip(reqs, samples):
+            for i in range(len(group)):
+                if r.sampling_params.n > 1:
+                    outs[k].index = i
+                k += 1
+        return outs
 
+    async def _prefill_once(self, pairs: list[tuple[SingleReq, TokenizedGenerateReq]]) -> None:
+        """Run each prompt once with max_new_tokens 0 so its KV is cached for its samples
+        (nothing to share without the radix cache)."""
+        if pairs and not self.server_args.disable_radix_cache:
+            await self._run_final([parallel_sampling.prefill_only(r, t) for r, t in pairs])
+
+    async def _run_final(self, pairs: list[tuple[SingleReq, TokenizedGenerateReq]]) -> list[GenerateOutput]:
         async def final(r: SingleReq, t: TokenizedGenerateReq) -> GenerateOutput:
             # not streamed: generate yields exactly one, finished, output
             return [out async for out in self.tokenizer_manager.generate(r, t)][-1]
 
-        tasks = [asyncio.ensure_future(final(r, t)) for r, t in zip(reqs, tokenized)]
+        tasks = [asyncio.ensure_future(final(r, t)) for r, t in pairs]
         try:
             return list(await asyncio.gather(*tasks))
         except BaseException:  # one failed or we were cancelled: abort the others too
@@ -138,9 +188,40 @@ class EngineCore:
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
 
+    # ---- control -------------------------------------------------------------------------------
+    def abort_request(self, rid: str | None = None, abort_all: bool = False) -> int:
+        """End running requests: the one named `rid` (with all its n > 1 samples), or every
+        one with `abort_all`. Each consumer gets a last output with finish reason abort and
+        its KV is freed. Returns how many requests were ended."""
+        tm = self.tokenizer_manager
+        if abort_all:
+            rids = list(tm.states)
+        else:
+            rids = [rid] if rid in tm.states else list(self._children.get(rid or "", []))
+        message = "aborted by /abort_request"
+        return sum(tm.end_request(r, message) for r in rids)
+
+    def flush_cache(self) -> bool:
+        """Empty the radix cache; False (nothing changed) while requests are queued or run."""
+        return self.scheduler.flush_cache()
+
+    async def prompt_text(self, req: SingleReq) -> str:
+        """The prompt as the tokenizer decodes its ids (special tokens skipped): what `echo`
+        returns, so that echo + output text = decode(prompt + output). Call only after the
+        request was validated."""
+        tm = self.tokenizer_manager
+        ids = req.input_ids
+        if ids is None:
+            ids = await tm.encode(req.text or "", req.add_special_tokens)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            tm.executor, lambda: self.tokenizer.decode(ids, skip_special_tokens=True))
+
     async def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
-        """The prompt text for chat `messages`. Raises InvalidRequestError when the model
-        has no chat template or the template rejects the messages."""
+        """The prompt text for chat `messages`; `kwargs` go to the tokenizer's
+        apply_chat_template (add_generation_prompt defaults to True). Raises
+        InvalidRequestError when the model has no chat template or the template rejects
+        the messages."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError(
                 "this model has no chat template; start the server with --chat-template FILE",
@@ -150,31 +231,45 @@ class EngineCore:
             return await loop.run_in_executor(
                 self.tokenizer_manager.executor,
                 lambda: self.tokenizer.apply_chat_template(
-                    messages, tokenize=False, add_generation_prompt=True, **kwargs))
+                    messages, tokenize=False, **({"add_generation_prompt": True} | kwargs)))
         except Exception as exc:  # jinja errors: the template refused these messages
             raise InvalidRequestError(f"chat template failed: {exc}", param="messages") from exc
 
     # ---- introspection -------------------------------------------------------------------------
     def get_model_info(self) -> dict[str, Any]:
+        """SGLang's /get_model_info fields (model_path, tokenizer_path, is_generation,
+        preferred_sampling_params, weight_version) and pyserve's own."""
         mc = self.model_runner.model_config
         return {
             "model_path": self.model_path,
             "tokenizer_path": self.server_args.tokenizer_path or self.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
             "served_model_name": self.model_name,
             "architecture": mc.architecture,
-            "is_generation": True,
+            "architectures": [mc.architecture],
             "context_length": self.context_len,
             "vocab_size": mc.vocab_size,
         }
 
     def get_server_info(self) -> dict[str, Any]:
+        """SGLang's /get_server_info shape: the server args, the scheduler's figures
+        (max_total_num_tokens, max_req_input_len), `internal_states` (one entry per
+        data-parallel rank: here one) and version, plus pyserve's live KV figures."""
         kv = self.kv_cache
         sched = self.scheduler
-        info = {k: v for k, v in vars(self.server_args).items()}
+        info: dict[str, Any] = dict(vars(self.server_args))
         info.update({
+            "model_path": self.model_path,
+            "context_length": self.context_len,
+            "max_total_tokens": kv.max_total_tokens,
+            "max_total_num_tokens": kv.max_total_tokens,
+            "max_req_input_len": min(self.context_len, kv.max_total_tokens) - 1,
+            "status": "ready",
+            "internal_states": [self._internal_state()],
             "version": _version(),
             "device": self.model_runner.device,
-            "max_total_num_tokens": kv.max_total_tokens,
             "kv_free_slots": kv.free_slots(),
             "kv_total_slots": kv.max_total_tokens,
             "kv_evictable_slots": kv.evictable_slots(),
@@ -185,6 +280,24 @@ class EngineCore:
             "num_generated_tokens": sched.num_generated_tokens,
         })
         return info
+
+    def _internal_state(self) -> dict[str, Any]:
+        """What SGLang's scheduler reports per rank and its clients read (bench_serving reads
+        `avg_spec_accept_length`, absent without speculative decoding)."""
+        kv = self.kv_cache
+        sched = self.scheduler
+        return {
+            "attention_backend": self.model_runner.attention_backend_name,
+            "page_size": kv.page_size,
+            "last_gen_throughput": sched.last_gen_throughput,
+            "memory_usage": {
+                "weight": round(self.model_runner.weight_bytes / 2**30, 2),
+                "kvcache": round(self.model_runner.kv_cache_bytes / 2**30, 2),
+                "token_capacity": kv.max_total_tokens,
+                "graph": 0.0,
+            },
+            "load": sched.load(),
+        }
 
 
 def _default_name(model_path: str) -> str:

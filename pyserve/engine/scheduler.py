@@ -62,6 +62,7 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._stopping = False
         self.num_generated_tokens = 0
+        self.last_gen_throughput = 0.0  # output tokens/s over the last stats interval
         self._last_stats = (time.monotonic(), 0)
 
     # ---- called by the tokenizer manager / detokenizer (loop thread) ------------------------
@@ -72,10 +73,9 @@ class Scheduler:
         max_new = room if sp.max_new_tokens is None else min(sp.max_new_tokens, room)
         req = Req(treq.rid, treq.input_ids, sp, max_new, treq.stop_token_ids, treq.logprob)
         self.reqs[req.rid] = req
-        if max_new == 0:
-            req.finish_reason = {"type": "length", "length": 0}
-            self._finish(req, emit=True)
-            return
+        # max_new_tokens 0 still prefills, as in SGLang: the prompt's KV enters the radix
+        # cache (clients send such requests to cache a prefix) and prompt logprobs are
+        # computed; the token sampled after it is dropped.
         self.waiting.append(req)
         self._wake.set()
 
@@ -89,10 +89,24 @@ class Scheduler:
         if req.req_id is None:  # still waiting: nothing allocated
             self.waiting.remove(req)
             self._finish(req, emit=True)
+        else:  # its KV goes at the next tick; the consumer hears of the end now
+            self.emit([self._out(req, [])])
         self._wake.set()
+
+    def flush_cache(self) -> bool:
+        """Empty the radix cache (every cached prefix's KV is freed). Only while no request
+        is queued, admitted or in a step; returns False, changing nothing, otherwise."""
+        if not self.is_idle() or self.kv_cache.num_reqs() != 0:
+            return False
+        self.kv_cache.reset()
+        return True
 
     def is_idle(self) -> bool:
         return not self.waiting and not self.running
+
+    def load(self) -> int:
+        """Tokens of every queued and running request (prompt + output so far)."""
+        return sum(r.seq_len for r in self.running) + sum(r.seq_len for r in self.waiting)
 
     async def stop(self) -> None:
         self._stopping = True
@@ -188,6 +202,12 @@ class Scheduler:
             req.kv_len = len(req.fill_ids()) if extend else req.kv_len + 1
             if req.finished:  # ended while the step ran: drop the extra token
                 continue
+            if req.max_new_tokens == 0:  # a prefill-only request: no output token
+                req.finish_reason = {"type": "length", "length": 0}
+                token_out = self._out(req, [])
+                self._add_input_logprobs(token_out, req, result, i)
+                outs.append(token_out)
+                continue
             req.output_ids.append(token)
             self.num_generated_tokens += 1
             req.check_finished()
@@ -196,14 +216,19 @@ class Scheduler:
             out = self._out(req, [token])
             if result.output_logprobs is not None:
                 out.output_logprobs = result.output_logprobs[i]
-            if result.input_logprobs is not None and result.input_logprobs[i] is not None:
-                out.input_logprobs = result.input_logprobs[i]
-                out.input_logprob_ids = req.origin_input_ids[req.logprob.logprob_start_len:]
-                req.input_logprobs_done = True
+            self._add_input_logprobs(out, req, result, i)
             outs.append(out)
         self._join_running(batch)
         if outs:
             self.emit(outs)
+
+    @staticmethod
+    def _add_input_logprobs(out: TokenOut, req: Req, result: StepOutput, i: int) -> None:
+        """Attach row i's prompt logprobs (once per request) to its TokenOut."""
+        if result.input_logprobs is not None and result.input_logprobs[i] is not None:
+            out.input_logprobs = result.input_logprobs[i]
+            out.input_logprob_ids = req.origin_input_ids[req.logprob.logprob_start_len:]
+            req.input_logprobs_done = True
 
     def _join_running(self, batch: ScheduleBatch) -> None:
         if batch.forward_mode is ForwardMode.EXTEND:
@@ -242,10 +267,11 @@ class Scheduler:
         if now - last_t < self.stats_interval_s:
             return
         self._last_stats = (now, self.num_generated_tokens)
+        self.last_gen_throughput = (self.num_generated_tokens - last_n) / (now - last_t)
         if self.is_idle() and self.num_generated_tokens == last_n:
             return
         total = self.kv_cache.max_total_tokens
         used = total - self.kv_cache.free_slots()
         logger.info("running=%d queued=%d kv_used=%d/%d (%.1f%%) gen_throughput=%.1f tok/s",
                     len(self.running), len(self.waiting), used, total, 100.0 * used / total,
-                    (self.num_generated_tokens - last_n) / (now - last_t))
+                    self.last_gen_throughput)

@@ -26,6 +26,29 @@ class ReqState:
         self.finished = False
 
 
+class _Sent:
+    """What a stream has yielded, so that a chunk following skipped ones (stream_interval)
+    carries all their deltas."""
+
+    def __init__(self) -> None:
+        self.num_ids = 0
+        self.text_len = 0
+        self.skipped_logprobs = 0
+
+    def skip(self, out: GenerateOutput) -> None:
+        self.skipped_logprobs += out.num_logprobs_delta
+
+    def merge(self, out: GenerateOutput) -> GenerateOutput:
+        if self.skipped_logprobs or len(out.ids_delta) != len(out.output_ids) - self.num_ids:
+            out.text_delta = out.text[self.text_len:]
+            out.ids_delta = out.output_ids[self.num_ids:]
+            out.num_logprobs_delta += self.skipped_logprobs
+            self.skipped_logprobs = 0
+        self.num_ids = len(out.output_ids)
+        self.text_len = len(out.text)
+        return out
+
+
 class TokenizerManager:
     """Tokenizes, validates, tracks and aborts requests. Loop thread only."""
 
@@ -104,18 +127,25 @@ class TokenizerManager:
             raise InvalidRequestError(f"a request with rid {req.rid!r} is already running", param="rid")
         state = ReqState()
         self.states[req.rid] = state
-        self.detokenizer.register(req.rid, req.sampling_params.stop_strs,
-                                  req.sampling_params.skip_special_tokens, treq.logprob)
+        sp = req.sampling_params
+        self.detokenizer.register(req.rid, sp.stop_strs, sp.skip_special_tokens, treq.logprob,
+                                  prompt_ids=treq.input_ids, no_stop_trim=sp.no_stop_trim)
         self.scheduler.add_request(treq)
+        interval = sp.stream_interval or 1
+        sent = _Sent()
         try:
             while True:
                 out = await state.queue.get()
                 if out.finished:
                     state.finished = True
-                    yield out
+                    yield sent.merge(out) if req.stream else out
                     return
-                if req.stream:
-                    yield out
+                if not req.stream:
+                    continue
+                if len(out.output_ids) - sent.num_ids >= interval:
+                    yield sent.merge(out)
+                else:
+                    sent.skip(out)
         finally:
             self.states.pop(req.rid, None)
             if not state.finished:
@@ -125,6 +155,14 @@ class TokenizerManager:
         """Stop a request and free what it holds; its consumer gets no more output."""
         self.detokenizer.forget(rid)
         self.scheduler.finish_request(rid, {"type": "abort", "message": "aborted by the client"})
+
+    def end_request(self, rid: str, message: str) -> bool:
+        """Stop a running request and free what it holds; its consumer receives a last
+        output with finish reason abort (`message`). False for an unknown rid."""
+        if rid not in self.states:
+            return False
+        self.scheduler.finish_request(rid, {"type": "abort", "message": message})
+        return True
 
     def _deliver(self, out: GenerateOutput) -> None:
         state = self.states.get(out.rid)

@@ -72,6 +72,14 @@ class KVCache:
     def free_req_rows(self) -> int:
         return self.core.free_rows()
 
+    def num_reqs(self) -> int:
+        """Requests admitted (holding a row) right now."""
+        return self.core.num_reqs()
+
+    def reset(self) -> None:
+        """Empty the radix cache, freeing its pages. InvariantError while requests are admitted."""
+        self.core.reset()
+
     # ---- a request's life ----------------------------------------------------------------------
     def admit(self, key: list[int]) -> AdmittedReq | None:
         """Match `key` (the tokens whose cached KV may be reused), take a row, lock the

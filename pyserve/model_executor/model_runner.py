@@ -99,6 +99,8 @@ class ModelRunner:
         # On CPU in float32, oneDNN-packed copies of the projection weights (layers/linear.py).
         prepack_weights = getattr(self.model, "prepack_linear_weights", None)
         self.packed_weight_bytes: int = prepack_weights() if prepack_weights else 0
+        self.weight_bytes: int = self.packed_weight_bytes + sum(
+            p.numel() * p.element_size() for p in self.model.parameters())
         self.page_size = int(page_size)
         pool = self._kv_pool_size(torch_device, max_total_tokens, mem_fraction_static)
         self.max_total_num_tokens = pool - pool % self.page_size
@@ -112,10 +114,10 @@ class ModelRunner:
         self.kv_cache_bytes = self.kv_pool.total_bytes
         self.attn_backend = self._attention_backend(attention_backend)
         self._input_groups: list | None = None  # prompt-logprob plan of the last forward
+        self.attention_backend_name = "cpu" if isinstance(self.attn_backend, CpuAttnBackend) else "torch_native"
         logger.info(
             "KV cache: %d tokens, %.1f MiB (%s, %s); attention backend %s", self.max_total_num_tokens,
-            self.kv_cache_bytes / 2**20, self.dtype, self.device,
-            "cpu" if isinstance(self.attn_backend, CpuAttnBackend) else "torch_native",
+            self.kv_cache_bytes / 2**20, self.dtype, self.device, self.attention_backend_name,
         )
 
     def _attention_backend(self, name: str) -> TorchNativeAttnBackend:
@@ -140,8 +142,7 @@ class ModelRunner:
                 raise ValueError(f"max_total_tokens must be > 0, got {max_total_tokens}")
             return int(max_total_tokens)
         free = available_memory_bytes(device)
-        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        weight_bytes += self.packed_weight_bytes
+        weight_bytes = self.weight_bytes
         if device.type == "cuda":
             # mem_get_info already excludes the loaded weights.
             budget = int(free * mem_fraction_static)

@@ -30,6 +30,8 @@ def validation_message(exc: ValidationError) -> tuple[str, str | None]:
     # drop pydantic's union branch names (e.g. 'str', 'list[str]') from the path
     loc = [p for p in loc if p not in ("str", "int", "float", "bool", "SamplingParams")]
     param = ".".join(loc) or None
+    if err.get("type") == "extra_forbidden":  # the OpenAI API's wording for unknown fields
+        return f"Unrecognized request argument supplied: {param}", param
     msg = err.get("msg", "invalid value").removeprefix("Value error, ")
     return (f"{param}: {msg}" if param else msg), param
 

@@ -1,14 +1,17 @@
-"""Native routes (SGLang-compatible): /generate, /health, /get_model_info, /get_server_info."""
+"""Native routes (SGLang-compatible): /generate, /health, /get_model_info, /get_server_info,
+/flush_cache, /abort_request."""
 
 from __future__ import annotations
 
 from typing import AsyncIterator
 
+from pydantic import BaseModel, ConfigDict
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from pyserve.engine.engine_core import EngineCore
+from pyserve.errors import InvalidRequestError
 from pyserve.io_struct import GenerateReqInput
 from pyserve.server.errors import parse_json
 from pyserve.server.sse import sse_response, until_disconnect
@@ -29,7 +32,8 @@ async def generate(request: Request) -> Response:
         return sse_response(_chain(first, stream, lambda o: o.to_native()))
     outs = await until_disconnect(request, engine.generate_all(reqs))
     dicts = [o.to_native() for o in outs]
-    return JSONResponse(dicts if obj.is_batch else dicts[0])
+    # a list for a list of prompts or n > 1 samples (SGLang's shape), else one object
+    return JSONResponse(dicts if obj.is_batch or len(dicts) > 1 else dicts[0])
 
 
 async def anext_or_none(it):  # type: ignore[no-untyped-def]
@@ -61,10 +65,37 @@ async def get_server_info(request: Request) -> Response:
     return JSONResponse(engine_of(request).get_server_info())
 
 
+async def flush_cache(request: Request) -> Response:
+    """GET or POST /flush_cache: empty the radix cache; 400 while requests are queued or run."""
+    if not engine_of(request).flush_cache():
+        raise InvalidRequestError(
+            "cannot flush the cache while requests are queued or running; retry when idle")
+    return JSONResponse({"success": True, "message": "Cache flushed."})
+
+
+class AbortReq(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    rid: str | None = None
+    abort_all: bool = False
+
+
+async def abort_request(request: Request) -> Response:
+    """POST /abort_request {"rid": ...} or {"abort_all": true}: end running requests (their
+    consumers get finish reason abort, their KV is freed). An unknown rid is not an error (it
+    may have just finished), as in SGLang."""
+    body = AbortReq.model_validate(await parse_json(request))
+    if body.rid is None and not body.abort_all:
+        raise InvalidRequestError("give 'rid' or 'abort_all': true", param="rid")
+    num = engine_of(request).abort_request(body.rid, abort_all=body.abort_all)
+    return JSONResponse({"success": True, "num_aborted": num})
+
+
 ROUTES = [
     Route("/generate", generate, methods=["POST"]),
     Route("/health", health, methods=["GET"]),
     Route("/health_generate", health, methods=["GET"]),
     Route("/get_model_info", get_model_info, methods=["GET"]),
     Route("/get_server_info", get_server_info, methods=["GET"]),
+    Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
+    Route("/abort_request", abort_request, methods=["POST"]),
 ]

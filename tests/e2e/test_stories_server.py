@@ -240,7 +240,7 @@ def test_openai_errors(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
     r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
-    r = post(server, "/v1/completions", {"prompt": "hi", "n": 2})
+    r = post(server, "/v1/completions", {"prompt": "hi", "n": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
     r = httpx.get(server.base_url + "/nope")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"

@@ -1,8 +1,11 @@
 """Request bodies of the OpenAI-compatible API (pydantic), and their mapping to SamplingParams.
 
-Unknown fields are ignored, as the OpenAI API's clients send fields servers may not know.
-Fields pyserve cannot honour yet (n > 1, tools, response_format, best_of) are refused with a
-400 by `check_supported()` rather than silently ignored.
+Every field a request may carry is declared: OpenAI's own, and SGLang's and vLLM's extensions.
+A field nobody declared gets a 400 ("Unrecognized request argument", as the OpenAI API
+answers), so nothing that could change the output is ignored silently. Harmless metadata
+(`user`, `metadata`, `store`, `service_tier`, ...) is accepted. Fields naming a feature
+pyserve does not have yet (structured output, tools, beam search, ...) are accepted at their
+default and refused with a 400 naming them otherwise (`check_supported()`).
 """
 
 from __future__ import annotations
@@ -12,16 +15,52 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pyserve.errors import InvalidRequestError
-from pyserve.io_struct import LogprobParams
-from pyserve.sampling_params import SamplingParams
+from pyserve.io_struct import LogprobParams, is_unset
+from pyserve.sampling_params import MAX_N, SamplingParams
 
+STRICT = ConfigDict(extra="forbid", strict=True)
 
-STRICT = ConfigDict(extra="ignore", strict=True)
+# Fields accepted only at their default (null, false, an empty list), with what they would ask.
+UNSUPPORTED = {
+    "regex": "structured output (regex) is",
+    "ebnf": "structured output (ebnf) is",
+    "json_schema": "structured output (json_schema) is",
+    "structural_tag": "structured output (structural_tag) is",
+    "guided_json": "structured output (guided_json) is",
+    "guided_regex": "structured output (guided_regex) is",
+    "guided_choice": "structured output (guided_choice) is",
+    "guided_grammar": "structured output (guided_grammar) is",
+    "guided_whitespace_pattern": "structured output (guided_whitespace_pattern) is",
+    "tools": "tool calling is",
+    "functions": "function calling is",
+    "function_call": "function calling is",
+    "suffix": "suffix (fill-in-the-middle) is",
+    "use_beam_search": "beam search is",
+    "prompt_logprobs": "prompt_logprobs (use echo with logprobs) is",
+    "allowed_token_ids": "allowed_token_ids is",
+    "bad_words": "bad_words is",
+    "truncate_prompt_tokens": "prompt truncation is",
+    "lora_path": "LoRA adapters are",
+    "session_params": "sessions are",
+    "bootstrap_host": "prefill/decode disaggregation is",
+    "bootstrap_port": "prefill/decode disaggregation is",
+    "bootstrap_room": "prefill/decode disaggregation is",
+    "return_hidden_states": "returning hidden states is",
+    "audio": "audio output is",
+    "prediction": "predicted outputs are",
+    "web_search_options": "web search is",
+    "reasoning_effort": "reasoning_effort (this server's models do not reason) is",
+    "chat_template": "a per-request chat_template is",
+    "documents": "documents are",
+    "mm_processor_kwargs": "multimodal inputs are",
+    "logits_processors": "custom logits processors are",
+}
 
 
 class StreamOptions(BaseModel):
     model_config = STRICT
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class TextPart(BaseModel):
@@ -31,7 +70,10 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = STRICT
+    """One message. Fields beyond role/content/name (tool_calls, tool_call_id, ...) are
+    passed to the chat template as they are, which renders those it knows."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -44,18 +86,19 @@ class ChatMessage(BaseModel):
         out: dict[str, Any] = {"role": role, "content": content or ""}
         if self.name:
             out["name"] = self.name
+        out.update(self.model_extra or {})
         return out
 
 
 class _Common(BaseModel):
-    """Fields shared by chat and text completions (OpenAI's plus SGLang's extensions)."""
+    """Fields shared by chat and text completions (OpenAI's plus SGLang's and vLLM's)."""
 
     model_config = STRICT
 
     model: str | None = None
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -63,7 +106,18 @@ class _Common(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    response_format: dict[str, Any] | None = None
+    # harmless metadata: accepted, does not change the output
     user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    rid: str | None = None
+    request_id: str | None = None
+    priority: int | None = None  # vLLM: scheduling only
+    guided_decoding_backend: str | None = None  # vLLM: which grammar engine, not a grammar
     # extensions (SGLang / vLLM names)
     top_k: int = -1
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
@@ -72,23 +126,52 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     skip_special_tokens: bool = True
-    # known OpenAI fields pyserve cannot honour yet: refused, not ignored
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
-    best_of: int | None = None
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    include_stop_str_in_output: bool = False
+    length_penalty: float = 1.0
+    # accepted at their default only (UNSUPPORTED)
+    regex: Any = None
+    ebnf: Any = None
+    json_schema: Any = None
+    structural_tag: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_whitespace_pattern: Any = None
+    use_beam_search: Any = False
+    prompt_logprobs: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    truncate_prompt_tokens: Any = None
+    lora_path: Any = None
+    session_params: Any = None
+    bootstrap_host: Any = None
+    bootstrap_port: Any = None
+    bootstrap_room: Any = None
+    return_hidden_states: Any = False
+    logits_processors: Any = None
 
     def check_supported(self) -> None:
-        """Raise InvalidRequestError for fields pyserve cannot honour yet."""
-        if self.n != 1:
-            raise InvalidRequestError("only n=1 is supported", param="n")
-        if self.tools:
-            raise InvalidRequestError("'tools' is not supported yet", param="tools")
+        """Raise InvalidRequestError (400, `param` naming the field) for a field set to
+        something pyserve cannot honour yet."""
+        for name, feature in UNSUPPORTED.items():
+            if name in type(self).model_fields and not is_unset(getattr(self, name)):
+                raise InvalidRequestError(f"{name}: {feature} not supported yet; leave it unset",
+                                          param=name)
         if self.response_format and self.response_format.get("type") != "text":
             raise InvalidRequestError("response_format other than text is not supported yet",
                                       param="response_format")
-        if self.best_of not in (None, 1):
-            raise InvalidRequestError("only best_of=1 is supported", param="best_of")
+        if not self.spaces_between_special_tokens:
+            raise InvalidRequestError("spaces_between_special_tokens: only true is supported",
+                                      param="spaces_between_special_tokens")
+        if self.length_penalty != 1.0:
+            raise InvalidRequestError("length_penalty: beam search is not supported yet",
+                                      param="length_penalty")
+        if self.priority not in (None, 0):
+            raise InvalidRequestError("priority: request priorities are not supported yet",
+                                      param="priority")
         for key in self.logit_bias or {}:
             if not key.isdigit():
                 raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}",
@@ -101,11 +184,17 @@ class _Common(BaseModel):
             ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens, seed=self.seed,
             frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
             repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias,
-            min_new_tokens=self.min_tokens)
+            min_new_tokens=self.min_tokens, n=self.n,
+            no_stop_trim=self.no_stop_trim or self.include_stop_str_in_output)
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Every streamed chunk carries the usage so far (SGLang's and vLLM's option)."""
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class ChatCompletionRequest(_Common):
@@ -114,11 +203,55 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(default=None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    modalities: list[Literal["text"]] | None = None
+    # chat templating (vLLM / SGLang names)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    # accepted at their default only (UNSUPPORTED)
+    tools: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    chat_template: Any = None
+    documents: Any = None
+    mm_processor_kwargs: Any = None
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise InvalidRequestError("tool_choice: tool calling is not supported yet",
+                                      param="tool_choice")
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise InvalidRequestError(
+                    "continue_final_message needs add_generation_prompt=false",
+                    param="continue_final_message")
+            if self.messages[-1].role != "assistant":
+                raise InvalidRequestError(
+                    "continue_final_message needs an assistant message last",
+                    param="continue_final_message")
+        reserved = {"conversation", "messages", "tokenize", "add_generation_prompt",
+                    "continue_final_message", "return_dict"}
+        clash = reserved & set(self.chat_template_kwargs or {})
+        if clash:
+            raise InvalidRequestError(f"chat_template_kwargs may not set {sorted(clash)[0]!r}",
+                                      param="chat_template_kwargs")
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of `tokenizer.apply_chat_template` for this request."""
+        return {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message}
 
     def logprob_params(self) -> LogprobParams:
         return LogprobParams(return_logprob=self.logprobs, top_logprobs_num=self.top_logprobs or 0,
@@ -134,7 +267,9 @@ class CompletionRequest(_Common):
     max_tokens: int | None = Field(default=16, ge=0)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1)
+    add_special_tokens: bool = True
+    suffix: Any = None
 
     def logprob_params(self) -> LogprobParams:
         """logprobs=k: the sampled token's logprob and the k most likely; with echo, the
@@ -146,8 +281,10 @@ class CompletionRequest(_Common):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.suffix:
-            raise InvalidRequestError("suffix is not supported", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequestError(
+                f"best_of must equal n ({self.n}): choosing the best of more samples is not "
+                "supported yet", param="best_of")
         if isinstance(self.prompt, list) and len(self.prompt) == 0:
             raise InvalidRequestError("prompt is empty", param="prompt")
         if self.stream and isinstance(self.prompt, list) and self.prompt and \

@@ -2,7 +2,8 @@
 
 Responses follow the OpenAI API's shapes (ids, `object`, `created`, `usage` with
 `prompt_tokens_details.cached_tokens`); streams send `chat.completion.chunk` /
-`text_completion` deltas and end with `data: [DONE]`.
+`text_completion` deltas and end with `data: [DONE]`. With `n > 1` a choice per sample
+(index = prompt index * n + sample), each finishing once; usage counts each prompt once.
 """
 
 from __future__ import annotations
@@ -32,12 +33,17 @@ def finish_reason(out: GenerateOutput) -> str | None:
     return "length" if kind == "length" else "stop" if kind == "stop" else "abort"
 
 
-def usage(outs: list[GenerateOutput]) -> dict[str, Any]:
-    prompt = sum(o.prompt_tokens for o in outs)
+def usage(outs: list[GenerateOutput], n: int = 1) -> dict[str, Any]:
+    """Usage of final (or, streaming, latest) outputs: `outs` holds n samples per prompt in a
+    row; each prompt counts once, with the cached tokens its samples found (the most any
+    sample found)."""
+    groups = [outs[i:i + n] for i in range(0, len(outs), n)]
+    prompt = sum(g[0].prompt_tokens for g in groups)
     completion = sum(len(o.output_ids) for o in outs)
+    cached = sum(max(o.cached_tokens for o in g) for g in groups)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in outs)}}
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def model_name(engine: EngineCore, requested: str | None) -> str:
@@ -52,61 +58,96 @@ def model_name(engine: EngineCore, requested: str | None) -> str:
         param="model", code="model_not_found", status=404)
 
 
+def _index(out: GenerateOutput) -> int:
+    return out.index or 0
+
+
+class _StreamState:
+    """Per-choice progress of a stream: which outputs are latest, logprobs already sent."""
+
+    def __init__(self) -> None:
+        self.latest: dict[int, GenerateOutput] = {}
+        self.sent_logprobs: dict[int, int] = {}
+
+    def update(self, out: GenerateOutput) -> tuple[int, int]:
+        """Record `out`; returns (its choice index, output logprobs sent before it)."""
+        i = _index(out)
+        self.latest[i] = out
+        sent = self.sent_logprobs.get(i, 0)
+        if out.logprobs is not None:
+            self.sent_logprobs[i] = len(out.logprobs["output_token_logprobs"])
+        return i, sent
+
+
+def _prompt_once(outs: list[GenerateOutput]) -> dict[str, Any]:
+    """Usage fields of the samples of one prompt so far (prompt counted once)."""
+    prompt = outs[0].prompt_tokens if outs else 0
+    completion = sum(len(o.output_ids) for o in outs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": max((o.cached_tokens for o in outs), default=0)}}
+
+
 async def chat_completions(request: Request) -> Response:
     body = ChatCompletionRequest.model_validate(await parse_json(request))
     body.check_supported()
     engine = engine_of(request)
     name = model_name(engine, body.model)
-    prompt = await engine.apply_chat_template([m.to_template() for m in body.messages])
+    prompt = await engine.apply_chat_template([m.to_template() for m in body.messages],
+                                              **body.template_kwargs())
     req = SingleReq(text=prompt, input_ids=None, sampling_params=body.sampling_params(body.max_new_tokens),
-                    stream=body.stream, add_special_tokens=False, logprob=body.logprob_params())
+                    stream=body.stream, add_special_tokens=body.add_special_tokens,
+                    logprob=body.logprob_params(), rid=body.rid or uuid.uuid4().hex)
     rid = f"chatcmpl-{req.rid}"
     created = int(time.time())
     if body.stream:
         stream = engine.generate(req)
         first = await anext_or_none(stream)
-        return sse_response(_chat_chunks(first, stream, rid, created, name, body.include_usage))
+        return sse_response(_chat_chunks(first, stream, rid, created, name, body))
     outs = await until_disconnect(request, engine.generate_all([req]))
-    out = outs[0]
     return JSONResponse({
         "id": rid, "object": "chat.completion", "created": created, "model": name,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
+        "choices": [{"index": i, "message": {"role": "assistant", "content": out.text},
                      "logprobs": chat_logprobs(out, 0), "finish_reason": finish_reason(out),
-                     "matched_stop": (out.finish_reason or {}).get("matched")}],
-        "usage": usage([out]),
+                     "matched_stop": (out.finish_reason or {}).get("matched")}
+                    for i, out in enumerate(outs)],
+        "usage": usage(outs, body.n),
     })
 
 
 async def _chat_chunks(first: GenerateOutput | None, rest: AsyncIterator[GenerateOutput], rid: str,
-                       created: int, name: str, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
-    def chunk(delta: dict[str, Any], reason: str | None, logprobs: Any = None) -> dict[str, Any]:
-        out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
-               "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
-        if include_usage:
+                       created: int, name: str, body: ChatCompletionRequest) -> AsyncIterator[dict[str, Any]]:
+    state = _StreamState()
+
+    def chunk(index: int, delta: dict[str, Any], reason: str | None, logprobs: Any = None) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
+                               "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                            "finish_reason": reason}]}
+        if body.continuous_usage:
+            out["usage"] = _prompt_once([state.latest[i] for i in sorted(state.latest)])
+        elif body.include_usage:
             out["usage"] = None  # as OpenAI: only the last chunk carries usage
         return out
 
     try:
-        yield chunk({"role": "assistant", "content": ""}, None)
+        for i in range(body.n):
+            yield chunk(i, {"role": "assistant", "content": ""}, None)
         out = first
-        sent_logprobs = 0
         while out is not None:
+            i, sent = state.update(out)
             # a chunk carries the logprobs of the tokens it adds (even with no text yet)
             new_logprobs = out.logprobs is not None and out.num_logprobs_delta > 0
             if out.text_delta or new_logprobs:
-                logprobs = chat_logprobs(out, sent_logprobs) if new_logprobs else None
-                if out.logprobs is not None:
-                    sent_logprobs = len(out.logprobs["output_token_logprobs"])
-                yield chunk({"content": out.text_delta}, None, logprobs)
+                logprobs = chat_logprobs(out, sent) if new_logprobs else None
+                yield chunk(i, {"content": out.text_delta}, None, logprobs)
             if out.finished:
-                yield chunk({}, finish_reason(out))
-                if include_usage:
-                    yield {"id": rid, "object": "chat.completion.chunk", "created": created,
-                           "model": name, "choices": [], "usage": usage([out])}
-                return
+                yield chunk(i, {}, finish_reason(out))
             out = await anext_or_none(rest)
+        if body.include_usage:
+            yield {"id": rid, "object": "chat.completion.chunk", "created": created,
+                   "model": name, "choices": [],
+                   "usage": _prompt_once([state.latest[i] for i in sorted(state.latest)])}
     finally:
-        await rest.aclose()
+        await rest.aclose()  # type: ignore[attr-defined]
 
 
 async def completions(request: Request) -> Response:
@@ -114,85 +155,94 @@ async def completions(request: Request) -> Response:
     body.check_supported()
     engine = engine_of(request)
     name = model_name(engine, body.model)
+    base_rid = body.rid or uuid.uuid4().hex
+    prompts = body.prompts()
     reqs = [SingleReq(text=text, input_ids=ids, sampling_params=body.sampling_params(body.max_tokens),
-                      stream=body.stream, logprob=body.logprob_params()) for text, ids in body.prompts()]
-    rid = f"cmpl-{uuid.uuid4().hex}"
+                      stream=body.stream, logprob=body.logprob_params(),
+                      add_special_tokens=body.add_special_tokens,
+                      rid=base_rid if len(prompts) == 1 else f"{base_rid}-p{k}")
+            for k, (text, ids) in enumerate(prompts)]
+    rid = f"cmpl-{base_rid}"
     created = int(time.time())
     if body.stream:
         stream = engine.generate(reqs[0])
         first = await anext_or_none(stream)  # validates the prompt before echoing it
-        echo = _echo_prefix(engine, reqs[0]) if body.echo else ""
-        return sse_response(_completion_chunks(first, stream, rid, created, name,
-                                               body.include_usage, echo, body.echo))
+        echo = await engine.prompt_text(reqs[0]) if body.echo else ""
+        return sse_response(_completion_chunks(first, stream, rid, created, name, body, echo))
     outs = await until_disconnect(request, engine.generate_all(reqs))
-    prefixes = [_echo_prefix(engine, r) if body.echo else "" for r in reqs]
+    prefixes = [await engine.prompt_text(r) if body.echo else "" for r in reqs]
     return JSONResponse({
         "id": rid, "object": "text_completion", "created": created, "model": name,
-        "choices": [{"index": i, "text": prefixes[i] + o.text,
+        "choices": [{"index": i, "text": prefixes[i // body.n] + o.text,
                      "logprobs": completion_logprobs(o, 0, echo=body.echo),
                      "finish_reason": finish_reason(o), "matched_stop": (o.finish_reason or {}).get("matched")}
                     for i, o in enumerate(outs)],
-        "usage": usage(outs),
+        "usage": usage(outs, body.n),
     })
 
 
-def _echo_prefix(engine: EngineCore, req: SingleReq) -> str:
-    """The prompt as text; call only after the request was validated (ids in vocabulary)."""
-    if req.text is not None:
-        return req.text
-    return engine.tokenizer.decode(req.input_ids or [])
-
-
 async def _completion_chunks(first: GenerateOutput | None, rest: AsyncIterator[GenerateOutput],
-                             rid: str, created: int, name: str, include_usage: bool,
-                             echo: str, echo_logprobs: bool = False) -> AsyncIterator[dict[str, Any]]:
-    def chunk(text: str, reason: str | None, logprobs: Any = None) -> dict[str, Any]:
-        out = {"id": rid, "object": "text_completion", "created": created, "model": name,
-               "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}]}
-        if include_usage:
+                             rid: str, created: int, name: str, body: CompletionRequest,
+                             echo: str) -> AsyncIterator[dict[str, Any]]:
+    state = _StreamState()
+
+    def chunk(index: int, text: str, reason: str | None, logprobs: Any = None) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": name,
+                               "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                            "finish_reason": reason}]}
+        if body.continuous_usage:
+            out["usage"] = _prompt_once([state.latest[i] for i in sorted(state.latest)])
+        elif body.include_usage:
             out["usage"] = None
         return out
 
     try:
-        offset = 0
-        if echo:
+        offsets = [0] * body.n  # character offset of each choice's next text (logprobs)
+        if body.echo:
             # the prompt's logprobs (echo) go with the echoed prompt
             prompt_lp = None
-            if first is not None and first.logprobs is not None and echo_logprobs:
+            if first is not None and first.logprobs is not None:
                 prompt_lp = completion_logprobs(first, 0, 0, echo=True)
-            yield chunk(echo, None, prompt_lp)
-            offset = len(echo)
+            for i in range(body.n):
+                yield chunk(i, echo, None, prompt_lp)
+                offsets[i] = len(echo)
         out = first
-        sent_logprobs = 0
         while out is not None:
+            i, sent = state.update(out)
             new_logprobs = out.logprobs is not None and out.num_logprobs_delta > 0
             if out.text_delta or out.finished or new_logprobs:
                 logprobs = None
                 if out.logprobs is not None:
-                    logprobs = completion_logprobs(out, sent_logprobs, text_offset=offset)
-                    sent_logprobs = len(out.logprobs["output_token_logprobs"])
-                offset += len(out.text_delta)
-                yield chunk(out.text_delta, finish_reason(out), logprobs)
-            if out.finished:
-                if include_usage:
-                    yield {"id": rid, "object": "text_completion", "created": created, "model": name,
-                           "choices": [], "usage": usage([out])}
-                return
+                    logprobs = completion_logprobs(out, sent, text_offset=offsets[i])
+                offsets[i] += len(out.text_delta)
+                yield chunk(i, out.text_delta, finish_reason(out), logprobs)
             out = await anext_or_none(rest)
+        if body.include_usage:
+            yield {"id": rid, "object": "text_completion", "created": created, "model": name,
+                   "choices": [], "usage": _prompt_once([state.latest[i] for i in sorted(state.latest)])}
     finally:
-        await rest.aclose()
+        await rest.aclose()  # type: ignore[attr-defined]
+
+
+def _model_card(engine: EngineCore) -> dict[str, Any]:
+    return {"id": engine.model_name, "object": "model", "created": int(engine.start_time),
+            "owned_by": "pyserve", "root": engine.model_path, "max_model_len": engine.context_len}
 
 
 async def list_models(request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [_model_card(engine_of(request))]})
+
+
+async def retrieve_model(request: Request) -> Response:
+    """GET /v1/models/{id}: the served model under any name the routes accept, else 404."""
     engine = engine_of(request)
-    return JSONResponse({"object": "list", "data": [{
-        "id": engine.model_name, "object": "model", "created": int(engine.start_time),
-        "owned_by": "pyserve", "root": engine.model_path,
-        "max_model_len": engine.context_len}]})
+    model_name(engine, request.path_params["model_id"])
+    return JSONResponse(_model_card(engine))
 
 
 ROUTES = [
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/models", list_models, methods=["GET"]),
+    Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),
 ]
