@@ -189,3 +189,15 @@ def test_16_concurrent_chat_streams(client):
     for messages, text in zip(questions, texts):
         full = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=24)
         assert text == full.choices[0].message.content
+
+
+def test_text_equals_decode_of_prompt_plus_output(server):
+    """Byte-level BPE: for 20 prompts, every route's text (streamed or not) equals the
+    tokenizer's decode of prompt + output minus that of the prompt; echo equals decode(prompt)."""
+    from transformers import AutoTokenizer
+
+    from tests.e2e.text_exact import check_all
+
+    gguf = smollm2_gguf()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    check_all(server.base_url, tok, max_new=8, workers=8)

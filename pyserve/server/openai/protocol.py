@@ -61,6 +61,7 @@ class StreamOptions(BaseModel):
     model_config = STRICT
     include_usage: bool = False
     continuous_usage_stats: bool = False
+    include_obfuscation: bool | None = None  # OpenAI's padding against side channels: harmless
 
 
 class TextPart(BaseModel):
