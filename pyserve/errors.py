@@ -2,6 +2,8 @@
 
 * `PyserveError`: base of the errors raised by pyserve's Python code.
   * `InvalidRequestError`: the client sent a request pyserve cannot serve (HTTP 400).
+  * `ModelStepError`: a model step failed while the request ran (HTTP 500 or an SSE error
+    event); the server and the other requests carry on.
 * `CoreError` (from the Rust core, `pyserve._rs`): a caller broke a contract of the KV
   bookkeeping; a pyserve bug, never the client's fault. Subclasses:
   `UnknownRequestError` (unknown request id, req_pool_idx or radix node id),
@@ -43,9 +45,15 @@ class InvalidRequestError(PyserveError, ValueError):
         self.status = status
 
 
+class ModelStepError(PyserveError, RuntimeError):
+    """A model step failed (a pyserve or device fault, not the client's) while the request
+    ran; the request was ended and its KV freed."""
+
+
 __all__ = [
     "PyserveError",
     "InvalidRequestError",
+    "ModelStepError",
     "CoreError",
     "UnknownRequestError",
     "DuplicateRequestError",

@@ -129,7 +129,9 @@ class Scheduler:
                 for req in batch.reqs:
                     req.kv_len = len(req.fill_ids()) if batch.forward_mode is ForwardMode.EXTEND else req.kv_len + 1
                     if not req.finished:
-                        req.finish_reason = {"type": "abort", "message": f"model step failed: {exc}"}
+                        # status_code: a server-side failure, not the client's (HTTP 500)
+                        req.finish_reason = {"type": "abort", "message": f"model step failed: {exc}",
+                                             "status_code": 500}
                         self.emit([self._out(req, [])])
                 self._join_running(batch)
                 continue

@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator
 
 from pyserve.engine.detokenizer import Detokenizer
 from pyserve.engine.scheduler import Scheduler
-from pyserve.errors import InvalidRequestError
+from pyserve.errors import InvalidRequestError, ModelStepError
 from pyserve.io_struct import GenerateOutput, SingleReq, TokenizedGenerateReq
 
 
@@ -104,7 +104,8 @@ class TokenizerManager:
             stop_ids |= self.eos_token_ids
         lp = req.logprob
         for name, token_ids in (("logit_bias", [t for t, _ in sp.logit_bias_items]),
-                                ("token_ids_logprob", lp.token_ids_logprob or [])):
+                                ("token_ids_logprob", lp.token_ids_logprob or []),
+                                ("stop_token_ids", sp.stop_token_ids or [])):
             bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise InvalidRequestError(
@@ -119,7 +120,8 @@ class TokenizerManager:
         """Yield outputs: every chunk when req.stream, else only the final one.
 
         `tokenized`: the result of `tokenize(req)` when the caller already has it.
-        Raises InvalidRequestError before anything is yielded when the request is invalid.
+        Raises InvalidRequestError before anything is yielded when the request is invalid,
+        ModelStepError (after any chunks) when a model step failed while it ran.
         Closing the iterator before the end aborts the request and frees its KV.
         """
         treq = tokenized or await self.tokenize(req)
@@ -138,6 +140,9 @@ class TokenizerManager:
                 out = await state.queue.get()
                 if out.finished:
                     state.finished = True
+                    reason = out.finish_reason or {}
+                    if reason.get("status_code", 0) >= 500:
+                        raise ModelStepError(reason.get("message", "the model step failed"))
                     yield sent.merge(out) if req.stream else out
                     return
                 if not req.stream:

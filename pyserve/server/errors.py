@@ -12,15 +12,17 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from pyserve.errors import InvalidRequestError
+from pyserve.errors import InvalidRequestError, ModelStepError
+from pyserve.server.render import SafeJSONResponse, error_body
 
 logger = logging.getLogger(__name__)
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error",
                    param: str | None = None, code: str | int | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
+    """The error response of every route (see `render.error_body`: cannot fail on the
+    request text it quotes)."""
+    return SafeJSONResponse(error_body(message, type_, param, code), status_code=status)
 
 
 def validation_message(exc: ValidationError) -> tuple[str, str | None]:
@@ -41,14 +43,55 @@ def _reject_constant(name: str) -> Any:
 
 
 async def parse_json(request: Request) -> Any:
-    """The request body as strict JSON (no NaN / Infinity); InvalidRequestError otherwise."""
+    """The request body as strict JSON (no NaN / Infinity) whose strings are all valid
+    Unicode; InvalidRequestError otherwise (param: the path of a string holding a lone
+    surrogate, which no tokenizer can read and no UTF-8 response can carry)."""
     body = await request.body()
     try:
-        return json.loads(body, parse_constant=_reject_constant)
+        obj = json.loads(body, parse_constant=_reject_constant)
     except RecursionError as exc:
         raise InvalidRequestError("the request body is nested too deeply") from exc
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, NaN / Infinity
         raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from exc
+    bad = _lone_surrogate_path(obj)
+    if bad is not None:
+        raise InvalidRequestError(f"{bad or 'a field name'}: the text is not valid Unicode "
+                                  "(it holds a lone surrogate)", param=bad or None)
+    return obj
+
+
+def _lone_surrogate_path(obj: Any) -> str | None:
+    """The dotted path of the first string (value or key) that cannot be encoded as UTF-8
+    ("" for a top-level key), else None. Iterative (the body may be nested deeply); numbers
+    are skipped without building paths (token-id lists are long)."""
+    def bad(text: str) -> bool:
+        if text.isascii():
+            return False
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+
+    def join(path: str, key: object) -> str:
+        return f"{path}.{key}" if path else str(key)
+
+    stack: list[tuple[Any, str]] = [(obj, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if bad(value):
+                return path
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if bad(key):
+                    return path
+                if isinstance(item, (str, dict, list)):
+                    stack.append((item, join(path, key)))
+        elif isinstance(value, list):
+            stack.extend((item, join(path, i)) for i, item in enumerate(value)
+                         if isinstance(item, (str, dict, list)))
+    return None
 
 
 async def handle_invalid_request(request: Request, exc: Exception) -> JSONResponse:
@@ -68,14 +111,20 @@ async def handle_http_exception(request: Request, exc: Exception) -> JSONRespons
     return error_response(exc.status_code, str(exc.detail), type_=type_)
 
 
+async def handle_model_step_error(request: Request, exc: Exception) -> JSONResponse:
+    # the worker has logged the failed step with its traceback
+    return error_response(500, str(exc), type_="internal_server_error", code=500)
+
+
 async def handle_internal_error(request: Request, exc: Exception) -> JSONResponse:
-    logger.exception("internal error on %s %s", request.method, request.url.path)
+    logger.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
     return error_response(500, f"internal server error: {type(exc).__name__}: {exc}",
                           type_="internal_server_error")
 
 
 EXCEPTION_HANDLERS: dict[Any, Any] = {
     InvalidRequestError: handle_invalid_request,
+    ModelStepError: handle_model_step_error,
     ValidationError: handle_validation_error,
     HTTPException: handle_http_exception,
     Exception: handle_internal_error,

@@ -7,13 +7,14 @@ from typing import AsyncIterator
 
 from pydantic import BaseModel, ConfigDict
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from pyserve.engine.engine_core import EngineCore
 from pyserve.errors import InvalidRequestError
 from pyserve.io_struct import GenerateReqInput
 from pyserve.server.errors import parse_json
+from pyserve.server.render import SafeJSONResponse
 from pyserve.server.sse import sse_response, until_disconnect
 
 
@@ -33,7 +34,7 @@ async def generate(request: Request) -> Response:
     outs = await until_disconnect(request, engine.generate_all(reqs))
     dicts = [o.to_native() for o in outs]
     # a list for a list of prompts or n > 1 samples (SGLang's shape), else one object
-    return JSONResponse(dicts if obj.is_batch or len(dicts) > 1 else dicts[0])
+    return SafeJSONResponse(dicts if obj.is_batch or len(dicts) > 1 else dicts[0])
 
 
 async def anext_or_none(it):  # type: ignore[no-untyped-def]
@@ -58,11 +59,11 @@ async def health(request: Request) -> Response:
 
 
 async def get_model_info(request: Request) -> Response:
-    return JSONResponse(engine_of(request).get_model_info())
+    return SafeJSONResponse(engine_of(request).get_model_info())
 
 
 async def get_server_info(request: Request) -> Response:
-    return JSONResponse(engine_of(request).get_server_info())
+    return SafeJSONResponse(engine_of(request).get_server_info())
 
 
 async def flush_cache(request: Request) -> Response:
@@ -70,7 +71,7 @@ async def flush_cache(request: Request) -> Response:
     if not engine_of(request).flush_cache():
         raise InvalidRequestError(
             "cannot flush the cache while requests are queued or running; retry when idle")
-    return JSONResponse({"success": True, "message": "Cache flushed."})
+    return SafeJSONResponse({"success": True, "message": "Cache flushed."})
 
 
 class AbortReq(BaseModel):
@@ -87,7 +88,7 @@ async def abort_request(request: Request) -> Response:
     if body.rid is None and not body.abort_all:
         raise InvalidRequestError("give 'rid' or 'abort_all': true", param="rid")
     num = engine_of(request).abort_request(body.rid, abort_all=body.abort_all)
-    return JSONResponse({"success": True, "num_aborted": num})
+    return SafeJSONResponse({"success": True, "num_aborted": num})
 
 
 ROUTES = [

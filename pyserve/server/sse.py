@@ -4,28 +4,43 @@ ends with `data: [DONE]`, and aborting generation when the client goes away."""
 from __future__ import annotations
 
 import asyncio
-import json
+import logging
 from typing import Any, AsyncIterator, Awaitable, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
+from pyserve.errors import InvalidRequestError, ModelStepError
+from pyserve.server.render import error_body, sse_event
+
+logger = logging.getLogger(__name__)
+
 T = TypeVar("T")
 
 
-def sse_event(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+DONE_EVENT = b"data: [DONE]\n\n"
 
 
 def sse_response(events: AsyncIterator[Any]) -> StreamingResponse:
-    """Stream `events` as SSE. When the client disconnects the iterator is closed, which
-    aborts the request behind it."""
+    """Stream `events` as SSE, ending with `data: [DONE]`. When the client disconnects the
+    iterator is closed, which aborts the request behind it. An error after the stream started
+    (the 200 is sent) becomes an SSE event holding an OpenAI-style error object, then
+    `data: [DONE]`: the client sees why the stream ended, never a cut connection."""
 
-    async def body() -> AsyncIterator[str]:
+    async def body() -> AsyncIterator[bytes]:
         try:
-            async for obj in events:
-                yield sse_event(obj)
-            yield "data: [DONE]\n\n"
+            try:
+                async for obj in events:
+                    yield sse_event(obj)
+            except InvalidRequestError as exc:
+                yield sse_event(error_body(exc.message, param=exc.param, code=exc.code or exc.status))
+            except ModelStepError as exc:  # the worker has logged the failed step
+                yield sse_event(error_body(str(exc), type_="internal_server_error", code=500))
+            except Exception as exc:  # a pyserve bug: say so, keep the server and the stream sane
+                logger.error("stream failed", exc_info=exc)
+                yield sse_event(error_body(f"internal server error: {type(exc).__name__}: {exc}",
+                                           type_="internal_server_error", code=500))
+            yield DONE_EVENT
         finally:
             aclose = getattr(events, "aclose", None)
             if aclose is not None:

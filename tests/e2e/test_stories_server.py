@@ -160,7 +160,7 @@ def test_generate_stream_is_sse_with_cumulative_text(server):
     (json.dumps({"sampling_params": {}}).encode(), 400, None),
     (b'{"text": "a", "sampling_params": {"seed": 18446744073709551616}}', 400, "sampling_params.seed"),
     (b'{"text": "a", "sampling_params": {"temperature": Infinity}}', 400, None),
-    (b'{"text": "\\ud800 hi"}', 400, "prompt"),
+    (b'{"text": "\\ud800 hi"}', 400, "text"),
     (b"[" * 100000 + b"]" * 100000, 400, None),
     (b'{"input_ids": [true]}', 400, "input_ids.0"),
     (b'{"text": "a", "sampling_params": {"max_new_tokens": "2"}}', 400, "sampling_params.max_new_tokens"),

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from pyserve import InvalidRequestError
+from pyserve import InvalidRequestError, ModelStepError
 from tests.conftest import make_stories_engine
 
 POOL = 2048
@@ -149,7 +149,7 @@ def test_prefix_cache_reports_page_aligned_cached_tokens(engine, stories_referen
 
 def test_a_step_that_panics_fails_its_requests_and_the_engine_goes_on(engine, monkeypatch):
     """A native kernel's panic reaches Python as pyo3's PanicException, a BaseException: the
-    step's requests end with abort, the worker thread survives, the next request runs."""
+    step's requests fail with ModelStepError, the worker thread survives, the next request runs."""
 
     class FakePanic(BaseException):
         pass
@@ -162,8 +162,7 @@ def test_a_step_that_panics_fails_its_requests_and_the_engine_goes_on(engine, mo
         raise FakePanic("kernel panicked")
 
     monkeypatch.setattr(runner, "forward", panicking)
-    out = engine.generate("Once upon a time", {"temperature": 0, "max_new_tokens": 4})
-    assert out["meta_info"]["finish_reason"] == {"type": "abort",
-                                                  "message": "model step failed: FakePanic: kernel panicked"}
+    with pytest.raises(ModelStepError, match="^model step failed: FakePanic: kernel panicked$"):
+        engine.generate("Once upon a time", {"temperature": 0, "max_new_tokens": 4})
     again = engine.generate("Once upon a time", {"temperature": 0, "max_new_tokens": 4})
     assert again["meta_info"]["completion_tokens"] == 4

@@ -13,13 +13,14 @@ import uuid
 from typing import Any, AsyncIterator
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from pyserve.engine.engine_core import EngineCore
 from pyserve.errors import InvalidRequestError
 from pyserve.io_struct import GenerateOutput, SingleReq
 from pyserve.server.errors import parse_json
+from pyserve.server.render import SafeJSONResponse
 from pyserve.server.native import anext_or_none, engine_of
 from pyserve.server.openai.logprobs import chat_logprobs, completion_logprobs
 from pyserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -104,7 +105,7 @@ async def chat_completions(request: Request) -> Response:
         first = await anext_or_none(stream)
         return sse_response(_chat_chunks(first, stream, rid, created, name, body))
     outs = await until_disconnect(request, engine.generate_all([req]))
-    return JSONResponse({
+    return SafeJSONResponse({
         "id": rid, "object": "chat.completion", "created": created, "model": name,
         "choices": [{"index": i, "message": {"role": "assistant", "content": out.text},
                      "logprobs": chat_logprobs(out, 0), "finish_reason": finish_reason(out),
@@ -171,7 +172,7 @@ async def completions(request: Request) -> Response:
         return sse_response(_completion_chunks(first, stream, rid, created, name, body, echo))
     outs = await until_disconnect(request, engine.generate_all(reqs))
     prefixes = [await engine.prompt_text(r) if body.echo else "" for r in reqs]
-    return JSONResponse({
+    return SafeJSONResponse({
         "id": rid, "object": "text_completion", "created": created, "model": name,
         "choices": [{"index": i, "text": prefixes[i // body.n] + o.text,
                      "logprobs": completion_logprobs(o, 0, echo=body.echo),
@@ -230,14 +231,14 @@ def _model_card(engine: EngineCore) -> dict[str, Any]:
 
 
 async def list_models(request: Request) -> Response:
-    return JSONResponse({"object": "list", "data": [_model_card(engine_of(request))]})
+    return SafeJSONResponse({"object": "list", "data": [_model_card(engine_of(request))]})
 
 
 async def retrieve_model(request: Request) -> Response:
     """GET /v1/models/{id}: the served model under any name the routes accept, else 404."""
     engine = engine_of(request)
     model_name(engine, request.path_params["model_id"])
-    return JSONResponse(_model_card(engine))
+    return SafeJSONResponse(_model_card(engine))
 
 
 ROUTES = [

@@ -1,0 +1,58 @@
+"""Turning response objects into bytes without ever failing on request-derived text.
+
+Every JSON body, SSE event and error object of the server goes through `json_bytes`, which
+cannot raise on a string: a lone surrogate (valid in JSON text as an escape, not encodable as
+UTF-8) is written as its JSON escape `\\udcff` (the same character again when parsed), NUL and
+control characters are escaped by the JSON encoder. `error_body` also truncates the texts it
+quotes, so an error about a megabyte of input is not a megabyte itself.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+# Longest message or param an error object carries, in characters.
+MAX_ERROR_TEXT_CHARS = 1000
+
+
+def json_bytes(obj: Any) -> bytes:
+    """`obj` as UTF-8 JSON. Strings with lone surrogates are written with JSON escapes (the
+    only place a raw surrogate can appear is inside a string, where `\\uXXXX` is an escape).
+    Raises only for objects JSON cannot hold (NaN/inf floats, non-JSON types)."""
+    text = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    return text.encode("utf-8", "backslashreplace")
+
+
+def clip_text(text: str, limit: int = MAX_ERROR_TEXT_CHARS) -> str:
+    """`text` cut to `limit` characters (saying how much was cut), safe to encode."""
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    if len(text) > limit:
+        text = f"{text[:limit]}... ({len(text) - limit} more characters)"
+    return text
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | int | None = None) -> dict[str, Any]:
+    """The OpenAI-style error object {"error": {"message", "type", "param", "code"}}, its
+    texts clipped and made encodable (they may quote the request)."""
+    return {"error": {
+        "message": clip_text(str(message)),
+        "type": type_,
+        "param": None if param is None else clip_text(str(param)),
+        "code": clip_text(code) if isinstance(code, str) else code,
+    }}
+
+
+class SafeJSONResponse(JSONResponse):
+    """A JSONResponse rendered by `json_bytes` (never fails on a string)."""
+
+    def render(self, content: Any) -> bytes:
+        return json_bytes(content)
+
+
+def sse_event(obj: Any) -> bytes:
+    """One server-sent event carrying `obj` as JSON."""
+    return b"data: " + json_bytes(obj) + b"\n\n"
