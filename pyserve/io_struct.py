@@ -30,6 +30,7 @@ UNSUPPORTED_FIELDS = {
     "return_hidden_states": "returning hidden states is",
     "background": "background requests are",
     "return_bytes": "returning bytes is",
+    "return_entropy": "returning entropy is",
     "priority": "request priorities are",
 }
 
@@ -51,6 +52,9 @@ class GenerateReqInput(BaseModel):
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: SamplingParams | list[SamplingParams] | None = None
+    # the served model (as routers such as sglang-router add it): its served name, "default"
+    # or its path; another name gets a 404 (checked by the route, which knows the model)
+    model: str | None = None
     stream: bool = False
     rid: str | list[str] | None = None
     # logprobs (SGLang's names); a list gives one value per prompt
@@ -61,6 +65,7 @@ class GenerateReqInput(BaseModel):
     return_text_in_logprobs: bool = False
     # metadata SGLang clients send; they do not change the output
     log_metrics: bool = True
+    no_logs: bool = False  # sglang-router forwards it
     conversation_id: str | None = None
     label: str | None = None
     # The rest of SGLang 0.5.2's fields: accepted at their defaults (null, false, 0), so
@@ -83,6 +88,7 @@ class GenerateReqInput(BaseModel):
     return_hidden_states: bool | list[bool] = False
     background: bool = False
     return_bytes: bool = False
+    return_entropy: bool = False  # sglang-router forwards it
     priority: int | None = None
 
     @field_validator(*UNSUPPORTED_FIELDS)
@@ -92,6 +98,11 @@ class GenerateReqInput(BaseModel):
             raise ValueError(f"{UNSUPPORTED_FIELDS[info.field_name]} not supported; leave it "  # type: ignore[index]
                              "null (or false)")
         return v
+
+    @field_validator("priority", mode="before")
+    @classmethod
+    def _default_priority(cls, v: Any) -> Any:
+        return None if v == 0 and not isinstance(v, bool) else v  # 0 is everyone's priority
 
     @field_validator("data_parallel_rank")
     @classmethod
@@ -117,6 +128,9 @@ class GenerateReqInput(BaseModel):
                     raise ValueError(f"'{name}' has {len(value)} entries for {n} prompts")
             if isinstance(self.rid, list) and len(set(self.rid)) != n:
                 raise ValueError("the rids of a batch must be unique")
+            ids_lists = self.token_ids_logprob
+            if ids_lists and isinstance(ids_lists[0], list) and len(ids_lists) != n:
+                raise ValueError(f"'token_ids_logprob' has {len(ids_lists)} lists for {n} prompts")
         else:
             if any(isinstance(getattr(self, name), list) for name in (
                     "sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num")) \

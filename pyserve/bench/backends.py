@@ -35,12 +35,15 @@ class RawChunk:
 
 @dataclass
 class RawResult:
-    """What one request returned. usage: (prompt_tokens, completion_tokens) if reported."""
+    """What one request returned. usage: (prompt_tokens, completion_tokens) if reported;
+    cached_tokens: prompt tokens the server found in its prefix cache, if it says (pyserve's
+    and SGLang's meta_info, OpenAI's usage.prompt_tokens_details)."""
 
     start_s: float
     end_s: float = 0.0
     chunks: list[RawChunk] = field(default_factory=list)
     usage: tuple[int, int] | None = None
+    cached_tokens: int | None = None
     error: str | None = None
     error_detail: str = ""
 
@@ -101,10 +104,15 @@ class _StreamState:
                 self.result.chunks.append(RawChunk(now, text[len(self.prev_text):], n - self.prev_tokens))
             self.prev_text, self.prev_tokens = text, max(n, self.prev_tokens)
             self.result.usage = (int(meta["prompt_tokens"]), n)
+            if meta.get("cached_tokens") is not None:
+                self.result.cached_tokens = int(meta["cached_tokens"])
             return
         usage = event.get("usage")
         if usage:
             self.result.usage = (int(usage["prompt_tokens"]), int(usage["completion_tokens"]))
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+            if cached is not None:
+                self.result.cached_tokens = int(cached)
         for choice in event.get("choices") or []:
             if self.backend == "openai":
                 delta = choice.get("text") or ""

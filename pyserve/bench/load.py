@@ -55,7 +55,7 @@ def to_record(raw: RawResult, dataset_prompt_len: int, source: str, tokenizer: A
     token's arrival). Raises ValueError for source "usage" when raw has no usage.
     """
     rec = RequestRecord(prompt_len=dataset_prompt_len, start_s=raw.start_s, end_s=raw.end_s,
-                        error=raw.error, error_detail=raw.error_detail)
+                        error=raw.error, error_detail=raw.error_detail, cached_len=raw.cached_tokens)
     if raw.error is not None:
         return rec
     if all(c.num_tokens is not None for c in raw.chunks):

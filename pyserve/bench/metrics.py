@@ -51,6 +51,7 @@ class RequestRecord:
     output_len: int = 0
     error: str | None = None
     error_detail: str = ""
+    cached_len: int | None = None  # prompt tokens served from the prefix cache, if reported
 
     @property
     def success(self) -> bool:
@@ -117,6 +118,8 @@ def compute_metrics(records: list[RequestRecord], bench_start_s: float) -> dict[
     ttfts = [t for r in ok if (t := r.ttft_ms) is not None]
     tpots = [t for r in ok if (t := r.tpot_ms) is not None]
     itls = [x for r in ok for x in r.itl_ms()]
+    # the server's prefix-cache hits, when every successful request reported them
+    cached = sum(r.cached_len or 0 for r in ok) if ok and all(r.cached_len is not None for r in ok) else None
     return {
         "num_requests": len(records),
         "completed": len(ok),
@@ -125,6 +128,7 @@ def compute_metrics(records: list[RequestRecord], bench_start_s: float) -> dict[
         "duration_s": duration_s,
         "total_input_tokens": total_input,
         "total_output_tokens": total_output,
+        "total_cached_tokens": cached,
         "request_throughput": per_s(len(ok)),
         "input_throughput": per_s(total_input),
         "output_throughput": per_s(total_output),

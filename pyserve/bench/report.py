@@ -37,6 +37,7 @@ def format_table(result: dict[str, Any]) -> str:
         ("errors", errors),
         ("duration (s)", _num(m["duration_s"])),
         ("total input / output tokens", f"{m['total_input_tokens']} / {m['total_output_tokens']}"),
+        ("cached input tokens", _cached(m)),
         ("request throughput (req/s)", _num(m["request_throughput"])),
         ("input token throughput (tok/s)", _num(m["input_throughput"])),
         ("output token throughput (tok/s)", _num(m["output_throughput"])),
@@ -103,3 +104,12 @@ def plot_distributions(path: str, records: list[RequestRecord], title: str) -> N
     os.makedirs(folder, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _cached(m: dict) -> str:
+    """Prompt tokens the server reported as prefix-cache hits, and their share of the input."""
+    cached = m.get("total_cached_tokens")
+    if cached is None:
+        return "not reported"
+    share = cached / m["total_input_tokens"] if m["total_input_tokens"] else 0.0
+    return f"{cached} ({share:.1%} of input)"

@@ -25,6 +25,26 @@ REPLACEMENT_CHAR = "\ufffd"
 PROMPT_CONTEXT_TOKENS = 5
 
 
+def token_deltas(tokenizer: Any, ids: list[int], skip_special_tokens: bool = True) -> list[str]:
+    """The text each of `ids` adds to the decode of the ones before it, by the same windowed
+    incremental decoding as the Detokenizer (a character split over several byte tokens goes
+    with the token that completes it). Their concatenation is decode(ids) but in rare
+    tokenizer-specific cases; used for the character offsets of echoed prompt tokens."""
+    decode = tokenizer.decode
+    deltas: list[str] = []
+    prefix_offset = read_offset = 0
+    for k in range(len(ids)):
+        prefix_text = decode(ids[prefix_offset:read_offset], skip_special_tokens=skip_special_tokens)
+        new_text = decode(ids[prefix_offset:k + 1], skip_special_tokens=skip_special_tokens)
+        last = k == len(ids) - 1
+        if len(new_text) > len(prefix_text) and (last or not new_text.endswith(REPLACEMENT_CHAR)):
+            deltas.append(new_text[len(prefix_text):])
+            prefix_offset, read_offset = read_offset, k + 1
+        else:
+            deltas.append("")
+    return deltas
+
+
 class DecodeState:
     """Per-request text state: all output ids, decoded text, what has been sent.
 

@@ -114,6 +114,20 @@ class Engine:
         finally:
             await on_engine(agen.aclose())
 
+    def abort_request(self, rid: str | None = None, abort_all: bool = False) -> int:
+        """End the request `rid` (and those derived from it: `{rid}-...`, the prompts of a
+        batch and the samples of n > 1), or all with `abort_all`; their outputs finish with
+        reason abort. Returns how many were ended. Any thread."""
+        async def abort() -> int:
+            return self.core.abort_request(rid, abort_all=abort_all)
+        return self._call(abort())
+
+    def flush_cache(self) -> bool:
+        """Empty the radix cache; False (nothing changed) while requests run. Any thread."""
+        async def flush() -> bool:
+            return self.core.flush_cache()
+        return self._call(flush())
+
     def get_server_info(self) -> dict[str, Any]:
         async def info() -> dict[str, Any]:
             return self.core.get_server_info()

@@ -17,6 +17,7 @@ import torch
 
 from pyserve.config import ServerArgs
 from pyserve.engine import parallel_sampling
+from pyserve.engine.detokenizer import token_deltas
 from pyserve.engine.scheduler import Scheduler
 from pyserve.engine.tokenizer_manager import TokenizerManager
 from pyserve.engine.worker import ModelWorker
@@ -37,7 +38,6 @@ class EngineCore:
         self.server_args = server_args
         self.started = False
         self._tasks: list[asyncio.Task] = []
-        self._children: dict[str, list[str]] = {}  # rid of an n > 1 request -> its samples' rids
 
     async def start(self) -> None:
         """Load the tokenizer and model, size the KV pool, start the scheduler. Raises what
@@ -74,9 +74,12 @@ class EngineCore:
         args = self.server_args
         if args.random_seed is not None:
             torch.manual_seed(args.random_seed)
-        self.model_path = args.model_path or default_model_path()
-        if not os.path.exists(self.model_path):
-            raise FileNotFoundError(f"--model-path {self.model_path!r} does not exist")
+        self.model_path_arg = args.model_path or default_model_path()
+        if not os.path.exists(self.model_path_arg):
+            raise FileNotFoundError(f"--model-path {self.model_path_arg!r} does not exist")
+        # absolute, so that clients on this machine (sglang-router loads the tokenizer from
+        # the model_path a worker reports) find it from any working directory
+        self.model_path = os.path.abspath(self.model_path_arg)
         logger.info("loading tokenizer from %s", args.tokenizer_path or self.model_path)
         self.tokenizer = get_tokenizer(self.model_path, args.tokenizer_path)
         if args.chat_template:
@@ -126,19 +129,18 @@ class EngineCore:
 
     async def _generate_samples(self, req: SingleReq) -> AsyncIterator[GenerateOutput]:
         treq = await self.tokenizer_manager.tokenize(req)
-        await self._prefill_once([(req, treq)])
+        self._check_free_rids(req)
         samples = parallel_sampling.expand(req, treq)
-        self._children[req.rid] = [r.rid for r, _ in samples]
+        if not await self._prefill_once([(req, treq)]):
+            for i, (_, t) in enumerate(samples):
+                yield parallel_sampling.aborted_output(t, i)
+            return
+        merged = parallel_sampling.merge([self.tokenizer_manager.generate(r, t) for r, t in samples])
         try:
-            merged = parallel_sampling.merge(
-                [self.tokenizer_manager.generate(r, t) for r, t in samples])
-            try:
-                async for out in merged:
-                    yield out
-            finally:
-                await merged.aclose()  # type: ignore[attr-defined]
+            async for out in merged:
+                yield out
         finally:
-            self._children.pop(req.rid, None)
+            await merged.aclose()  # type: ignore[attr-defined]
 
     async def generate_all(self, reqs: list[SingleReq]) -> list[GenerateOutput]:
         """Final outputs of several non-streamed requests, run concurrently, in order; a
@@ -148,31 +150,40 @@ class EngineCore:
         if len(set(rids)) != len(rids):
             raise InvalidRequestError("the rids of a batch must be unique", param="rid")
         tokenized = [await self.tokenizer_manager.tokenize(r) for r in reqs]
-        await self._prefill_once([(r, t) for r, t in zip(reqs, tokenized) if r.sampling_params.n > 1])
-        samples = []
+        for r in reqs:
+            self._check_free_rids(r)
+        parallel = [(r, t) for r, t in zip(reqs, tokenized) if r.sampling_params.n > 1]
+        prefilled = await self._prefill_once(parallel)
+        pairs: list[tuple[SingleReq, TokenizedGenerateReq]] = []
+        indices: list[int | None] = []  # each output's sample index (None: n = 1)
         for r, t in zip(reqs, tokenized):
-            expanded = parallel_sampling.expand(r, t)
-            if r.sampling_params.n > 1:
-                self._children[r.rid] = [s.rid for s, _ in expanded]
-            samples.append(expanded)
-        try:
-            outs = await self._run_final([pair for group in samples for pair in group])
-        finally:
-            for r in reqs:
-                self._children.pop(r.rid, None)
-        k = 0
-        for r, group in zip(reqs, samples):
-            for i in range(len(group)):
-                if r.sampling_params.n > 1:
-                    outs[k].index = i
-                k += 1
+            pairs += parallel_sampling.expand(r, t)
+            n = r.sampling_params.n
+            indices += list(range(n)) if n > 1 else [None]
+        if not prefilled:  # aborted while the prompts were prefilled
+            return [parallel_sampling.aborted_output(t, i) for (_, t), i in zip(pairs, indices)]
+        outs = await self._run_final(pairs)
+        for out, i in zip(outs, indices):
+            out.index = i
         return outs
 
-    async def _prefill_once(self, pairs: list[tuple[SingleReq, TokenizedGenerateReq]]) -> None:
+    def _check_free_rids(self, req: SingleReq) -> None:
+        """InvalidRequestError if a rid the request's n > 1 samples would take is in use."""
+        if req.sampling_params.n == 1:
+            return
+        states = self.tokenizer_manager.states
+        for rid in parallel_sampling.derived_rids(req.rid, req.sampling_params.n):
+            if rid in states:
+                raise InvalidRequestError(f"a request with rid {req.rid!r} is already running", param="rid")
+
+    async def _prefill_once(self, pairs: list[tuple[SingleReq, TokenizedGenerateReq]]) -> bool:
         """Run each prompt once with max_new_tokens 0 so its KV is cached for its samples
-        (nothing to share without the radix cache)."""
-        if pairs and not self.server_args.disable_radix_cache:
-            await self._run_final([parallel_sampling.prefill_only(r, t) for r, t in pairs])
+        (nothing to share without the radix cache). False if a prefill was aborted
+        (/abort_request): its samples must not start."""
+        if not pairs or self.server_args.disable_radix_cache:
+            return True
+        outs = await self._run_final([parallel_sampling.prefill_only(r, t) for r, t in pairs])
+        return all((o.finish_reason or {}).get("type") != "abort" for o in outs)
 
     async def _run_final(self, pairs: list[tuple[SingleReq, TokenizedGenerateReq]]) -> list[GenerateOutput]:
         async def final(r: SingleReq, t: TokenizedGenerateReq) -> GenerateOutput:
@@ -188,16 +199,29 @@ class EngineCore:
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
 
+    def resolve_model(self, requested: str | None) -> str:
+        """The served model's name for a request's `model` field, which may be left out or
+        name the served model (its served name, "default" as SGLang clients send, or its
+        path). Raises InvalidRequestError (404, code "model_not_found") for any other model,
+        as the OpenAI API and vLLM do."""
+        if requested is None or requested in (self.model_name, "default", self.model_path, self.model_path_arg):
+            return self.model_name
+        raise InvalidRequestError(
+            f"The model `{requested}` does not exist; this server serves `{self.model_name}`.",
+            param="model", code="model_not_found", status=404)
+
     # ---- control -------------------------------------------------------------------------------
     def abort_request(self, rid: str | None = None, abort_all: bool = False) -> int:
-        """End running requests: the one named `rid` (with all its n > 1 samples), or every
-        one with `abort_all`. Each consumer gets a last output with finish reason abort and
-        its KV is freed. Returns how many requests were ended."""
+        """End running requests: the one named `rid` and those derived from it (`{rid}-...`:
+        the prompts of a batch, the samples of n > 1 and their prefill), or every one with
+        `abort_all`. Each consumer gets a last output with finish reason abort and its KV is
+        freed. Returns how many requests were ended."""
         tm = self.tokenizer_manager
         if abort_all:
             rids = list(tm.states)
         else:
-            rids = [rid] if rid in tm.states else list(self._children.get(rid or "", []))
+            prefix = f"{rid}-"
+            rids = [r for r in tm.states if r == rid or r.startswith(prefix)]
         message = "aborted by /abort_request"
         return sum(tm.end_request(r, message) for r in rids)
 
@@ -216,6 +240,24 @@ class EngineCore:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
             tm.executor, lambda: self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    async def prompt_text_offsets(self, req: SingleReq) -> tuple[str, list[int]]:
+        """`prompt_text(req)` and the character offset in it where each prompt token's text
+        starts (`text_offset` of echoed prompt logprobs)."""
+        tm = self.tokenizer_manager
+        ids = req.input_ids
+        if ids is None:
+            ids = await tm.encode(req.text or "", req.add_special_tokens)
+
+        def work() -> tuple[str, list[int]]:
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            offsets, at = [], 0
+            for delta in token_deltas(self.tokenizer, ids):
+                offsets.append(min(at, len(text)))
+                at += len(delta)
+            return text, offsets
+
+        return await asyncio.get_running_loop().run_in_executor(tm.executor, work)
 
     async def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
         """The prompt text for chat `messages`; `kwargs` go to the tokenizer's
@@ -242,7 +284,7 @@ class EngineCore:
         mc = self.model_runner.model_config
         return {
             "model_path": self.model_path,
-            "tokenizer_path": self.server_args.tokenizer_path or self.model_path,
+            "tokenizer_path": os.path.abspath(self.server_args.tokenizer_path or self.model_path),
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": "default",
@@ -280,6 +322,14 @@ class EngineCore:
             "num_generated_tokens": sched.num_generated_tokens,
         })
         return info
+
+    def get_load(self) -> list[dict[str, Any]]:
+        """SGLang's /get_load: one entry per data-parallel rank (here one) with the requests
+        running and waiting and `num_tokens`, the load the router's policies compare: KV slots
+        held by running requests plus the prompt tokens of waiting ones (as SGLang counts)."""
+        sched = self.scheduler
+        return [{"dp_rank": 0, "num_reqs": len(sched.running) + len(sched.waiting),
+                 "num_waiting_reqs": len(sched.waiting), "num_tokens": sched.load()}]
 
     def _internal_state(self) -> dict[str, Any]:
         """What SGLang's scheduler reports per rank and its clients read (bench_serving reads

@@ -30,6 +30,19 @@ def sample_rid(rid: str, index: int) -> str:
     return f"{rid}-{index}"
 
 
+def derived_rids(rid: str, n: int) -> list[str]:
+    """The rids an n > 1 request's prefill and samples run under."""
+    return [f"{rid}-prefill"] + [sample_rid(rid, i) for i in range(n)]
+
+
+def aborted_output(treq: TokenizedGenerateReq, index: int | None) -> GenerateOutput:
+    """The final output of a sample that never started (its prefill was aborted)."""
+    return GenerateOutput(rid=treq.rid, text="", text_delta="", output_ids=[], ids_delta=[],
+                          prompt_tokens=len(treq.input_ids), cached_tokens=0,
+                          finish_reason={"type": "abort", "message": "aborted by /abort_request"},
+                          index=index)
+
+
 def expand(req: SingleReq, treq: TokenizedGenerateReq) -> list[tuple[SingleReq, TokenizedGenerateReq]]:
     """The req.sampling_params.n samples of one tokenized request: each n=1, its own rid
     (`{rid}-{i}`) and seed; the prompt ids are shared."""

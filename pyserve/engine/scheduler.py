@@ -105,8 +105,11 @@ class Scheduler:
         return not self.waiting and not self.running
 
     def load(self) -> int:
-        """Tokens of every queued and running request (prompt + output so far)."""
-        return sum(r.seq_len for r in self.running) + sum(r.seq_len for r in self.waiting)
+        """SGLang's load figure: KV slots held by admitted requests (neither free nor
+        evictable) plus the prompt tokens of the waiting ones."""
+        kv = self.kv_cache
+        held = kv.max_total_tokens - kv.free_slots() - kv.evictable_slots()
+        return held + sum(len(r.origin_input_ids) for r in self.waiting)
 
     async def stop(self) -> None:
         self._stopping = True

@@ -1,5 +1,5 @@
-"""Native routes (SGLang-compatible): /generate, /health, /get_model_info, /get_server_info,
-/flush_cache, /abort_request."""
+"""Native routes (SGLang-compatible): /generate, /health, /get_model_info and /model_info,
+/get_server_info and /server_info, /get_load, /flush_cache, /abort_request."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ async def generate(request: Request) -> Response:
     """POST /generate: text or input_ids, single or a list; SSE when stream is true."""
     obj = GenerateReqInput.model_validate(await parse_json(request))
     engine = engine_of(request)
+    engine.resolve_model(obj.model)
     reqs = obj.split()
     if obj.stream:
         stream = engine.generate(reqs[0])
@@ -66,6 +67,11 @@ async def get_server_info(request: Request) -> Response:
     return SafeJSONResponse(engine_of(request).get_server_info())
 
 
+async def get_load(request: Request) -> Response:
+    """GET /get_load: what sglang-router's load-aware policies read (SGLang's shape)."""
+    return SafeJSONResponse(engine_of(request).get_load())
+
+
 async def flush_cache(request: Request) -> Response:
     """GET or POST /flush_cache: empty the radix cache; 400 while requests are queued or run."""
     if not engine_of(request).flush_cache():
@@ -97,6 +103,10 @@ ROUTES = [
     Route("/health_generate", health, methods=["GET"]),
     Route("/get_model_info", get_model_info, methods=["GET"]),
     Route("/get_server_info", get_server_info, methods=["GET"]),
+    # the names newer SGLang clients (sglang-router) try first
+    Route("/model_info", get_model_info, methods=["GET"]),
+    Route("/server_info", get_server_info, methods=["GET"]),
+    Route("/get_load", get_load, methods=["GET"]),
     Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
     Route("/abort_request", abort_request, methods=["POST"]),
 ]

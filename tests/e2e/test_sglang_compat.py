@@ -394,3 +394,139 @@ def test_stream_interval(server):
     chunks = _sse(server.base_url + "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 9,
                                                         "temperature": 0, "ignore_eos": True, "stream": True})
     assert "".join(c["choices"][0]["text"] for c in chunks) == whole["text"]
+
+
+def _stream_in_thread(server, path: str, body: dict, events: list) -> threading.Thread:
+    def read() -> None:
+        with httpx.stream("POST", server.base_url + path, json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line[6:]))
+    t = threading.Thread(target=read)
+    t.start()
+    return t
+
+
+def test_abort_by_rid_reaches_derived_requests(server):
+    """A rid also names what is derived from it: the prompts of a batch, the n samples."""
+    wait_idle(server)
+    results: dict[str, httpx.Response] = {}
+    bodies = {
+        "batch": ("/v1/completions", {"prompt": ["Tom", "Lily"], "rid": "rr", "max_tokens": 400,
+                                      "ignore_eos": True}),
+        "native": ("/generate", {"text": ["Tom", "Lily"], "rid": "gg",
+                                 "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}),
+        "n": ("/generate", {"text": "Sue", "rid": "nn",
+                            "sampling_params": {"n": 2, "max_new_tokens": 400, "ignore_eos": True}}),
+    }
+    threads = [threading.Thread(target=lambda k=k, p=p, b=b: results.__setitem__(k, post(server, p, b)))
+               for k, (p, b) in bodies.items()]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while httpx.get(server.base_url + "/get_server_info").json()["num_running_reqs"] < 6:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    # a second n > 1 request under a running one's rid is refused and changes nothing
+    dup = post(server, "/generate", {"text": "Sue", "rid": "nn", "sampling_params": {"n": 2}})
+    assert dup.status_code == 400 and "already running" in dup.json()["error"]["message"]
+    assert [post(server, "/abort_request", {"rid": rid}).json()["num_aborted"] for rid in ("rr", "gg", "nn")] == [2, 2, 2]
+    for t in threads:
+        t.join(timeout=60)
+    assert [c["finish_reason"] for c in results["batch"].json()["choices"]] == ["abort", "abort"]
+    assert [o["meta_info"]["finish_reason"]["type"] for o in results["native"].json()] == ["abort"] * 2
+    assert [o["meta_info"]["finish_reason"]["type"] for o in results["n"].json()] == ["abort"] * 2
+    wait_idle(server)
+
+
+def test_openai_nulls_mean_defaults_and_more_options(server):
+    plain = post(server, "/v1/completions", {"prompt": "Lily", "max_tokens": 4, "temperature": 0}).json()
+    nulls = post(server, "/v1/completions", {"prompt": "Lily", "max_tokens": 4, "temperature": 0, "top_p": None,
+                                             "n": None, "presence_penalty": None, "frequency_penalty": None,
+                                             "stream": None, "logprobs": None, "seed": None, "stop": None,
+                                             "echo": None, "best_of": None, "user": None})
+    assert nulls.status_code == 200, nulls.text
+    assert nulls.json()["choices"] == plain["choices"]
+    chat = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+                                                 "temperature": None, "logprobs": None, "tools": None})
+    assert chat.status_code == 200, chat.text
+    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                              "chat_template_kwargs": {"chat_template": "x"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+    r = post(server, "/generate", {"text": "Hi", "priority": 0, "sampling_params": {"max_new_tokens": 1}})
+    assert r.status_code == 200, r.text
+    r = post(server, "/generate", {"text": ["Hi", "Yo"], "token_ids_logprob": [[1]], "return_logprob": True})
+    assert r.status_code == 400 and "token_ids_logprob" in r.json()["error"]["message"]
+    # stream_interval on the OpenAI routes
+    chunks = _sse(server.base_url + "/v1/completions", {"prompt": "Lily", "max_tokens": 9, "temperature": 0,
+                                                        "ignore_eos": True, "stream": True, "stream_interval": 4})
+    whole = post(server, "/v1/completions", {"prompt": "Lily", "max_tokens": 9, "temperature": 0, "ignore_eos": True})
+    assert len(chunks) == 3
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole.json()["choices"][0]["text"]
+
+
+def test_echo_logprob_offsets_point_into_the_text(server):
+    body = {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 0, "echo": True, "logprobs": 1,
+            "ignore_eos": True}
+    r = post(server, "/v1/completions", body).json()["choices"][0]
+    lp = r["logprobs"]
+    assert lp["tokens"][:5] == ["<s>", " Once", " upon", " a", " time"]
+    assert lp["text_offset"][:5] == [0, 0, 4, 9, 11]  # "Once upon a time": where each token starts
+    text = r["text"]
+    for tok, off in zip(lp["tokens"][5:], lp["text_offset"][5:]):
+        assert text[off:off + len(tok)] == tok
+    streamed = _sse(server.base_url + "/v1/completions", {**body, "stream": True})
+    offsets = [o for c in streamed if c["choices"] and c["choices"][0]["logprobs"]
+               for o in c["choices"][0]["logprobs"]["text_offset"]]
+    assert offsets == lp["text_offset"]
+    # text held back for a possible stop string does not shift the offsets
+    body = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "logprobs": 1,
+            "stop": [", there was a dragon"], "ignore_eos": True}
+    whole = post(server, "/v1/completions", body).json()["choices"][0]["logprobs"]["text_offset"]
+    streamed = _sse(server.base_url + "/v1/completions", {**body, "stream": True})
+    assert [o for c in streamed if c["choices"] and c["choices"][0]["logprobs"]
+            for o in c["choices"][0]["logprobs"]["text_offset"]] == whole
+
+
+def test_continuous_usage_counts_the_prompt_from_the_first_chunk(server):
+    chunks = _sse(server.base_url + "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "n": 2, "stream": True,
+        "stream_options": {"continuous_usage_stats": True}})
+    prompt_tokens = {c["usage"]["prompt_tokens"] for c in chunks}
+    assert len(prompt_tokens) == 1 and prompt_tokens.pop() > 0
+
+
+def test_router_facing_routes(server, stories_path):
+    r = post(server, "/generate", {"text": "Lily", "model": "stories260k", "sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 200
+    for name in ("default", str(stories_path)):
+        assert post(server, "/generate", {"text": "Lily", "model": name, "sampling_params": {"max_new_tokens": 1}}).status_code == 200
+    r = post(server, "/generate", {"text": "Lily", "model": "gpt-4"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert httpx.get(server.base_url + "/model_info").json() == httpx.get(server.base_url + "/get_model_info").json()
+    info = httpx.get(server.base_url + "/server_info").json()
+    assert info["internal_states"] and info["max_total_num_tokens"] == POOL
+    wait_idle(server)
+    load = httpx.get(server.base_url + "/get_load").json()
+    assert load == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
+
+
+def test_http2_probe_is_refused_in_http2_terms(server):
+    """An HTTP/2 prior-knowledge client (sglang-router probing for gRPC) gets SETTINGS +
+    GOAWAY(HTTP_1_1_REQUIRED), not a logged parse error."""
+    import socket
+    import struct
+
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+        data = b""
+        while chunk := sock.recv(4096):
+            data += chunk
+    settings, rest = data[:9], data[9:]
+    assert settings == b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # empty SETTINGS on stream 0
+    length = int.from_bytes(rest[:3], "big")
+    assert rest[3] == 0x7 and rest[5:9] == b"\0\0\0\0"  # GOAWAY on stream 0
+    last_stream, code = struct.unpack(">II", rest[9:17])
+    assert (last_stream, code) == (0, 0xD) and rest[17:9 + length] == b"pyserve speaks HTTP/1.1"
+    assert "Invalid HTTP request" not in server.log()
+    assert httpx.get(server.base_url + "/health").status_code == 200

@@ -55,3 +55,41 @@ def test_n_streamed(engine):
     assert sorted(last) == [0, 1]
     assert last[0]["output_ids"] == last[1]["output_ids"] and len(last[0]["output_ids"]) == 4
     assert all(last[i]["meta_info"]["finish_reason"] == {"type": "length", "length": 4} for i in (0, 1))
+
+
+def test_abort_while_the_shared_prompt_is_prefilled(stories_path):
+    """An n > 1 request aborted by its rid while its prefill waits: no sample starts, every
+    sample's output finishes with abort, nothing leaks."""
+    import threading
+    import time
+
+    eng = make_stories_engine(stories_path, 2048, max_running_requests=1)
+    try:
+        long_out: list = []
+        t = threading.Thread(target=lambda: long_out.append(eng.generate(
+            "Once", {"max_new_tokens": 400, "ignore_eos": True})))
+        t.start()
+        while eng.get_server_info()["num_running_reqs"] == 0:
+            time.sleep(0.005)
+        outs: list = []
+        t2 = threading.Thread(target=lambda: outs.append(eng.generate(
+            "Ben had a", {"n": 3, "max_new_tokens": 50, "ignore_eos": True}, rid="nreq")))
+        t2.start()
+        while eng.get_server_info()["num_waiting_reqs"] == 0:  # the prefill waits behind "Once"
+            time.sleep(0.005)
+        assert eng.abort_request("nreq") == 1
+        t2.join(timeout=60)
+        assert [o["meta_info"]["finish_reason"]["type"] for o in outs[0]] == ["abort"] * 3
+        assert [o["index"] for o in outs[0]] == [0, 1, 2]
+        assert all(o["output_ids"] == [] for o in outs[0])
+        assert eng.abort_request(abort_all=True) == 1
+        t.join(timeout=60)
+        assert long_out[0]["meta_info"]["finish_reason"]["type"] == "abort"
+        deadline = time.monotonic() + 30
+        while (info := eng.get_server_info())["num_running_reqs"] or info["kv_protected_slots"]:
+            assert time.monotonic() < deadline  # the KV of an aborted request goes at the next tick
+            time.sleep(0.005)
+        assert info["kv_free_slots"] + info["kv_evictable_slots"] == 2048
+        assert eng.flush_cache() and eng.get_server_info()["kv_free_slots"] == 2048
+    finally:
+        eng.shutdown()

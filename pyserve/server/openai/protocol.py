@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pyserve.errors import InvalidRequestError
 from pyserve.io_struct import LogprobParams, is_unset
@@ -130,6 +130,7 @@ class _Common(BaseModel):
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     include_stop_str_in_output: bool = False
+    stream_interval: int | None = Field(default=None, ge=1)
     length_penalty: float = 1.0
     # accepted at their default only (UNSUPPORTED)
     regex: Any = None
@@ -153,6 +154,16 @@ class _Common(BaseModel):
     bootstrap_room: Any = None
     return_hidden_states: Any = False
     logits_processors: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """OpenAI's fields are nullable: null stands for the default."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if v is not None or k not in fields or fields[k].default is None}
 
     def check_supported(self) -> None:
         """Raise InvalidRequestError (400, `param` naming the field) for a field set to
@@ -185,7 +196,7 @@ class _Common(BaseModel):
             ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens, seed=self.seed,
             frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
             repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias,
-            min_new_tokens=self.min_tokens, n=self.n,
+            min_new_tokens=self.min_tokens, n=self.n, stream_interval=self.stream_interval,
             no_stop_trim=self.no_stop_trim or self.include_stop_str_in_output)
 
     @property
@@ -242,8 +253,11 @@ class ChatCompletionRequest(_Common):
                 raise InvalidRequestError(
                     "continue_final_message needs an assistant message last",
                     param="continue_final_message")
+        # arguments of apply_chat_template itself, or features refused above
         reserved = {"conversation", "messages", "tokenize", "add_generation_prompt",
-                    "continue_final_message", "return_dict"}
+                    "continue_final_message", "return_dict", "chat_template", "tools", "documents",
+                    "tokenizer_kwargs", "return_assistant_tokens_mask", "padding", "truncation",
+                    "max_length", "return_tensors"}
         clash = reserved & set(self.chat_template_kwargs or {})
         if clash:
             raise InvalidRequestError(f"chat_template_kwargs may not set {sorted(clash)[0]!r}",

@@ -22,7 +22,7 @@ from pyserve.io_struct import GenerateOutput, SingleReq
 from pyserve.server.errors import parse_json
 from pyserve.server.render import SafeJSONResponse
 from pyserve.server.native import anext_or_none, engine_of
-from pyserve.server.openai.logprobs import chat_logprobs, completion_logprobs
+from pyserve.server.openai.logprobs import chat_logprobs, completion_logprobs, text_end
 from pyserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pyserve.server.sse import sse_response, until_disconnect
 
@@ -48,15 +48,8 @@ def usage(outs: list[GenerateOutput], n: int = 1) -> dict[str, Any]:
 
 
 def model_name(engine: EngineCore, requested: str | None) -> str:
-    """The served model's name for a request's `model` field, which may be left out or name
-    the served model (its served name, "default" as SGLang clients send, or its path).
-    Raises InvalidRequestError (404, code "model_not_found") for any other model, as the
-    OpenAI API and vLLM do."""
-    if requested is None or requested in (engine.model_name, "default", str(engine.model_path)):
-        return engine.model_name
-    raise InvalidRequestError(
-        f"The model `{requested}` does not exist; this server serves `{engine.model_name}`.",
-        param="model", code="model_not_found", status=404)
+    """See EngineCore.resolve_model (404 model_not_found for a model not served here)."""
+    return engine.resolve_model(requested)
 
 
 def _index(out: GenerateOutput) -> int:
@@ -66,8 +59,9 @@ def _index(out: GenerateOutput) -> int:
 class _StreamState:
     """Per-choice progress of a stream: which outputs are latest, logprobs already sent."""
 
-    def __init__(self) -> None:
-        self.latest: dict[int, GenerateOutput] = {}
+    def __init__(self, first: GenerateOutput | None) -> None:
+        # the first output stands for every choice until each has its own (usage so far)
+        self.latest: dict[int, GenerateOutput] = {} if first is None else {_index(first): first}
         self.sent_logprobs: dict[int, int] = {}
 
     def update(self, out: GenerateOutput) -> tuple[int, int]:
@@ -117,7 +111,7 @@ async def chat_completions(request: Request) -> Response:
 
 async def _chat_chunks(first: GenerateOutput | None, rest: AsyncIterator[GenerateOutput], rid: str,
                        created: int, name: str, body: ChatCompletionRequest) -> AsyncIterator[dict[str, Any]]:
-    state = _StreamState()
+    state = _StreamState(first)
 
     def chunk(index: int, delta: dict[str, Any], reason: str | None, logprobs: Any = None) -> dict[str, Any]:
         out: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
@@ -168,24 +162,36 @@ async def completions(request: Request) -> Response:
     if body.stream:
         stream = engine.generate(reqs[0])
         first = await anext_or_none(stream)  # validates the prompt before echoing it
-        echo = await engine.prompt_text(reqs[0]) if body.echo else ""
+        echo = await _echo(engine, reqs[0], body)
         return sse_response(_completion_chunks(first, stream, rid, created, name, body, echo))
     outs = await until_disconnect(request, engine.generate_all(reqs))
-    prefixes = [await engine.prompt_text(r) if body.echo else "" for r in reqs]
-    return SafeJSONResponse({
-        "id": rid, "object": "text_completion", "created": created, "model": name,
-        "choices": [{"index": i, "text": prefixes[i // body.n] + o.text,
-                     "logprobs": completion_logprobs(o, 0, echo=body.echo),
-                     "finish_reason": finish_reason(o), "matched_stop": (o.finish_reason or {}).get("matched")}
-                    for i, o in enumerate(outs)],
-        "usage": usage(outs, body.n),
-    })
+    echoes = [await _echo(engine, r, body) for r in reqs]
+    choices = []
+    for i, o in enumerate(outs):
+        prefix, prompt_offsets = echoes[i // body.n]
+        choices.append({
+            "index": i, "text": prefix + o.text,
+            "logprobs": completion_logprobs(o, 0, echo=body.echo, text_offset=len(prefix),
+                                            prompt_offsets=prompt_offsets),
+            "finish_reason": finish_reason(o), "matched_stop": (o.finish_reason or {}).get("matched")})
+    return SafeJSONResponse({"id": rid, "object": "text_completion", "created": created, "model": name,
+                             "choices": choices, "usage": usage(outs, body.n)})
+
+
+async def _echo(engine: EngineCore, req: SingleReq, body: CompletionRequest) -> tuple[str, list[int] | None]:
+    """The echoed prompt text ("" without echo) and, with logprobs, its tokens' offsets."""
+    if not body.echo:
+        return "", None
+    if body.logprobs is None:
+        return await engine.prompt_text(req), None
+    return await engine.prompt_text_offsets(req)
 
 
 async def _completion_chunks(first: GenerateOutput | None, rest: AsyncIterator[GenerateOutput],
                              rid: str, created: int, name: str, body: CompletionRequest,
-                             echo: str) -> AsyncIterator[dict[str, Any]]:
-    state = _StreamState()
+                             echoed: tuple[str, list[int] | None]) -> AsyncIterator[dict[str, Any]]:
+    state = _StreamState(first)
+    echo, prompt_offsets = echoed
 
     def chunk(index: int, text: str, reason: str | None, logprobs: Any = None) -> dict[str, Any]:
         out: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": name,
@@ -198,15 +204,16 @@ async def _completion_chunks(first: GenerateOutput | None, rest: AsyncIterator[G
         return out
 
     try:
-        offsets = [0] * body.n  # character offset of each choice's next text (logprobs)
+        # character offset of each choice's next token (logprobs): where the last sent
+        # token's text ends, whatever text is still held back for a stop string
+        offsets = [len(echo)] * body.n
         if body.echo:
             # the prompt's logprobs (echo) go with the echoed prompt
             prompt_lp = None
             if first is not None and first.logprobs is not None:
-                prompt_lp = completion_logprobs(first, 0, 0, echo=True)
+                prompt_lp = completion_logprobs(first, 0, 0, echo=True, prompt_offsets=prompt_offsets)
             for i in range(body.n):
                 yield chunk(i, echo, None, prompt_lp)
-                offsets[i] = len(echo)
         out = first
         while out is not None:
             i, sent = state.update(out)
@@ -215,7 +222,8 @@ async def _completion_chunks(first: GenerateOutput | None, rest: AsyncIterator[G
                 logprobs = None
                 if out.logprobs is not None:
                     logprobs = completion_logprobs(out, sent, text_offset=offsets[i])
-                offsets[i] += len(out.text_delta)
+                    if logprobs["tokens"]:
+                        offsets[i] = text_end(logprobs)
                 yield chunk(i, out.text_delta, finish_reason(out), logprobs)
             out = await anext_or_none(rest)
         if body.include_usage:
