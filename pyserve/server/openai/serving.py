@@ -64,6 +64,21 @@ class _StreamState:
         self.latest: dict[int, GenerateOutput] = {} if first is None else {_index(first): first}
         self.sent_logprobs: dict[int, int] = {}
 
+    def usage(self) -> dict[str, Any]:
+        """Usage of the choices so far (the prompt counted once)."""
+        return _prompt_once([self.latest[i] for i in sorted(self.latest)])
+
+    def chunk(self, body: "ChatCompletionRequest | CompletionRequest", base: dict[str, Any],
+              choice: dict[str, Any]) -> dict[str, Any]:
+        """One streamed chunk: `base` (id, object, created, model) with one choice and the
+        usage the request's stream_options ask for."""
+        out = {**base, "choices": [choice]}
+        if body.continuous_usage:
+            out["usage"] = self.usage()
+        elif body.include_usage:
+            out["usage"] = None  # as OpenAI: only the last chunk carries usage
+        return out
+
     def update(self, out: GenerateOutput) -> tuple[int, int]:
         """Record `out`; returns (its choice index, output logprobs sent before it)."""
         i = _index(out)
@@ -112,16 +127,11 @@ async def chat_completions(request: Request) -> Response:
 async def _chat_chunks(first: GenerateOutput | None, rest: AsyncIterator[GenerateOutput], rid: str,
                        created: int, name: str, body: ChatCompletionRequest) -> AsyncIterator[dict[str, Any]]:
     state = _StreamState(first)
+    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name}
 
     def chunk(index: int, delta: dict[str, Any], reason: str | None, logprobs: Any = None) -> dict[str, Any]:
-        out: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
-                               "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                            "finish_reason": reason}]}
-        if body.continuous_usage:
-            out["usage"] = _prompt_once([state.latest[i] for i in sorted(state.latest)])
-        elif body.include_usage:
-            out["usage"] = None  # as OpenAI: only the last chunk carries usage
-        return out
+        return state.chunk(body, base, {"index": index, "delta": delta, "logprobs": logprobs,
+                                        "finish_reason": reason})
 
     try:
         for i in range(body.n):
@@ -138,9 +148,7 @@ async def _chat_chunks(first: GenerateOutput | None, rest: AsyncIterator[Generat
                 yield chunk(i, {}, finish_reason(out))
             out = await anext_or_none(rest)
         if body.include_usage:
-            yield {"id": rid, "object": "chat.completion.chunk", "created": created,
-                   "model": name, "choices": [],
-                   "usage": _prompt_once([state.latest[i] for i in sorted(state.latest)])}
+            yield {**base, "choices": [], "usage": state.usage()}
     finally:
         await rest.aclose()  # type: ignore[attr-defined]
 
@@ -192,16 +200,11 @@ async def _completion_chunks(first: GenerateOutput | None, rest: AsyncIterator[G
                              echoed: tuple[str, list[int] | None]) -> AsyncIterator[dict[str, Any]]:
     state = _StreamState(first)
     echo, prompt_offsets = echoed
+    base = {"id": rid, "object": "text_completion", "created": created, "model": name}
 
     def chunk(index: int, text: str, reason: str | None, logprobs: Any = None) -> dict[str, Any]:
-        out: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": name,
-                               "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                            "finish_reason": reason}]}
-        if body.continuous_usage:
-            out["usage"] = _prompt_once([state.latest[i] for i in sorted(state.latest)])
-        elif body.include_usage:
-            out["usage"] = None
-        return out
+        return state.chunk(body, base, {"index": index, "text": text, "logprobs": logprobs,
+                                        "finish_reason": reason})
 
     try:
         # character offset of each choice's next token (logprobs): where the last sent
@@ -227,8 +230,7 @@ async def _completion_chunks(first: GenerateOutput | None, rest: AsyncIterator[G
                 yield chunk(i, out.text_delta, finish_reason(out), logprobs)
             out = await anext_or_none(rest)
         if body.include_usage:
-            yield {"id": rid, "object": "text_completion", "created": created, "model": name,
-                   "choices": [], "usage": _prompt_once([state.latest[i] for i in sorted(state.latest)])}
+            yield {**base, "choices": [], "usage": state.usage()}
     finally:
         await rest.aclose()  # type: ignore[attr-defined]
 
