@@ -159,10 +159,11 @@ class GenerateReqInput(BaseModel):
         else:
             ids = self.input_ids if self.is_batch else [self.input_ids]  # type: ignore[list-item]
         sps = self.sampling_params if isinstance(self.sampling_params, list) else [self.sampling_params] * n
+        parent = None
         if isinstance(self.rid, list):
             rids: list[str | None] = list(self.rid)
-        elif self.rid is not None and n > 1:
-            rids = [f"{self.rid}-{i}" for i in range(n)]
+        elif self.rid is not None and self.is_batch:
+            rids, parent = [f"{self.rid}-{i}" for i in range(n)], self.rid
         else:
             rids = [self.rid] * n
         def per_prompt(value: Any, i: int) -> Any:
@@ -188,6 +189,7 @@ class GenerateReqInput(BaseModel):
                 stream=self.stream,
                 rid=rids[i] or uuid.uuid4().hex,
                 logprob=logprob,
+                parent_rid=parent,
             ))
         return out
 
@@ -222,6 +224,9 @@ class SingleReq:
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
     add_special_tokens: bool = True
     logprob: LogprobParams = field(default_factory=LogprobParams)
+    # the rid this one was derived from (a batch's rid gives `{rid}-{i}`): aborting the
+    # parent aborts it too
+    parent_rid: str | None = None
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -45,7 +46,7 @@ class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     max_new_tokens: int | None = Field(default=128, ge=0)
-    temperature: float = Field(default=1.0, ge=0.0)
+    temperature: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = -1
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
@@ -106,8 +107,8 @@ class SamplingParams(BaseModel):
         for key, bias in (v or {}).items():
             if not key.lstrip("-").isdigit() or int(key) < 0:
                 raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
-            if bias != bias:
-                raise ValueError("logit_bias values must be numbers")
+            if not math.isfinite(bias):
+                raise ValueError("logit_bias values must be finite numbers")
         return v
 
     @property

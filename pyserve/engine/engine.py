@@ -115,8 +115,8 @@ class Engine:
             await on_engine(agen.aclose())
 
     def abort_request(self, rid: str | None = None, abort_all: bool = False) -> int:
-        """End the request `rid` (and those derived from it: `{rid}-...`, the prompts of a
-        batch and the samples of n > 1), or all with `abort_all`; their outputs finish with
+        """End the request `rid` (and those the engine derived from it: the prompts of a
+        batch, the samples of n > 1), or all with `abort_all`; their outputs finish with
         reason abort. Returns how many were ended. Any thread."""
         async def abort() -> int:
             return self.core.abort_request(rid, abort_all=abort_all)

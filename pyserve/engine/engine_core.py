@@ -38,6 +38,8 @@ class EngineCore:
         self.server_args = server_args
         self.started = False
         self._tasks: list[asyncio.Task] = []
+        # rid -> the rids running for it (a batch's prompts, n > 1 samples and their prefill)
+        self._derived: dict[str, set[str]] = {}
 
     async def start(self) -> None:
         """Load the tokenizer and model, size the KV pool, start the scheduler. Raises what
@@ -131,16 +133,46 @@ class EngineCore:
         treq = await self.tokenizer_manager.tokenize(req)
         self._check_free_rids(req)
         samples = parallel_sampling.expand(req, treq)
-        if not await self._prefill_once([(req, treq)]):
-            for i, (_, t) in enumerate(samples):
-                yield parallel_sampling.aborted_output(t, i)
-            return
-        merged = parallel_sampling.merge([self.tokenizer_manager.generate(r, t) for r, t in samples])
+        added = self._derive([req])
         try:
-            async for out in merged:
-                yield out
+            if not await self._prefill_once([(req, treq)]):
+                for i, (_, t) in enumerate(samples):
+                    yield parallel_sampling.aborted_output(t, i)
+                return
+            merged = parallel_sampling.merge([self.tokenizer_manager.generate(r, t) for r, t in samples])
+            try:
+                async for out in merged:
+                    yield out
+            finally:
+                await merged.aclose()  # type: ignore[attr-defined]
         finally:
-            await merged.aclose()  # type: ignore[attr-defined]
+            self._underive(added)
+
+    def _derive(self, reqs: list[SingleReq]) -> list[tuple[str, str]]:
+        """Record which rids each request's rid (and its parent's) stands for: its n > 1
+        samples and their prefill, or itself under its batch's rid. Returns the (parent,
+        child) pairs added, for `_underive`; a pair already there (a duplicate) is not."""
+        added = []
+        for req in reqs:
+            n = req.sampling_params.n
+            children = parallel_sampling.derived_rids(req.rid, n) if n > 1 else []
+            pairs = [(req.rid, c) for c in children]
+            if req.parent_rid is not None:
+                pairs += [(req.parent_rid, c) for c in [req.rid, *children]]
+            for parent, child in pairs:
+                kids = self._derived.setdefault(parent, set())
+                if child not in kids:
+                    kids.add(child)
+                    added.append((parent, child))
+        return added
+
+    def _underive(self, added: list[tuple[str, str]]) -> None:
+        for parent, child in added:
+            kids = self._derived.get(parent)
+            if kids is not None:
+                kids.discard(child)
+                if not kids:
+                    del self._derived[parent]
 
     async def generate_all(self, reqs: list[SingleReq]) -> list[GenerateOutput]:
         """Final outputs of several non-streamed requests, run concurrently, in order; a
@@ -152,17 +184,21 @@ class EngineCore:
         tokenized = [await self.tokenizer_manager.tokenize(r) for r in reqs]
         for r in reqs:
             self._check_free_rids(r)
-        parallel = [(r, t) for r, t in zip(reqs, tokenized) if r.sampling_params.n > 1]
-        prefilled = await self._prefill_once(parallel)
-        pairs: list[tuple[SingleReq, TokenizedGenerateReq]] = []
-        indices: list[int | None] = []  # each output's sample index (None: n = 1)
-        for r, t in zip(reqs, tokenized):
-            pairs += parallel_sampling.expand(r, t)
-            n = r.sampling_params.n
-            indices += list(range(n)) if n > 1 else [None]
-        if not prefilled:  # aborted while the prompts were prefilled
-            return [parallel_sampling.aborted_output(t, i) for (_, t), i in zip(pairs, indices)]
-        outs = await self._run_final(pairs)
+        added = self._derive(reqs)
+        try:
+            parallel = [(r, t) for r, t in zip(reqs, tokenized) if r.sampling_params.n > 1]
+            prefilled = await self._prefill_once(parallel)
+            pairs: list[tuple[SingleReq, TokenizedGenerateReq]] = []
+            indices: list[int | None] = []  # each output's sample index (None: n = 1)
+            for r, t in zip(reqs, tokenized):
+                pairs += parallel_sampling.expand(r, t)
+                n = r.sampling_params.n
+                indices += list(range(n)) if n > 1 else [None]
+            if not prefilled:  # aborted while the prompts were prefilled
+                return [parallel_sampling.aborted_output(t, i) for (_, t), i in zip(pairs, indices)]
+            outs = await self._run_final(pairs)
+        finally:
+            self._underive(added)
         for out, i in zip(outs, indices):
             out.index = i
         return outs
@@ -212,16 +248,15 @@ class EngineCore:
 
     # ---- control -------------------------------------------------------------------------------
     def abort_request(self, rid: str | None = None, abort_all: bool = False) -> int:
-        """End running requests: the one named `rid` and those derived from it (`{rid}-...`:
-        the prompts of a batch, the samples of n > 1 and their prefill), or every one with
+        """End running requests: the one named `rid` and those the server derived from it
+        (the prompts of a batch, the samples of n > 1 and their prefill), or every one with
         `abort_all`. Each consumer gets a last output with finish reason abort and its KV is
         freed. Returns how many requests were ended."""
         tm = self.tokenizer_manager
         if abort_all:
             rids = list(tm.states)
         else:
-            prefix = f"{rid}-"
-            rids = [r for r in tm.states if r == rid or r.startswith(prefix)]
+            rids = [r for r in [rid, *sorted(self._derived.get(rid or "", ()))] if r in tm.states]
         message = "aborted by /abort_request"
         return sum(tm.end_request(r, message) for r in rids)
 

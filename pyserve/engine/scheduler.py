@@ -203,9 +203,16 @@ class Scheduler:
         """Append each request's new token, decide who finished, emit TokenOuts."""
         outs = []
         extend = batch.forward_mode is ForwardMode.EXTEND
+        failed = set(result.failed_rows)
         for i, (req, token) in enumerate(zip(batch.reqs, result.next_token_ids)):
             req.kv_len = len(req.fill_ids()) if extend else req.kv_len + 1
             if req.finished:  # ended while the step ran: drop the extra token
+                continue
+            if i in failed:  # its own parameters left nothing to sample: it alone fails
+                req.finish_reason = {"type": "abort", "status_code": 400, "message": (
+                    "the sampling parameters leave no token to sample at output token "
+                    f"{len(req.output_ids)} (every logit banned, or a bias or penalty overflowed)")}
+                outs.append(self._out(req, []))
                 continue
             if req.max_new_tokens == 0:  # a prefill-only request: no output token
                 req.finish_reason = {"type": "length", "length": 0}

@@ -111,6 +111,10 @@ class TokenizerManager:
                 raise InvalidRequestError(
                     f"{name} names token {bad[0]}, outside the vocabulary [0, {self.vocab_size})",
                     param=name)
+        if sp.min_new_tokens > 0 and len(stop_ids) >= self.vocab_size:
+            raise InvalidRequestError(
+                "stop_token_ids and EOS cover the whole vocabulary: with min_new_tokens no "
+                "token is left to sample", param="min_new_tokens")
         if lp.logprob_start_len is not None and lp.logprob_start_len >= len(ids):
             lp.logprob_start_len = None  # nothing of the prompt to report
         return TokenizedGenerateReq(req.rid, ids, sp, frozenset(stop_ids), lp)
@@ -120,7 +124,8 @@ class TokenizerManager:
         """Yield outputs: every chunk when req.stream, else only the final one.
 
         `tokenized`: the result of `tokenize(req)` when the caller already has it.
-        Raises InvalidRequestError before anything is yielded when the request is invalid,
+        Raises InvalidRequestError before anything is yielded when the request is invalid
+        (or, after chunks, when its own sampling parameters left no token to sample),
         ModelStepError (after any chunks) when a model step failed while it ran.
         Closing the iterator before the end aborts the request and frees its KV.
         """
@@ -141,8 +146,12 @@ class TokenizerManager:
                 if out.finished:
                     state.finished = True
                     reason = out.finish_reason or {}
-                    if reason.get("status_code", 0) >= 500:
+                    status = reason.get("status_code", 0)
+                    if status >= 500:
                         raise ModelStepError(reason.get("message", "the model step failed"))
+                    if status >= 400:  # the request's own parameters failed it mid-way
+                        raise InvalidRequestError(reason.get("message", "invalid request"),
+                                                  param="sampling_params")
                     yield sent.merge(out) if req.stream else out
                     return
                 if not req.stream:

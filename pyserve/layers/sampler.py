@@ -73,6 +73,19 @@ def top_k_top_p_probs(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.T
 
 
 def sample(logits: torch.Tensor, sampling_info: SamplingBatchInfo) -> torch.Tensor:
+    """Next token ids [B] int64 (see `sample_checked`; rows with nothing to sample give an
+    arbitrary id)."""
+    return sample_checked(logits, sampling_info)[0]
+
+
+def unsampleable_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[B] bool: rows of adjusted logits [B, vocab] that no token can be drawn from: every
+    logit -inf (all banned), or a NaN or +inf (a bias or penalty that overflowed float32)."""
+    broken = (torch.isnan(logits) | (logits == float("inf"))).any(dim=-1)
+    return broken | ~torch.isfinite(logits).any(dim=-1)
+
+
+def sample_checked(logits: torch.Tensor, sampling_info: SamplingBatchInfo) -> tuple[torch.Tensor, list[int]]:
     """Next token ids [B] int64 on logits.device.
 
     logits: [B, vocab] float32 (not mutated), the model's raw logits; the adjustments of
@@ -82,6 +95,9 @@ def sample(logits: torch.Tensor, sampling_info: SamplingBatchInfo) -> torch.Tens
     using the row's generator from `sampling_info.generators` when one is given (a seeded
     request then draws the same tokens whatever else is in the batch; a generator on another
     device than logits draws on its own device), else the global torch RNG of logits.device.
+    Returns (ids, failed rows): a row whose parameters leave no token to draw
+    (`unsampleable_rows`) is listed and sampled from uniform logits instead, so one such
+    request does not fail the batch; its id must be dropped.
     Raises ValueError if the sampling tensors do not have B rows.
     """
     batch = logits.shape[0]
@@ -89,9 +105,14 @@ def sample(logits: torch.Tensor, sampling_info: SamplingBatchInfo) -> torch.Tens
     if temps.shape[0] != batch or sampling_info.top_ks.shape[0] != batch or sampling_info.top_ps.shape[0] != batch:
         raise ValueError(f"sampling info rows do not match batch size {batch}")
     logits = apply_logit_adjustments(logits, sampling_info)
+    failed: list[int] = []
+    bad = unsampleable_rows(logits)
+    if bool(bad.any()):  # a host sync, rare work: only requests that broke their own row
+        failed = bad.nonzero().squeeze(1).tolist()
+        logits = torch.where(bad[:, None], torch.zeros_like(logits), logits)
     greedy_ids = torch.argmax(logits, dim=-1)
     if sampling_info.is_all_greedy:
-        return greedy_ids
+        return greedy_ids, failed
     greedy = temps == 0
     safe_temps = torch.where(greedy, torch.ones_like(temps), temps).to(torch.float32)
     probs = torch.softmax(logits.float() / safe_temps[:, None], dim=-1)
@@ -113,4 +134,4 @@ def sample(logits: torch.Tensor, sampling_info: SamplingBatchInfo) -> torch.Tens
             row = sorted_probs[i] if gen.device == logits.device else sorted_probs[i].cpu()
             choice[i] = torch.multinomial(row, 1, generator=gen)[0].to(logits.device)
     sampled = sorted_ids.gather(1, choice[:, None]).squeeze(1)
-    return torch.where(greedy, greedy_ids, sampled)
+    return torch.where(greedy, greedy_ids, sampled), failed

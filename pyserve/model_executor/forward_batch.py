@@ -104,12 +104,14 @@ class StepOutput:
 
     next_token_ids: [B] int. output_logprobs: [B] TokenLogprobs of the sampled token (one
     entry) or None per request. input_logprobs: [B] TokenLogprobs of the prompt tokens asked
-    for, or None.
+    for, or None. failed_rows: rows whose own sampling parameters left no token to draw
+    (their ids are meaningless; those requests fail, the others go on).
     """
 
     next_token_ids: list[int]
     output_logprobs: list[TokenLogprobs | None] | None = None
     input_logprobs: list[TokenLogprobs | None] | None = None
+    failed_rows: list[int] = field(default_factory=list)
 
 
 @dataclass

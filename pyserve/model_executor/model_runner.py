@@ -16,6 +16,7 @@ from pyserve.layers.attention.cpu_backend import CpuAttnBackend
 from pyserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from pyserve.layers.logprobs import logprobs_of_rows
 from pyserve.layers.sampler import sample as sample_tokens
+from pyserve.layers.sampler import sample_checked
 from pyserve.mem_cache.memory_pool import MHATokenToKVPool
 from pyserve.model_executor.forward_batch import (
     ForwardBatch,
@@ -203,8 +204,9 @@ class ModelRunner:
     def step_output(self, logits: torch.Tensor, batch: ForwardBatch) -> StepOutput:
         """Sample the next tokens of `batch` (after `forward(batch)`) and gather the logprobs
         its logprob_info asks for. Worker thread only."""
-        next_ids = self.sample(logits, batch.sampling_info)
-        out = StepOutput(next_token_ids=next_ids.tolist())
+        with torch.inference_mode():
+            next_ids, failed_rows = sample_checked(logits, batch.sampling_info)
+        out = StepOutput(next_token_ids=next_ids.tolist(), failed_rows=failed_rows)
         info = batch.logprob_info
         if info is None or not any(info.return_logprob):
             return out

@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
 from pyserve.errors import InvalidRequestError, ModelStepError
@@ -116,6 +116,12 @@ async def handle_model_step_error(request: Request, exc: Exception) -> JSONRespo
     return error_response(500, str(exc), type_="internal_server_error", code=500)
 
 
+async def handle_client_disconnect(request: Request, exc: Exception) -> JSONResponse:
+    # the client left (mid-body or while waiting): nothing to answer, nothing went wrong here
+    logger.debug("client disconnected on %s %s", request.method, request.url.path)
+    return error_response(400, "the client disconnected before the response")
+
+
 async def handle_internal_error(request: Request, exc: Exception) -> JSONResponse:
     logger.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
     return error_response(500, f"internal server error: {type(exc).__name__}: {exc}",
@@ -125,6 +131,7 @@ async def handle_internal_error(request: Request, exc: Exception) -> JSONRespons
 EXCEPTION_HANDLERS: dict[Any, Any] = {
     InvalidRequestError: handle_invalid_request,
     ModelStepError: handle_model_step_error,
+    ClientDisconnect: handle_client_disconnect,
     ValidationError: handle_validation_error,
     HTTPException: handle_http_exception,
     Exception: handle_internal_error,

@@ -14,8 +14,10 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-# Longest message or param an error object carries, in characters.
+# Longest message / param an error object carries, in characters (the whole body stays
+# under about 1.3 kB).
 MAX_ERROR_TEXT_CHARS = 1000
+MAX_ERROR_PARAM_CHARS = 200
 
 
 def json_bytes(obj: Any) -> bytes:
@@ -41,7 +43,7 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
     return {"error": {
         "message": clip_text(str(message)),
         "type": type_,
-        "param": None if param is None else clip_text(str(param)),
+        "param": None if param is None else clip_text(str(param), MAX_ERROR_PARAM_CHARS),
         "code": clip_text(code) if isinstance(code, str) else code,
     }}
 

@@ -7,7 +7,7 @@ import asyncio
 import logging
 from typing import Any, AsyncIterator, Awaitable, TypeVar
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import StreamingResponse
 
 from pyserve.errors import InvalidRequestError, ModelStepError
@@ -52,7 +52,8 @@ def sse_response(events: AsyncIterator[Any]) -> StreamingResponse:
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     """Await `work` unless the client disconnects first, in which case `work` is cancelled
-    (aborting its requests) and CancelledError is raised."""
+    (aborting its requests) and starlette's ClientDisconnect is raised (answered quietly:
+    nobody is listening)."""
     task = asyncio.ensure_future(work)
 
     async def wait_disconnect() -> None:
@@ -68,6 +69,6 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
             return task.result()
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        raise asyncio.CancelledError("client disconnected")
+        raise ClientDisconnect()
     finally:
         watcher.cancel()

@@ -64,6 +64,7 @@ strings = st.one_of(
 numbers = st.one_of(
     st.integers(min_value=-2**70, max_value=2**70),
     st.sampled_from([0, -1, 1, 2, 2**31, 2**32, 2**63 - 1, 2**63, 2**64, 10**30, -10**30]),
+    st.sampled_from([1e300, -1e300, 3.4e38, -3.4e38, 1e-45, -0.0]),  # float32 overflow / underflow
     st.floats(allow_nan=True, allow_infinity=True, width=64),  # NaN / inf are sent as JSON's NaN
 )
 leaf = st.one_of(st.none(), st.booleans(), numbers, strings)

@@ -530,3 +530,67 @@ def test_http2_probe_is_refused_in_http2_terms(server):
     assert (last_stream, code) == (0, 0xD) and rest[17:9 + length] == b"pyserve speaks HTTP/1.1"
     assert "Invalid HTTP request" not in server.log()
     assert httpx.get(server.base_url + "/health").status_code == 200
+
+
+def test_parameters_that_leave_nothing_to_sample_fail_only_their_request(server):
+    """A request whose own bias / penalties / bans leave no token to draw gets a 400 (an SSE
+    error event once streaming), and the requests batched with it are untouched."""
+    r = post(server, "/generate", {"text": "a", "sampling_params": {"logit_bias": {"1": 1e300}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params"
+    assert "no token to sample" in r.json()["error"]["message"]
+    r = httpx.post(server.base_url + "/generate", headers={"content-type": "application/json"},
+                   content=b'{"text": "a", "sampling_params": {"logit_bias": {"1": 1e400}}}')
+    assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.logit_bias"
+    r = post(server, "/generate", {"text": "a", "sampling_params": {
+        "min_new_tokens": 2, "stop_token_ids": list(range(512))}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_new_tokens"
+    # greedy, every other token banned, each of the 32 allowed ones penalized to -inf once
+    # generated (-2e38 x 2 overflows): output token 32 has nothing left
+    bad = {"input_ids": [1], "stream": True, "sampling_params": {
+        "temperature": 0, "max_new_tokens": 60, "min_new_tokens": 59, "repetition_penalty": 2.0,
+        "stop_token_ids": list(range(480)), "logit_bias": {str(t): -2e38 for t in range(480, 512)}}}
+    good = {"text": "Once upon a time", "stream": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 120, "ignore_eos": True}}
+    want = post(server, "/generate", {**good, "stream": False}).json()["text"]
+    results: dict[str, list] = {"bad": [], "good0": [], "good1": []}
+    threads = [_stream_in_thread(server, "/generate", good, results["good0"]),
+               _stream_in_thread(server, "/generate", bad, results["bad"]),
+               _stream_in_thread(server, "/generate", good, results["good1"])]
+    for t in threads:
+        t.join(timeout=120)
+    err = results["bad"][-1]["error"]
+    assert err["code"] == 400 and err["param"] == "sampling_params" and "output token 32" in err["message"]
+    assert len(results["bad"]) == 33  # 32 chunks, then the error event
+    for key in ("good0", "good1"):
+        assert results[key][-1]["text"] == want
+        assert results[key][-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 120}
+    wait_idle(server)
+
+
+def test_abort_names_only_what_it_derived(server):
+    events: list[dict] = []
+    t = _stream_in_thread(server, "/generate", {"text": "Lily", "rid": "job-2", "stream": True,
+                                                "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}}, events)
+    deadline = time.monotonic() + 30
+    while not events:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert post(server, "/abort_request", {"rid": "job"}).json()["num_aborted"] == 0
+    assert post(server, "/abort_request", {"rid": ""}).json()["num_aborted"] == 0
+    t.join(timeout=60)
+    assert events[-1]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_error_bodies_stay_small_and_disconnects_are_quiet(server):
+    r = post(server, "/generate", {"text": "a", "k" * 5000: 1})
+    assert r.status_code == 400 and len(r.content) < 1400
+    assert r.json()["error"]["param"].endswith("(4800 more characters)")
+    import socket
+
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:  # a body cut short
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"text\": \"Once upon")
+    time.sleep(0.5)
+    assert httpx.get(server.base_url + "/health").status_code == 200
+    log = server.log()
+    assert "Traceback" not in log and "ERROR" not in log, log[-3000:]

@@ -135,3 +135,23 @@ def test_seeded_row_independent_of_batch() -> None:
                                    [None, None, torch.Generator().manual_seed(1), gen] + [None] * 4))
         batched.append(out[3].item())
     assert batched == alone and len(set(alone)) > 1
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_rows_with_nothing_to_sample_are_reported_not_raised(greedy) -> None:
+    """A row whose logits are all -inf, or hold a NaN or +inf, fails alone: it is listed, and
+    the other rows' tokens are what they would be without it."""
+    from pyserve.layers.sampler import sample_checked, unsampleable_rows
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 16)
+    logits[1] = float("-inf")
+    logits[2, 3] = float("inf")
+    logits[3, 5] = float("nan")
+    assert unsampleable_rows(logits).tolist() == [False, True, True, True]
+    temp = 0.0 if greedy else 0.7
+    gens = [torch.Generator().manual_seed(s) for s in range(4)]
+    ids, failed = sample_checked(logits, _info([temp] * 4, [1.0] * 4, [16] * 4, gens))
+    assert failed == [1, 2, 3]
+    alone, none_failed = sample_checked(logits[:1], _info([temp], [1.0], [16], [torch.Generator().manual_seed(0)]))
+    assert none_failed == [] and ids[0].item() == alone[0].item()

@@ -163,7 +163,8 @@ async def completions(request: Request) -> Response:
     reqs = [SingleReq(text=text, input_ids=ids, sampling_params=body.sampling_params(body.max_tokens),
                       stream=body.stream, logprob=body.logprob_params(),
                       add_special_tokens=body.add_special_tokens,
-                      rid=base_rid if len(prompts) == 1 else f"{base_rid}-p{k}")
+                      rid=base_rid if len(prompts) == 1 else f"{base_rid}-p{k}",
+                      parent_rid=None if len(prompts) == 1 else base_rid)
             for k, (text, ids) in enumerate(prompts)]
     rid = f"cmpl-{base_rid}"
     created = int(time.time())
