@@ -25,7 +25,8 @@ class SamplingParams(BaseModel):
     min_p:          drop tokens less likely than min_p times the most likely one (0: off).
     frequency_penalty, presence_penalty: in [-2, 2], OpenAI semantics over the output so far.
     repetition_penalty: > 0 (1: off), CTRL-style over prompt and output tokens.
-    logit_bias:     {"token id": bias} added to the logits (a JSON object's keys are strings).
+    logit_bias:     {"token id": bias} added to the logits (a JSON object's keys are strings);
+                    -inf bans the token, +inf and NaN are refused.
     min_new_tokens: stop tokens (EOS and stop_token_ids) are masked until this many tokens.
     stop:           strings that end the output; the matched string is not part of the text.
     stop_token_ids: token ids that end the output (in addition to the model's EOS).
@@ -107,8 +108,8 @@ class SamplingParams(BaseModel):
         for key, bias in (v or {}).items():
             if not key.lstrip("-").isdigit() or int(key) < 0:
                 raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
-            if not math.isfinite(bias):
-                raise ValueError("logit_bias values must be finite numbers")
+            if math.isnan(bias) or bias == math.inf:  # -inf bans a token; +inf would overflow
+                raise ValueError("logit_bias values must be numbers below infinity (-inf bans a token)")
         return v
 
     @property

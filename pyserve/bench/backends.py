@@ -1,9 +1,10 @@
 """HTTP clients of the bench tool: one streamed request to a target, timed chunk by chunk.
 
 Backends: `pyserve` (native POST /generate, SGLang's shape), `openai` (POST /v1/completions)
-and `openai-chat` (POST /v1/chat/completions). Every request streams (SSE), asks for greedy
-sampling (temperature 0) and, unless told otherwise, `ignore_eos` so outputs have the
-requested length; OpenAI requests ask for `stream_options.include_usage`.
+and `openai-chat` (POST /v1/chat/completions). Every request streams (SSE) unless
+`--disable-stream` asks for whole responses, asks for greedy sampling (temperature 0) and,
+unless told otherwise, `ignore_eos` so outputs have the requested length; streamed OpenAI
+requests ask for `stream_options.include_usage`.
 
 A `RawResult` keeps what arrived: per SSE event its arrival time, its text delta and, when the
 server says so (pyserve's native stream reports the cumulative `completion_tokens`), its
@@ -61,17 +62,19 @@ class RequestSpec:
     model: str | None
     ignore_eos: bool = True
     extra_body: dict[str, Any] = field(default_factory=dict)
+    stream: bool = True
 
 
 def request_url_and_body(backend: str, base_url: str, spec: RequestSpec) -> tuple[str, dict[str, Any]]:
     """The URL and JSON body of `spec` for `backend`."""
     if backend == "pyserve":
-        body: dict[str, Any] = {"text": spec.prompt, "stream": True, "sampling_params": {
+        body: dict[str, Any] = {"text": spec.prompt, "stream": spec.stream, "sampling_params": {
             "max_new_tokens": spec.output_len, "temperature": 0.0, "ignore_eos": spec.ignore_eos}}
         body["sampling_params"].update(spec.extra_body)
         return base_url + "/generate", body
-    body = {"model": spec.model, "max_tokens": spec.output_len, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {"model": spec.model, "max_tokens": spec.output_len, "temperature": 0.0, "stream": spec.stream}
+    if spec.stream:
+        body["stream_options"] = {"include_usage": True}
     if spec.ignore_eos:
         body["ignore_eos"] = True
     if backend == "openai":
@@ -122,6 +125,19 @@ class _StreamState:
                 self.result.chunks.append(RawChunk(now, delta))
 
 
+    def add_whole(self, body: dict[str, Any], now: float) -> None:
+        """A non-streamed response, as one event carrying everything."""
+        if self.backend == "pyserve":
+            self.add(body, now)
+            return
+        choice = body["choices"][0]
+        text = choice.get("text") if self.backend == "openai" else choice["message"]["content"]
+        usage = body.get("usage") or {}
+        self.add({"choices": [], "usage": usage}, now)
+        if text:
+            self.result.chunks.append(RawChunk(now, text, int(usage.get("completion_tokens", 0)) or None))
+
+
 class _StreamError(Exception):
     """The server broke off or garbled a stream (counted as a `stream_error` failure)."""
 
@@ -139,6 +155,9 @@ async def send_request(session: aiohttp.ClientSession, backend: str, base_url: s
             if resp.status != 200:
                 result.error = f"http_{resp.status}"
                 result.error_detail = (await resp.text())[:300]
+                return result
+            if not spec.stream:  # one whole response: it arrives as one chunk
+                state.add_whole(json.loads(await resp.read()), time.perf_counter())
                 return result
             done = False
             async for raw_line in resp.content:

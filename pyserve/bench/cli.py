@@ -75,6 +75,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     a("--max-concurrency", type=int, default=None, help="most requests in flight at once")
     a("--warmup-requests", type=int, default=1, help="requests sent before the timed run, not counted")
     a("--disable-ignore-eos", action="store_true", help="let requests stop at EOS")
+    a("--disable-stream", action="store_true",
+      help="ask for whole responses, not streams (TTFT is then the whole latency)")
     a("--extra-request-body", type=_json_object, default={},
       help="JSON object merged into each request body (pyserve backend: into sampling_params)")
     a("--token-count", choices=TOKEN_COUNT_SOURCES, default="auto",
@@ -94,7 +96,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser(prog: str = "pyserve bench") -> OneLineArgumentParser:
     parser = OneLineArgumentParser(prog=prog, description="pyserve's load and latency tool")
-    sub = parser.add_subparsers(dest="bench_command", metavar="{serve,offline,one-batch}", required=True,
+    sub = parser.add_subparsers(dest="bench_command", metavar="{serve,offline,host,one-batch}", required=True,
                                 parser_class=OneLineArgumentParser)
     serve = sub.add_parser("serve", help="load a running server (pyserve or OpenAI-compatible)")
     add_serve_args(serve)
@@ -102,6 +104,10 @@ def build_parser(prog: str = "pyserve bench") -> OneLineArgumentParser:
     add_engine_args(offline)
     add_dataset_args(offline)
     offline.add_argument("--output-file", default=None)
+    host = sub.add_parser("host", help="the host path against a simulated device (in-process server)")
+    from pyserve.bench.host import add_host_args
+
+    add_host_args(host)
     one = sub.add_parser("one-batch", help="static batch: prefill and per-step decode latency")
     from pyserve.bench.one_batch import add_one_batch_args
 
@@ -168,6 +174,10 @@ def main(argv: list[str] | None = None, prog: str = "pyserve bench") -> int:
             from pyserve.bench.offline import run_offline
 
             run_offline(args)
+        elif args.bench_command == "host":
+            from pyserve.bench.host import run_host
+
+            run_host(args)
         else:
             from pyserve.bench.one_batch import run_one_batch
 

@@ -102,7 +102,7 @@ async def run_requests(args: Any, base_url: str, rows: list[DatasetRow], model: 
 
     def spec(row: DatasetRow) -> RequestSpec:
         return RequestSpec(row.prompt, row.output_len, model, not args.disable_ignore_eos,
-                           args.extra_request_body)
+                           args.extra_request_body, stream=not getattr(args, "disable_stream", False))
 
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         async def one(row: DatasetRow) -> RawResult:

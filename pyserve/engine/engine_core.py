@@ -34,8 +34,11 @@ class EngineCore:
     All methods run on the loop that called `start()`, except `start` work done in executors.
     """
 
-    def __init__(self, server_args: ServerArgs) -> None:
+    def __init__(self, server_args: ServerArgs, model_runner: Any = None) -> None:
+        """model_runner: serve with this ModelRunner-like object instead of loading the model
+        (benchmarks run a SimulatedRunner; the tokenizer still comes from the model path)."""
         self.server_args = server_args
+        self._given_runner = model_runner
         self.started = False
         self._tasks: list[asyncio.Task] = []
         # rid -> the rids running for it (a batch's prompts, n > 1 samples and their prefill)
@@ -87,6 +90,10 @@ class EngineCore:
         if args.chat_template:
             with open(args.chat_template, encoding="utf-8") as f:
                 self.tokenizer.chat_template = f.read()
+        if self._given_runner is not None:
+            self.model_runner = self._given_runner
+            self._describe_model()
+            return
         logger.info("loading model from %s", self.model_path)
         self.model_runner = ModelRunner(
             self.model_path, dtype=args.dtype, device=args.resolved_device,
@@ -94,6 +101,10 @@ class EngineCore:
             mem_fraction_static=args.mem_fraction_static, random_seed=args.random_seed,
             page_size=args.page_size, load_format=args.load_format,
             attention_backend=args.attention_backend)
+        self._describe_model()
+
+    def _describe_model(self) -> None:
+        args = self.server_args
         mc = self.model_runner.model_config
         self.context_len = mc.context_len
         self.model_name = args.served_model_name or _default_name(self.model_path)

@@ -4,7 +4,7 @@ the app can be mounted in any ASGI server (uvicorn, hypercorn, or inside another
 from __future__ import annotations
 
 import contextlib
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from starlette.applications import Starlette
 
@@ -15,15 +15,15 @@ from pyserve.server.errors import EXCEPTION_HANDLERS
 from pyserve.server.openai import serving
 
 
-def create_app(server_args: ServerArgs | None = None) -> Starlette:
+def create_app(server_args: ServerArgs | None = None, model_runner: Any = None) -> Starlette:
     """The pyserve ASGI app. The model loads when the app's lifespan starts (ASGI lifespan
     protocol), on the server's event loop, and the engine stops when the lifespan ends.
-    `app.state.engine` is the EngineCore."""
+    `app.state.engine` is the EngineCore. model_runner: see EngineCore (benchmarks)."""
     args = server_args or ServerArgs()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        engine = EngineCore(args)
+        engine = EngineCore(args, model_runner=model_runner)
         await engine.start()
         app.state.engine = engine
         try:

@@ -1,0 +1,157 @@
+"""`pyserve bench host`: the host path (HTTP, tokenizer, scheduler, Rust core, detokenizer, one
+event loop) measured against a simulated device (DESIGN.md section 8).
+
+The full server runs in this process on a `SimulatedRunner` (its steps only take time, with
+the GIL released); the load comes from `pyserve bench serve` in a subprocess, as a real client
+would (no GIL shared with the server). For each case it prints generated tokens/s, the device
+busy fraction (simulated busy time / the client's timed duration) and the loop thread's CPU
+time per generated token (the thread's own CPU clock, read from outside it), and with
+`--output-file` appends one JSON line per case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+# What the host path must keep up with: an H200 decode step of a 0.5B model at 256 requests
+# (~2 ms) and of an 8B model at 64 requests (~5 ms); prefill at ~1 us per token.
+DEFAULT_CLIENTS = [1, 64, 256]
+DEFAULT_DECODE_STEP_MS = [2.0, 5.0]
+
+
+def add_host_args(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument
+    a("--model-path", default=None, help="whose tokenizer serves (default: the default model)")
+    a("--clients", type=int, nargs="+", default=DEFAULT_CLIENTS, help="concurrent clients per case")
+    a("--decode-step-ms", type=float, nargs="+", default=DEFAULT_DECODE_STEP_MS,
+      help="simulated decode step time (whole batch), per case")
+    a("--decode-us-per-req", type=float, default=0.0, help="extra decode time per running request")
+    a("--extend-us-per-token", type=float, default=1.0, help="simulated prefill time per token")
+    a("--stream", choices=["on", "off", "both"], default="both", help="streamed and/or whole responses")
+    a("--input-len", type=int, default=256, help="prompt tokens per request")
+    a("--output-len", type=int, default=256, help="output tokens per request")
+    a("--requests-per-client", type=int, default=1, help="requests each client sends in a case")
+    a("--output-file", default=None, help="append one JSON line per case")
+
+
+class HostServer:
+    """The pyserve app on a SimulatedRunner, served by uvicorn on its own thread and loop."""
+
+    def __init__(self, model_path: str | None, max_running_requests: int, context_len: int,
+                 max_total_tokens: int) -> None:
+        import socket
+
+        import uvicorn
+
+        from pyserve.config import ServerArgs
+        from pyserve.model_executor.simulated_runner import SimulatedRunner
+        from pyserve.model_loader.default_model import default_model_path
+        from pyserve.model_loader.tokenizer import get_tokenizer
+        from pyserve.server.app import create_app
+        from pyserve.server.http1 import HTTP1Protocol
+
+        path = model_path or default_model_path()
+        tok = get_tokenizer(path)
+        eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+        self.runner = SimulatedRunner(len(tok), eos, max_total_tokens, context_len)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        args = ServerArgs(model_path=path, port=self.port, max_running_requests=max_running_requests,
+                          max_prefill_tokens=max(8192, context_len), log_level="warning",
+                          stats_interval_s=3600.0)
+        config = uvicorn.Config(create_app(args, model_runner=self.runner), host="127.0.0.1",
+                                port=self.port, loop="uvloop", http=HTTP1Protocol, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="pyserve-host-loop", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 120
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the in-process server did not start")
+            time.sleep(0.05)
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.loop_clock = time.pthread_getcpuclockid(self.thread.ident)  # type: ignore[arg-type]
+
+    def loop_cpu_s(self) -> float:
+        """CPU seconds the server's loop thread has used (its own clock, read from here)."""
+        return time.clock_gettime(self.loop_clock)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def run_case(server: HostServer, clients: int, stream: bool, decode_ms: float, args: Any) -> dict[str, Any]:
+    """One case: the runner's timing set, the cache flushed, `bench serve` run against it."""
+    runner = server.runner
+    runner.decode_base_ms, runner.decode_us_per_req = decode_ms, args.decode_us_per_req
+    runner.extend_us_per_token = args.extend_us_per_token
+    httpx.post(server.base_url + "/flush_cache", timeout=30).raise_for_status()
+    num = clients * args.requests_per_client
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "serve.jsonl"
+        cmd = [sys.executable, "-m", "pyserve", "bench", "serve", "--backend", "pyserve",
+               "--port", str(server.port), "--num-prompts", str(num), "--max-concurrency", str(clients),
+               "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+               "--random-range-ratio", "1", "--warmup-requests", "0", "--disable-tqdm",
+               "--output-file", str(out)] + ([] if stream else ["--disable-stream"])
+        runner.reset_busy()
+        cpu_before = server.loop_cpu_s()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        cpu_s = server.loop_cpu_s() - cpu_before
+        busy_s = runner.busy_s()
+        if proc.returncode != 0:
+            raise RuntimeError(f"bench serve failed: {proc.stderr.strip()[-2000:]}")
+        metrics = json.loads(out.read_text().splitlines()[-1])["metrics"]
+    tokens = metrics["total_output_tokens"]
+    return {
+        "kind": "host", "clients": clients, "stream": stream, "decode_step_ms": decode_ms,
+        "input_len": args.input_len, "output_len": args.output_len, "requests": num,
+        "completed": metrics["completed"], "failed": metrics["failed"],
+        "output_tok_s": metrics["output_throughput"],
+        "device_busy_fraction": busy_s / metrics["duration_s"] if metrics["duration_s"] else None,
+        "loop_cpu_us_per_token": 1e6 * cpu_s / tokens if tokens else None,
+        "device_steps": runner.num_steps, "duration_s": metrics["duration_s"],
+        "overlap": False,  # the scheduler awaits every step (no overlap schedule yet)
+    }
+
+
+def run_host(args: Any) -> list[dict[str, Any]]:
+    """All cases of `pyserve bench host`; prints a table, returns the JSON-able rows."""
+    streams = {"on": [True], "off": [False], "both": [True, False]}[args.stream]
+    context_len = args.input_len + args.output_len + 8
+    most = max(args.clients)
+    server = HostServer(args.model_path, most, context_len, max_total_tokens=most * context_len + 4096)
+    rows = []
+    header = (f"{'clients':>7} {'stream':>6} {'step ms':>7} {'out tok/s':>10} {'busy':>6} "
+              f"{'loop us/tok':>11} {'done/fail':>9}")
+    print(header)
+    print("-" * len(header))
+    try:
+        for decode_ms, stream, clients in itertools.product(args.decode_step_ms, streams, args.clients):
+            row = run_case(server, clients, stream, decode_ms, args)
+            rows.append(row)
+            busy = row["device_busy_fraction"]
+            print(f"{clients:>7} {'on' if stream else 'off':>6} {decode_ms:>7.1f} {row['output_tok_s']:>10.0f} "
+                  f"{busy:>6.3f} {row['loop_cpu_us_per_token']:>11.1f} {row['completed']:>4}/{row['failed']:<4}",
+                  flush=True)
+            if args.output_file:
+                with open(args.output_file, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(row) + "\n")
+    finally:
+        server.stop()
+    asyncio.set_event_loop(None)
+    return rows

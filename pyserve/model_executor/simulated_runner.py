@@ -1,0 +1,96 @@
+"""`SimulatedRunner`: a ModelRunner stand-in whose "device" only takes time, for measuring the
+host path (DESIGN.md section 8). Benchmarks and tests only.
+
+Its forward sleeps the step's device time with the GIL released, as a CUDA launch followed by
+a synchronize does: an EXTEND step `extend_us_per_token` per token computed, a DECODE step
+`decode_base_ms` plus `decode_us_per_req` per request. It returns seeded token ids that are
+never EOS (outputs run to max_new_tokens) and records when it was busy, so a benchmark can
+report the device's busy fraction. Everything else of the server is real: HTTP, tokenizer,
+scheduler, the Rust core, the detokenizer.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pyserve.model_executor.forward_batch import ForwardBatch, ForwardMode, StepOutput
+
+
+@dataclass
+class SimulatedModelConfig:
+    """The ModelConfig fields the engine reads."""
+
+    context_len: int
+    vocab_size: int
+    eos_token_ids: set[int] = field(default_factory=set)
+    architecture: str = "SimulatedForCausalLM"
+    dtype: torch.dtype = torch.float32
+
+
+class SimulatedRunner:
+    """Serves a tokenizer's vocabulary on a simulated device.
+
+    vocab_size, eos_token_ids: the tokenizer's (ids are drawn from the non-EOS ones).
+    max_total_tokens: KV pool size in tokens; context_len: tokens per sequence.
+    extend_us_per_token, decode_base_ms, decode_us_per_req: the device time model (set them
+    between runs from any thread; a step reads them when it starts).
+    seed: the token stream (the same sequence of steps gives the same ids).
+
+    Worker thread: forward, step_output. Any thread: busy_s, reset_busy.
+    """
+
+    device = "cpu"
+    dtype = torch.float32
+    attention_backend_name = "simulated"
+    kv_cache_bytes = 0
+    weight_bytes = 0
+    packed_weight_bytes = 0
+
+    def __init__(self, vocab_size: int, eos_token_ids: set[int], max_total_tokens: int,
+                 context_len: int, extend_us_per_token: float = 1.0, decode_base_ms: float = 2.0,
+                 decode_us_per_req: float = 0.0, seed: int = 0) -> None:
+        self.model_config = SimulatedModelConfig(context_len, vocab_size, set(eos_token_ids))
+        self.max_total_num_tokens = max_total_tokens
+        self.extend_us_per_token = extend_us_per_token
+        self.decode_base_ms = decode_base_ms
+        self.decode_us_per_req = decode_us_per_req
+        self._ids = np.array([t for t in range(vocab_size) if t not in eos_token_ids], dtype=np.int64)
+        self._rng = np.random.default_rng(seed)
+        self._lock = threading.Lock()
+        self._busy_s = 0.0
+        self.num_steps = 0
+
+    def step_time_s(self, batch: ForwardBatch) -> float:
+        """The simulated device time of `batch`, in seconds."""
+        if batch.forward_mode is ForwardMode.EXTEND:
+            return int(batch.input_ids.shape[0]) * self.extend_us_per_token * 1e-6
+        return self.decode_base_ms * 1e-3 + batch.batch_size * self.decode_us_per_req * 1e-6
+
+    def forward(self, batch: ForwardBatch) -> None:
+        duration = self.step_time_s(batch)
+        start = time.perf_counter()
+        deadline = start + duration
+        while (left := deadline - time.perf_counter()) > 0:
+            time.sleep(left)  # releases the GIL, as waiting on the device does
+        with self._lock:
+            self._busy_s += time.perf_counter() - start
+            self.num_steps += 1
+
+    def step_output(self, logits: None, batch: ForwardBatch) -> StepOutput:
+        ids = self._ids[self._rng.integers(0, len(self._ids), size=batch.batch_size)]
+        return StepOutput(next_token_ids=ids.tolist())
+
+    def busy_s(self) -> float:
+        """Seconds the device has been busy since the last reset_busy."""
+        with self._lock:
+            return self._busy_s
+
+    def reset_busy(self) -> None:
+        with self._lock:
+            self._busy_s = 0.0
+            self.num_steps = 0

@@ -1,0 +1,60 @@
+"""The simulated device (SimulatedRunner) and `pyserve bench host` over it: step times follow
+the time model, ids are seeded and never EOS, busy time is accounted, and a small `bench host`
+run serves every request through the real server with figures that add up."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import torch
+
+from pyserve.model_executor.forward_batch import ForwardMode
+from pyserve.model_executor.simulated_runner import SimulatedRunner
+from tests.conftest import REPO
+
+
+class _Batch:
+    def __init__(self, mode: ForwardMode, batch_size: int, num_tokens: int) -> None:
+        self.forward_mode = mode
+        self.batch_size = batch_size
+        self.input_ids = torch.zeros(num_tokens, dtype=torch.int64)
+
+
+def test_step_times_ids_and_busy_accounting():
+    runner = SimulatedRunner(vocab_size=6, eos_token_ids={2}, max_total_tokens=64, context_len=32,
+                             extend_us_per_token=100.0, decode_base_ms=3.0, decode_us_per_req=500.0, seed=7)
+    extend, decode = _Batch(ForwardMode.EXTEND, 2, 40), _Batch(ForwardMode.DECODE, 4, 4)
+    assert runner.step_time_s(extend) == 40 * 100e-6
+    assert runner.step_time_s(decode) == 3e-3 + 4 * 500e-6
+    start = time.perf_counter()
+    runner.forward(extend)
+    runner.forward(decode)
+    wall = time.perf_counter() - start
+    assert 0.009 <= runner.busy_s() <= wall and runner.num_steps == 2
+    ids = [t for _ in range(200) for t in runner.step_output(None, decode).next_token_ids]
+    assert set(ids) == {0, 1, 3, 4, 5}  # every id but EOS
+    again = SimulatedRunner(6, {2}, 64, 32, seed=7)
+    assert [t for _ in range(200) for t in again.step_output(None, decode).next_token_ids] == ids
+    runner.reset_busy()
+    assert runner.busy_s() == 0.0 and runner.num_steps == 0
+
+
+def test_bench_host_small_run(tmp_path, stories_path):
+    out = tmp_path / "host.jsonl"
+    proc = subprocess.run([
+        sys.executable, "-m", "pyserve", "bench", "host", "--model-path", str(stories_path),
+        "--clients", "1", "3", "--decode-step-ms", "2", "--input-len", "16", "--output-len", "8",
+        "--output-file", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["clients"], r["stream"]) for r in rows] == [(1, True), (3, True), (1, False), (3, False)]
+    for r in rows:
+        assert r["completed"] == r["requests"] == r["clients"] and r["failed"] == 0
+        # one prefill step and 7 decode steps at least (the first token comes from the prefill)
+        assert r["device_steps"] >= 8
+        assert 0.0 < r["device_busy_fraction"] <= 1.0
+        assert r["loop_cpu_us_per_token"] > 0 and r["output_tok_s"] > 0
+    assert "loop us/tok" in proc.stdout
