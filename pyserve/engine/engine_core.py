@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator
 import torch
 
 from pyserve.config import ServerArgs
-from pyserve.engine import parallel_sampling
+from pyserve.engine import parallel_sampling, server_info
 from pyserve.engine.detokenizer import token_deltas
 from pyserve.engine.scheduler import Scheduler
 from pyserve.engine.tokenizer_manager import TokenizerManager
@@ -323,91 +323,20 @@ class EngineCore:
         except Exception as exc:  # jinja errors: the template refused these messages
             raise InvalidRequestError(f"chat template failed: {exc}", param="messages") from exc
 
-    # ---- introspection -------------------------------------------------------------------------
+    # ---- introspection (SGLang's shapes; see server_info.py) ------------------------------------
     def get_model_info(self) -> dict[str, Any]:
-        """SGLang's /get_model_info fields (model_path, tokenizer_path, is_generation,
-        preferred_sampling_params, weight_version) and pyserve's own."""
-        mc = self.model_runner.model_config
-        return {
-            "model_path": self.model_path,
-            "tokenizer_path": os.path.abspath(self.server_args.tokenizer_path or self.model_path),
-            "is_generation": True,
-            "preferred_sampling_params": None,
-            "weight_version": "default",
-            "served_model_name": self.model_name,
-            "architecture": mc.architecture,
-            "architectures": [mc.architecture],
-            "context_length": self.context_len,
-            "vocab_size": mc.vocab_size,
-        }
+        return server_info.model_info(self)
 
     def get_server_info(self) -> dict[str, Any]:
-        """SGLang's /get_server_info shape: the server args, the scheduler's figures
-        (max_total_num_tokens, max_req_input_len), `internal_states` (one entry per
-        data-parallel rank: here one) and version, plus pyserve's live KV figures."""
-        kv = self.kv_cache
-        sched = self.scheduler
-        info: dict[str, Any] = dict(vars(self.server_args))
-        info.update({
-            "model_path": self.model_path,
-            "context_length": self.context_len,
-            "max_total_tokens": kv.max_total_tokens,
-            "max_total_num_tokens": kv.max_total_tokens,
-            "max_req_input_len": min(self.context_len, kv.max_total_tokens) - 1,
-            "status": "ready",
-            "internal_states": [self._internal_state()],
-            "version": _version(),
-            "device": self.model_runner.device,
-            "kv_free_slots": kv.free_slots(),
-            "kv_total_slots": kv.max_total_tokens,
-            "kv_evictable_slots": kv.evictable_slots(),
-            "kv_protected_slots": kv.protected_slots(),
-            "kv_cache_bytes": self.model_runner.kv_cache_bytes,
-            "num_running_reqs": len(sched.running),
-            "num_waiting_reqs": len(sched.waiting),
-            "num_generated_tokens": sched.num_generated_tokens,
-        })
-        return info
+        return server_info.server_info(self)
 
     def get_load(self) -> list[dict[str, Any]]:
-        """SGLang's /get_load: one entry per data-parallel rank (here one) with the requests
-        running and waiting and `num_tokens`, the load the router's policies compare: KV slots
-        held by running requests plus the prompt tokens of waiting ones (as SGLang counts)."""
-        sched = self.scheduler
-        return [{"dp_rank": 0, "num_reqs": len(sched.running) + len(sched.waiting),
-                 "num_waiting_reqs": len(sched.waiting), "num_tokens": sched.load()}]
-
-    def _internal_state(self) -> dict[str, Any]:
-        """What SGLang's scheduler reports per rank and its clients read (bench_serving reads
-        `avg_spec_accept_length`, absent without speculative decoding)."""
-        kv = self.kv_cache
-        sched = self.scheduler
-        return {
-            "attention_backend": self.model_runner.attention_backend_name,
-            "page_size": kv.page_size,
-            "last_gen_throughput": sched.last_gen_throughput,
-            "memory_usage": {
-                "weight": round(self.model_runner.weight_bytes / 2**30, 2),
-                "kvcache": round(self.model_runner.kv_cache_bytes / 2**30, 2),
-                "token_capacity": kv.max_total_tokens,
-                "graph": 0.0,
-            },
-            "load": sched.load(),
-        }
+        return server_info.load_info(self)
 
 
 def _default_name(model_path: str) -> str:
     base = os.path.basename(model_path.rstrip("/"))
     return base.removesuffix(".gguf")
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("pyserve")
-    except PackageNotFoundError:
-        return "0.0.0+local"
 
 
 def _log_task_death(task: asyncio.Task) -> None:

@@ -24,6 +24,7 @@ from tests.e2e.text_exact import _sse
 from tests.e2e.test_real_clients import client_python  # noqa: F401  (fixture)
 
 POOL = 4096
+OUTPUT_LEN = 48  # long enough that a round's two requests are in flight together
 TEMPLATE = REPO / "tests" / "data" / "stories_chat_template.jinja"
 
 
@@ -136,7 +137,7 @@ def _send_rounds(router: Router, rounds: int) -> dict[int, list[int]]:
         def send(g: int) -> None:
             results[g] = httpx.post(router.base_url + "/generate", timeout=60, json={
                 "text": GROUPS[g] + f"Question {k}: what happened next?",
-                "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}})
+                "sampling_params": {"max_new_tokens": OUTPUT_LEN, "temperature": 0, "ignore_eos": True}})
 
         threads = [threading.Thread(target=send, args=(g,)) for g in range(len(GROUPS))]
         for t in threads:
@@ -146,7 +147,7 @@ def _send_rounds(router: Router, rounds: int) -> dict[int, list[int]]:
             t.join()
         for g, r in sorted(results.items()):
             assert r.status_code == 200, r.text
-            assert r.json()["meta_info"]["completion_tokens"] == 24
+            assert r.json()["meta_info"]["completion_tokens"] == OUTPUT_LEN
             cached[g].append(r.json()["meta_info"]["cached_tokens"])
     return cached
 
@@ -173,7 +174,7 @@ def test_router_policies(replicas, client_python, tmp_path, policy):  # noqa: F8
         before = _generated(replicas)
         cached = _send_rounds(router, rounds=4)
         served = [a - b for a, b in zip(_generated(replicas), before)]
-        assert sum(served) == 8 * 24
+        assert sum(served) == 8 * OUTPUT_LEN
         _wait_idle(replicas)
         if policy == "cache_aware":
             # each group stays on one replica, the two groups on different ones...

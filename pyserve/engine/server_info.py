@@ -1,0 +1,98 @@
+"""What the introspection routes report, in SGLang's shapes: /get_model_info, /get_server_info
+(with `internal_states`, one entry per data-parallel rank) and /get_load. Loop thread only
+(they read the scheduler's and the KV cache's live figures)."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pyserve.engine.engine_core import EngineCore
+
+
+def model_info(core: "EngineCore") -> dict[str, Any]:
+    """SGLang's /get_model_info fields (model_path, tokenizer_path, is_generation,
+    preferred_sampling_params, weight_version) and pyserve's own."""
+    mc = core.model_runner.model_config
+    return {
+        "model_path": core.model_path,
+        "tokenizer_path": os.path.abspath(core.server_args.tokenizer_path or core.model_path),
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": "default",
+        "served_model_name": core.model_name,
+        "architecture": mc.architecture,
+        "architectures": [mc.architecture],
+        "context_length": core.context_len,
+        "vocab_size": mc.vocab_size,
+    }
+
+
+def server_info(core: "EngineCore") -> dict[str, Any]:
+    """SGLang's /get_server_info shape: the server args, the scheduler's figures
+    (max_total_num_tokens, max_req_input_len), `internal_states` (one entry per data-parallel
+    rank: here one) and version, plus pyserve's live KV figures."""
+    kv = core.kv_cache
+    sched = core.scheduler
+    info: dict[str, Any] = dict(vars(core.server_args))
+    info.update({
+        "model_path": core.model_path,
+        "context_length": core.context_len,
+        "max_total_tokens": kv.max_total_tokens,
+        "max_total_num_tokens": kv.max_total_tokens,
+        "max_req_input_len": min(core.context_len, kv.max_total_tokens) - 1,
+        "status": "ready",
+        "internal_states": [_internal_state(core)],
+        "version": version(),
+        "device": core.model_runner.device,
+        "kv_free_slots": kv.free_slots(),
+        "kv_total_slots": kv.max_total_tokens,
+        "kv_evictable_slots": kv.evictable_slots(),
+        "kv_protected_slots": kv.protected_slots(),
+        "kv_cache_bytes": core.model_runner.kv_cache_bytes,
+        "num_running_reqs": len(sched.running),
+        "num_waiting_reqs": len(sched.waiting),
+        "num_generated_tokens": sched.num_generated_tokens,
+    })
+    return info
+
+
+def load_info(core: "EngineCore") -> list[dict[str, Any]]:
+    """SGLang's /get_load: one entry per data-parallel rank (here one) with the requests
+    running and waiting and `num_tokens`, the load the router's policies compare: KV slots held
+    by running requests plus the prompt tokens of waiting ones (as SGLang counts)."""
+    sched = core.scheduler
+    return [{"dp_rank": 0, "num_reqs": len(sched.running) + len(sched.waiting),
+             "num_waiting_reqs": len(sched.waiting), "num_tokens": sched.load()}]
+
+
+def _internal_state(core: "EngineCore") -> dict[str, Any]:
+    """What SGLang's scheduler reports per rank and its clients read (bench_serving reads
+    `avg_spec_accept_length`, absent without speculative decoding)."""
+    kv = core.kv_cache
+    sched = core.scheduler
+    runner = core.model_runner
+    return {
+        "attention_backend": runner.attention_backend_name,
+        "page_size": kv.page_size,
+        "last_gen_throughput": sched.last_gen_throughput,
+        "memory_usage": {
+            "weight": round(runner.weight_bytes / 2**30, 2),
+            "kvcache": round(runner.kv_cache_bytes / 2**30, 2),
+            "token_capacity": kv.max_total_tokens,
+            "graph": 0.0,
+        },
+        "load": sched.load(),
+    }
+
+
+def version() -> str:
+    """pyserve's installed version ("0.0.0+local" when it is not installed)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed_version
+
+    try:
+        return installed_version("pyserve")
+    except PackageNotFoundError:
+        return "0.0.0+local"
