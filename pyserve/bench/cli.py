@@ -127,6 +127,17 @@ def check_args(args: argparse.Namespace) -> str | None:
     ratio = getattr(args, "random_range_ratio", None)
     if ratio is not None and not 0.0 <= ratio <= 1.0:
         return f"--random-range-ratio: got {ratio}; must be in [0, 1]"
+    if args.bench_command == "host":
+        for name in ("clients", "decode_step_ms"):
+            bad = [v for v in getattr(args, name) if not v > 0]
+            if bad:
+                return f"--{name.replace('_', '-')}: got {bad[0]}; must be > 0"
+        for name in ("input_len", "output_len", "requests_per_client"):
+            if getattr(args, name) < 1:
+                return f"--{name.replace('_', '-')}: got {getattr(args, name)}; must be >= 1"
+        for name in ("decode_us_per_req", "extend_us_per_token"):
+            if not getattr(args, name) >= 0:
+                return f"--{name.replace('_', '-')}: got {getattr(args, name)}; must be >= 0"
     if args.bench_command == "serve":
         if not args.request_rate > 0:
             return f"--request-rate: got {args.request_rate}; must be > 0 (inf: all at once)"

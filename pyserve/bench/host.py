@@ -25,6 +25,8 @@ from typing import Any
 
 import httpx
 
+from pyserve.bench.serve import BenchError
+
 # What the host path must keep up with: an H200 decode step of a 0.5B model at 256 requests
 # (~2 ms) and of an 8B model at 64 requests (~5 ms); prefill at ~1 us per token.
 DEFAULT_CLIENTS = [1, 64, 256]
@@ -80,7 +82,7 @@ class HostServer:
         deadline = time.monotonic() + 120
         while not self.server.started:
             if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the in-process server did not start")
+                raise BenchError("the in-process server did not start")
             time.sleep(0.05)
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.loop_clock = time.pthread_getcpuclockid(self.thread.ident)  # type: ignore[arg-type]
@@ -114,7 +116,7 @@ def run_case(server: HostServer, clients: int, stream: bool, decode_ms: float, a
         cpu_s = server.loop_cpu_s() - cpu_before
         busy_s = runner.busy_s()
         if proc.returncode != 0:
-            raise RuntimeError(f"bench serve failed: {proc.stderr.strip()[-2000:]}")
+            raise BenchError(f"bench serve failed: {proc.stderr.strip()[-2000:]}")
         metrics = json.loads(out.read_text().splitlines()[-1])["metrics"]
     tokens = metrics["total_output_tokens"]
     return {

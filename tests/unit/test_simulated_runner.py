@@ -58,3 +58,12 @@ def test_bench_host_small_run(tmp_path, stories_path):
         assert 0.0 < r["device_busy_fraction"] <= 1.0
         assert r["loop_cpu_us_per_token"] > 0 and r["output_tok_s"] > 0
     assert "loop us/tok" in proc.stdout
+
+
+def test_bench_host_bad_flags_exit_2(capsys):
+    from pyserve.bench.cli import main
+
+    assert main(["host", "--clients", "0"]) == 2
+    assert "--clients: got 0; must be > 0" in capsys.readouterr().err
+    assert main(["host", "--decode-step-ms", "-1"]) == 2
+    assert main(["host", "--input-len", "0"]) == 2
