@@ -73,6 +73,38 @@ def start_server(tmp_path_factory: pytest.TempPathFactory, name: str, args: list
     return server
 
 
+CHAT_TEMPLATE = REPO / "tests" / "data" / "stories_chat_template.jinja"
+
+
+def wait_idle(base_url: str, timeout_s: float = 30.0) -> dict:
+    """/get_server_info once nothing runs, waits or holds KV (raises AssertionError after
+    timeout_s)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = httpx.get(base_url + "/get_server_info").json()
+        if info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0 and info["kv_protected_slots"] == 0:
+            return info
+        assert time.monotonic() < deadline, info
+        time.sleep(0.05)
+
+
+def stories_chat_server(tmp_path_factory: pytest.TempPathFactory, stories_path: Path, name: str,
+                        pool: int, extra_args: list[str]):
+    """A stories260k server with the tests' chat template (yield from it in a fixture); at the
+    end, once idle, every KV slot must be free or evictable (no leak)."""
+    srv = start_server(tmp_path_factory, name, [
+        "--model-path", str(stories_path), "--max-total-tokens", str(pool),
+        "--chat-template", str(CHAT_TEMPLATE), *extra_args])
+    try:
+        yield srv
+        info = wait_idle(srv.base_url)
+        assert info["kv_free_slots"] + info["kv_evictable_slots"] == pool
+    finally:
+        srv.stop()
+
+
 @pytest.fixture(scope="session")
 def stories_path() -> Path:
     assert (STORIES_PATH / "config.json").exists(), f"missing {STORIES_PATH}"

@@ -16,10 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import REPO, start_server
+from tests.conftest import REPO, stories_chat_server
 
 POOL = 8192
-TEMPLATE = REPO / "tests" / "data" / "stories_chat_template.jinja"
 LM_EVAL_DATA = REPO / "tests" / "data" / "lm_eval"
 
 
@@ -36,16 +35,8 @@ def client_python() -> Path:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, stories_path):
-    srv = start_server(tmp_path_factory, "stories-clients", [
-        "--model-path", str(stories_path), "--max-total-tokens", str(POOL),
-        "--chat-template", str(TEMPLATE), "--max-running-requests", "64"])
-    try:
-        yield srv
-        info = httpx.get(srv.base_url + "/get_server_info").json()
-        assert info["kv_protected_slots"] == 0
-        assert info["kv_free_slots"] + info["kv_evictable_slots"] == POOL
-    finally:
-        srv.stop()
+    yield from stories_chat_server(tmp_path_factory, stories_path, "stories-clients", POOL,
+                                   ["--max-running-requests", "64"])
 
 
 def run_client(python: Path, args: list[str], cwd: Path, timeout_s: float = 300) -> str:

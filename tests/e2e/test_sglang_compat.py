@@ -15,11 +15,12 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from tests.conftest import REPO, start_server
+from tests.conftest import CHAT_TEMPLATE as TEMPLATE
+from tests.conftest import stories_chat_server
+from tests.conftest import wait_idle as conftest_wait_idle
 from tests.e2e.text_exact import _sse, check_all, expected_continuation
 
 POOL = 4096
-TEMPLATE = REPO / "tests" / "data" / "stories_chat_template.jinja"
 
 # Every field of SGLang 0.5.2's GenerateReqInput and SamplingParams, at its default.
 SGLANG_DEFAULT_FIELDS = {
@@ -44,16 +45,8 @@ SGLANG_DEFAULT_SAMPLING = {
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, stories_path):
-    srv = start_server(tmp_path_factory, "stories-compat", [
-        "--model-path", str(stories_path), "--max-total-tokens", str(POOL),
-        "--chat-template", str(TEMPLATE), "--max-running-requests", "32"])
-    try:
-        yield srv
-        info = wait_idle(srv)
-        assert info["kv_protected_slots"] == 0
-        assert info["kv_free_slots"] + info["kv_evictable_slots"] == POOL
-    finally:
-        srv.stop()
+    yield from stories_chat_server(tmp_path_factory, stories_path, "stories-compat", POOL,
+                                   ["--max-running-requests", "32"])
 
 
 @pytest.fixture(scope="module")
@@ -68,13 +61,7 @@ def post(server, path: str, body) -> httpx.Response:
 
 
 def wait_idle(server, timeout_s: float = 30) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        info = httpx.get(server.base_url + "/get_server_info").json()
-        if info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0 and info["kv_protected_slots"] == 0:
-            return info
-        assert time.monotonic() < deadline, info
-        time.sleep(0.05)
+    return conftest_wait_idle(server.base_url, timeout_s)
 
 
 def test_every_sglang_default_field_is_accepted(server):
