@@ -35,16 +35,16 @@ DEFAULT_DECODE_STEP_MS = [2.0, 5.0]
 
 def add_host_args(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
-    a("--model-path", default=None, help="whose tokenizer serves (default: the default model)")
-    a("--clients", type=int, nargs="+", default=DEFAULT_CLIENTS, help="concurrent clients per case")
+    a("--model-path", default=None, help="whose tokenizer serves (default: the default model, SmolLM2)")
+    a("--clients", type=int, nargs="+", default=DEFAULT_CLIENTS, help="concurrent clients per case (default: %(default)s)")
     a("--decode-step-ms", type=float, nargs="+", default=DEFAULT_DECODE_STEP_MS,
-      help="simulated decode step time (whole batch), per case")
-    a("--decode-us-per-req", type=float, default=0.0, help="extra decode time per running request")
-    a("--extend-us-per-token", type=float, default=1.0, help="simulated prefill time per token")
-    a("--stream", choices=["on", "off", "both"], default="both", help="streamed and/or whole responses")
-    a("--input-len", type=int, default=256, help="prompt tokens per request")
-    a("--output-len", type=int, default=256, help="output tokens per request")
-    a("--requests-per-client", type=int, default=1, help="requests each client sends in a case")
+      help="simulated decode step time of the whole batch, per case (default: %(default)s)")
+    a("--decode-us-per-req", type=float, default=0.0, help="extra decode time per running request (default: %(default)s)")
+    a("--extend-us-per-token", type=float, default=1.0, help="simulated prefill time per token (default: %(default)s)")
+    a("--stream", choices=["on", "off", "both"], default="both", help="streamed and/or whole responses (default: %(default)s)")
+    a("--input-len", type=int, default=256, help="prompt tokens per request (default: %(default)s)")
+    a("--output-len", type=int, default=256, help="output tokens per request (default: %(default)s)")
+    a("--requests-per-client", type=int, default=1, help="requests each client sends in a case (default: %(default)s)")
     a("--output-file", default=None, help="append one JSON line per case")
 
 

@@ -57,7 +57,7 @@ class Router:
         self.proc = subprocess.Popen([
             str(python), "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
             "--worker-urls", *[w.base_url for w in workers], "--policy", policy,
-            "--prometheus-port", str(free_port()), "--log-level", "warn"],
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--log-level", "warn"],
             stdout=self._log, stderr=subprocess.STDOUT, cwd=log_path.parent, env=env)
         deadline = time.monotonic() + 120
         while True:
