@@ -275,25 +275,23 @@ class EngineCore:
         """Empty the radix cache; False (nothing changed) while requests are queued or run."""
         return self.scheduler.flush_cache()
 
+    async def _prompt_ids(self, req: SingleReq) -> list[int]:
+        if req.input_ids is not None:
+            return req.input_ids
+        return await self.tokenizer_manager.encode(req.text or "", req.add_special_tokens)
+
     async def prompt_text(self, req: SingleReq) -> str:
         """The prompt as the tokenizer decodes its ids (special tokens skipped): what `echo`
         returns, so that echo + output text = decode(prompt + output). Call only after the
         request was validated."""
-        tm = self.tokenizer_manager
-        ids = req.input_ids
-        if ids is None:
-            ids = await tm.encode(req.text or "", req.add_special_tokens)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            tm.executor, lambda: self.tokenizer.decode(ids, skip_special_tokens=True))
+        ids = await self._prompt_ids(req)
+        return await asyncio.get_running_loop().run_in_executor(
+            self.tokenizer_manager.executor, lambda: self.tokenizer.decode(ids, skip_special_tokens=True))
 
     async def prompt_text_offsets(self, req: SingleReq) -> tuple[str, list[int]]:
         """`prompt_text(req)` and the character offset in it where each prompt token's text
         starts (`text_offset` of echoed prompt logprobs)."""
-        tm = self.tokenizer_manager
-        ids = req.input_ids
-        if ids is None:
-            ids = await tm.encode(req.text or "", req.add_special_tokens)
+        ids = await self._prompt_ids(req)
 
         def work() -> tuple[str, list[int]]:
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -303,7 +301,7 @@ class EngineCore:
                 at += len(delta)
             return text, offsets
 
-        return await asyncio.get_running_loop().run_in_executor(tm.executor, work)
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_manager.executor, work)
 
     async def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
         """The prompt text for chat `messages`; `kwargs` go to the tokenizer's

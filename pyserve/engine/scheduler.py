@@ -203,7 +203,7 @@ class Scheduler:
         """Append each request's new token, decide who finished, emit TokenOuts."""
         outs = []
         extend = batch.forward_mode is ForwardMode.EXTEND
-        failed = set(result.failed_rows)
+        failed = set(result.failed_rows) if result.failed_rows else ()
         for i, (req, token) in enumerate(zip(batch.reqs, result.next_token_ids)):
             req.kv_len = len(req.fill_ids()) if extend else req.kv_len + 1
             if req.finished:  # ended while the step ran: drop the extra token

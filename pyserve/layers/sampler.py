@@ -81,8 +81,9 @@ def sample(logits: torch.Tensor, sampling_info: SamplingBatchInfo) -> torch.Tens
 def unsampleable_rows(logits: torch.Tensor) -> torch.Tensor:
     """[B] bool: rows of adjusted logits [B, vocab] that no token can be drawn from: every
     logit -inf (all banned), or a NaN or +inf (a bias or penalty that overflowed float32)."""
-    broken = (torch.isnan(logits) | (logits == float("inf"))).any(dim=-1)
-    return broken | ~torch.isfinite(logits).any(dim=-1)
+    # one reduction: a row's max is NaN if it holds a NaN (amax propagates it), +inf if it
+    # holds +inf, -inf if every logit is -inf; finite exactly when the row can be sampled
+    return ~torch.isfinite(logits.amax(dim=-1))
 
 
 def sample_checked(logits: torch.Tensor, sampling_info: SamplingBatchInfo) -> tuple[torch.Tensor, list[int]]:
@@ -107,7 +108,7 @@ def sample_checked(logits: torch.Tensor, sampling_info: SamplingBatchInfo) -> tu
     logits = apply_logit_adjustments(logits, sampling_info)
     failed: list[int] = []
     bad = unsampleable_rows(logits)
-    if bool(bad.any()):  # a host sync, rare work: only requests that broke their own row
+    if bool(bad.any()):  # a host sync on [B] bools; the fix-up below is rare work
         failed = bad.nonzero().squeeze(1).tolist()
         logits = torch.where(bad[:, None], torch.zeros_like(logits), logits)
     greedy_ids = torch.argmax(logits, dim=-1)

@@ -21,8 +21,9 @@ MAX_ERROR_PARAM_CHARS = 200
 
 
 def json_bytes(obj: Any) -> bytes:
-    """`obj` as UTF-8 JSON. Strings with lone surrogates are written with JSON escapes (the
-    only place a raw surrogate can appear is inside a string, where `\\uXXXX` is an escape).
+    """`obj` as UTF-8 JSON. Strings with lone surrogates are written with JSON escapes: a raw
+    surrogate can only stand inside a JSON string, where its six-character backslash-u form
+    is a valid escape that parses back to the same character.
     Raises only for objects JSON cannot hold (NaN/inf floats, non-JSON types)."""
     text = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
     return text.encode("utf-8", "backslashreplace")
