@@ -46,6 +46,8 @@ class ServerArgs:
     random_seed: int | None = None
     log_level: str = "info"
     stats_interval_s: float = 10.0
+    disable_overlap_schedule: bool = False
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         self.validate()
@@ -82,6 +84,8 @@ class ServerArgs:
             raise bad("page_size", f"got {self.page_size}; must be >= 1 token")
         if self.stats_interval_s <= 0:
             raise bad("stats_interval_s", f"got {self.stats_interval_s}; must be > 0 seconds")
+        if self.stream_interval <= 0:
+            raise bad("stream_interval", f"got {self.stream_interval}; must be >= 1 token")
 
     @property
     def resolved_device(self) -> str:
@@ -126,6 +130,11 @@ class ServerArgs:
         a("--log-level", type=str, default="info", choices=LOG_LEVELS)
         a("--stats-interval-s", type=float, default=d["stats_interval_s"].default,
           help="seconds between the periodic load log lines")
+        a("--disable-overlap-schedule", action="store_true",
+          help="await each model step before planning the next (default: plan step N+1 while "
+               "the device runs step N)")
+        a("--stream-interval", type=int, default=d["stream_interval"].default,
+          help="tokens per streamed chunk (a request's own stream_interval overrides it)")
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":

@@ -13,6 +13,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from pyserve.forward_batch_info import FinishReason
 from pyserve.sampling_params import SamplingParams
 
 
@@ -246,8 +247,8 @@ class GenerateOutput:
 
     text:  all text so far (stop strings removed); text_delta: what this chunk added.
     output_ids: all output token ids so far; ids_delta: the ones this chunk added.
-    finish_reason: None while running, else {"type": "stop" | "length" | "abort", ...}
-        ("matched": the stop string or stop token id; "message" for aborts).
+    finish_reason: None while running, else a FinishReason (its kind, the matched stop string
+        or token id, the message of an abort).
     logprobs: None unless the request asked (return_logprob); then all entries so far, in
         SGLang's meta_info shapes: output_token_logprobs [[logprob, id, text-or-None], ...],
         output_top_logprobs [[entry, ...] or None per token], output_token_ids_logprobs,
@@ -264,7 +265,7 @@ class GenerateOutput:
     ids_delta: list[int]
     prompt_tokens: int
     cached_tokens: int
-    finish_reason: dict[str, Any] | None = None
+    finish_reason: FinishReason | None = None
     logprobs: dict[str, Any] | None = None
     num_logprobs_delta: int = 0
     index: int | None = None  # the sample's index among a request's n > 1 samples
@@ -282,7 +283,7 @@ class GenerateOutput:
             "output_ids": list(self.output_ids),
             "meta_info": {
                 "id": self.rid,
-                "finish_reason": self.finish_reason,
+                "finish_reason": None if self.finish_reason is None else self.finish_reason.to_json(),
                 "prompt_tokens": self.prompt_tokens,
                 "completion_tokens": len(self.output_ids),
                 "cached_tokens": self.cached_tokens,

@@ -84,7 +84,8 @@ def wait_idle(base_url: str, timeout_s: float = 30.0) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
         info = httpx.get(base_url + "/get_server_info").json()
-        if info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0 and info["kv_protected_slots"] == 0:
+        if (info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0 and info["kv_protected_slots"] == 0
+                and info["num_req_rows_used"] == 0 and info["num_sampling_rows_live"] == 0):
             return info
         assert time.monotonic() < deadline, info
         time.sleep(0.05)

@@ -1,6 +1,7 @@
 """`pyserve bench one-batch`: latency of one static batch, no server, no scheduler.
 
-It drives `ModelRunner` and `KVCache` (the Rust core) directly, on the calling thread: for
+It drives `ModelRunner`, `KVCache` (the Rust core) and the worker's `DeviceState` directly,
+on the calling thread: for
 each (batch_size, input_len, output_len) case, batch_size requests of input_len random token
 ids are prefilled in one EXTEND forward + greedy sample, then output_len - 1 DECODE steps
 each add one token per request. Reported: prefill latency (ms) and throughput
@@ -46,12 +47,18 @@ def run_case(runner: Any, batch_size: int, input_len: int, output_len: int, seed
     """Time one static batch on `runner` (a fresh KVCache over its pool). Returns the figures."""
     import torch
 
+    import numpy as np
+
+    from pyserve.forward_batch_info import ForwardMode, SamplingRow, StepPlan
     from pyserve.mem_cache.kv_cache import KVCache
-    from pyserve.model_executor.forward_batch import ForwardBatch, ForwardMode, SamplingBatchInfo
+    from pyserve.model_executor.device_state import DeviceState
+    from pyserve.sampling_params import SamplingParams
 
     device = runner.device
     vocab = runner.model_config.vocab_size
     kv = KVCache(runner.max_total_num_tokens, batch_size, input_len + output_len, disable_radix_cache=True)
+    # the worker's device tables, driven here on the calling thread as the worker does
+    state = DeviceState(kv.num_rows, kv.max_context_len, vocab, device)
     gen = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, vocab, (batch_size, input_len), generator=gen)
     req_ids = []
@@ -60,43 +67,42 @@ def run_case(runner: Any, batch_size: int, input_len: int, output_len: int, seed
         assert admitted is not None  # the KVCache was sized for batch_size rows
         req_ids.append(admitted.req_id)
 
-    def t(x: Any) -> torch.Tensor:
-        return torch.as_tensor(x, dtype=torch.int64).to(device)
-
     def sync() -> None:
         if device.startswith("cuda"):
             torch.cuda.synchronize()
 
-    sampling = SamplingBatchInfo(torch.zeros(batch_size, device=device), torch.ones(batch_size, device=device),
-                                 torch.full((batch_size,), 1 << 30, dtype=torch.int64, device=device),
-                                 [None] * batch_size)
+    def step(plan: StepPlan) -> None:
+        batch = state.forward_batch(plan)
+        next_ids, _ = runner.sample_next(runner.forward(batch), batch)
+        state.record_sampled(plan, batch, next_ids)
+
     arrays = kv.prepare_extend(req_ids, [input_len] * batch_size)
     if arrays is None:
         raise ValueError("the KV pool is too small for this batch")
-    batch = ForwardBatch(ForwardMode.EXTEND, batch_size, t(input_ids.flatten()), t(arrays.positions),
-                         t(arrays.out_cache_loc), t([input_len] * batch_size), t(arrays.kv_indptr),
-                         t(arrays.kv_indices), extend_prefix_lens=t([0] * batch_size),
-                         extend_seq_lens=t([input_len] * batch_size), sampling_info=sampling)
+    rows = arrays.req_pool_indices.astype(np.int32)
+    greedy = SamplingParams(temperature=0.0)
+    plan = StepPlan(ForwardMode.EXTEND, rows, arrays.seq_lens.astype(np.int32), arrays.positions,
+                    arrays.out_cache_loc, input_ids=input_ids.flatten().numpy().astype(np.int32),
+                    prefix_lens=arrays.prefix_lens.astype(np.int32),
+                    extend_lens=arrays.extend_lens.astype(np.int32), row_slots=arrays.kv_indices,
+                    new_sampling_rows=[SamplingRow(int(r), greedy, frozenset()) for r in rows])
     sync()
     start = time.perf_counter()
-    next_ids = runner.sample(runner.forward(batch), sampling)
+    step(plan)
     sync()
     prefill_s = time.perf_counter() - start
     decode_s = []
-    kv_len = input_len
     for _ in range(output_len - 1):
         arrays = kv.prepare_decode(req_ids)
         if arrays is None:
             raise ValueError("the KV pool is too small for this batch")
-        batch = ForwardBatch(ForwardMode.DECODE, batch_size, next_ids, t(arrays.positions),
-                             t(arrays.out_cache_loc), t([kv_len + 1] * batch_size), t(arrays.kv_indptr),
-                             t(arrays.kv_indices), sampling_info=sampling)
+        plan = StepPlan(ForwardMode.DECODE, rows, arrays.seq_lens.astype(np.int32), arrays.positions,
+                        arrays.out_cache_loc)
         sync()
         start = time.perf_counter()
-        next_ids = runner.sample(runner.forward(batch), sampling)
+        step(plan)
         sync()
         decode_s.append(time.perf_counter() - start)
-        kv_len += 1
     median_decode_s = statistics.median(decode_s) if decode_s else None
     total_s = prefill_s + sum(decode_s)
     return {

@@ -17,12 +17,35 @@ import asyncio
 from typing import Any, Callable
 
 from pyserve.engine.scheduler import TokenOut
+from pyserve.forward_batch_info import FinishKind, FinishReason, TokenLogprobs
 from pyserve.io_struct import GenerateOutput, LogprobParams, json_safe_logprob
-from pyserve.model_executor.forward_batch import TokenLogprobs
 
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens decoded ahead of the output (SGLang uses the same number).
 PROMPT_CONTEXT_TOKENS = 5
+
+
+def batch_decoder(tokenizer: Any) -> Callable[[list[list[int]], list[bool]], list[str]]:
+    """A function decoding many id lists at once: texts[i] = tokenizer.decode(ids[i],
+    skip_special_tokens=skips[i]). For a transformers fast tokenizer that adds no clean-up to
+    its backend's decode, one `tokenizers.Tokenizer.decode_batch` call per skip value (Rust,
+    GIL released); otherwise the tokenizer's own decode per list."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        decode = tokenizer.decode
+        return lambda ids, skips: [decode(i, skip_special_tokens=s) for i, s in zip(ids, skips)]
+
+    def decode_batch(ids: list[list[int]], skips: list[bool]) -> list[str]:
+        if all(skips) or not any(skips):
+            return backend.decode_batch(ids, skip_special_tokens=skips[0] if skips else True)
+        texts = [""] * len(ids)
+        for flag in (True, False):
+            picked = [k for k, s in enumerate(skips) if s is flag]
+            for k, text in zip(picked, backend.decode_batch([ids[k] for k in picked], skip_special_tokens=flag)):
+                texts[k] = text
+        return texts
+
+    return decode_batch
 
 
 def token_deltas(tokenizer: Any, ids: list[int], skip_special_tokens: bool = True) -> list[str]:
@@ -50,12 +73,13 @@ class DecodeState:
 
     decode_ids: the tail of the prompt (context only) followed by the output ids whose text
     belongs in the output (a matched stop token is left out unless no_stop_trim);
-    prefix_offset / read_offset index it.
+    prefix_offset / read_offset index it. stream: chunks are wanted (else one output at the
+    end); stream_interval: a chunk every that many new tokens.
     """
 
     def __init__(self, stop_strs: list[str], skip_special_tokens: bool,
                  logprob: LogprobParams | None = None, prompt_tail: list[int] | None = None,
-                 no_stop_trim: bool = False) -> None:
+                 no_stop_trim: bool = False, stream: bool = True, stream_interval: int = 1) -> None:
         self.ids: list[int] = []
         self.decode_ids: list[int] = list(prompt_tail or [])
         self.no_stop_trim = no_stop_trim
@@ -70,56 +94,98 @@ class DecodeState:
         self.sent_ids = 0
         self.stop_strs = stop_strs
         self.skip_special_tokens = skip_special_tokens
-        self.finish_reason: dict[str, Any] | None = None
+        self.stream = stream
+        self.stream_interval = max(1, stream_interval)
+        self.finish_reason: FinishReason | None = None
 
 
 class Detokenizer:
     """Consumes TokenOut lists from the scheduler; delivers GenerateOutput chunks.
 
     `deliver(output)` hands a chunk to the request's consumer; `finish(rid, reason)` tells the
-    scheduler a stop string ended the request.
+    scheduler a stop string ended the request. Each step's TokenOuts are decoded together: one
+    `decode_batch` call of the `tokenizers` library (Rust, GIL released) per step for every
+    request that needs text now: streamed ones (every stream_interval tokens) and those with
+    stop strings; a request that is neither is decoded once, when it finishes.
     """
 
     def __init__(self, tokenizer: Any, deliver: Callable[[GenerateOutput], None],
-                 finish: Callable[[str, dict[str, Any]], None]) -> None:
+                 finish: Callable[[str, FinishReason], None]) -> None:
         self.tokenizer = tokenizer
         self.deliver = deliver
         self.finish = finish
         self.states: dict[str, DecodeState] = {}
         self.queue: asyncio.Queue[list[TokenOut]] = asyncio.Queue()
+        self._decode_batch = batch_decoder(tokenizer)
 
     def register(self, rid: str, stop_strs: list[str], skip_special_tokens: bool,
                  logprob: LogprobParams | None = None, prompt_ids: list[int] | None = None,
-                 no_stop_trim: bool = False) -> None:
+                 no_stop_trim: bool = False, stream: bool = True, stream_interval: int = 1) -> None:
         """Start tracking `rid`. prompt_ids: the prompt (its last PROMPT_CONTEXT_TOKENS are
-        the decoding context). no_stop_trim: keep a matched stop string or token in the text."""
-        tail = (prompt_ids or [])[-PROMPT_CONTEXT_TOKENS:]
-        self.states[rid] = DecodeState(stop_strs, skip_special_tokens, logprob, tail, no_stop_trim)
+        the decoding context). no_stop_trim: keep a matched stop string or token in the text.
+        stream: deliver chunks (every `stream_interval` tokens), else only the final output."""
+        tail = list((prompt_ids if prompt_ids is not None else [])[-PROMPT_CONTEXT_TOKENS:])
+        self.states[rid] = DecodeState(stop_strs, skip_special_tokens, logprob, tail, no_stop_trim,
+                                       stream, stream_interval)
 
     def forget(self, rid: str) -> None:
         self.states.pop(rid, None)
 
     async def run(self) -> None:
         while True:
-            outs = await self.queue.get()
-            for out in outs:
-                self.handle(out)
+            self.handle_batch(await self.queue.get())
 
     def handle(self, out: TokenOut) -> None:
-        state = self.states.get(out.rid)
-        if state is None or state.finish_reason is not None:
-            return  # unknown, or already ended by a stop string: extra tokens are dropped
+        self.handle_batch([out])
+
+    def handle_batch(self, outs: list[TokenOut]) -> None:
+        """Take one step's TokenOuts: append ids, decode what needs text now (one batched
+        call), apply stop strings, deliver chunks."""
+        ready: list[tuple[TokenOut, DecodeState]] = []
+        for out in outs:
+            state = self.states.get(out.rid)
+            if state is None or state.finish_reason is not None:
+                continue  # unknown, or already ended by a stop string: extra tokens are dropped
+            self._append(state, out)
+            ready.append((out, state))
+        todo = [(out, state) for out, state in ready if self._needs_text(state, out)]
+        if todo:
+            self._decode_states([state for _, state in todo], [o.finish_reason is not None for o, _ in todo])
+        for out, state in todo:
+            self._finish_chunk(out, state)
+
+    def _append(self, state: DecodeState, out: TokenOut) -> None:
         state.ids.extend(out.ids_delta)
         reason = out.finish_reason
-        if reason is not None and isinstance(reason.get("matched"), int) and not state.no_stop_trim \
-                and out.ids_delta and out.ids_delta[-1] == reason["matched"]:
+        if reason is not None and isinstance(reason.matched, int) and not state.no_stop_trim \
+                and out.ids_delta and out.ids_delta[-1] == reason.matched:
             state.decode_ids.extend(out.ids_delta[:-1])  # the stop token's text is trimmed
         else:
             state.decode_ids.extend(out.ids_delta)
         if state.logprob is not None:
             self._add_logprobs(state, out)
+
+    @staticmethod
+    def _needs_text(state: DecodeState, out: TokenOut) -> bool:
+        if out.finish_reason is not None or state.stop_strs:
+            return True
+        return state.stream and len(state.ids) - state.sent_ids >= state.stream_interval
+
+    def _decode_states(self, states: list[DecodeState], flush: list[bool]) -> None:
+        """Advance the text of `states` by the prefix/read-offset rule, in one batched
+        decode per skip_special_tokens value."""
+        windows = [(s.decode_ids[s.prefix_offset:s.read_offset], s.decode_ids[s.prefix_offset:]) for s in states]
+        texts = self._decode_batch([w for pair in windows for w in pair],
+                                   [s.skip_special_tokens for s in states for _ in (0, 1)])
+        for k, state in enumerate(states):
+            prefix_text, new_text = texts[2 * k], texts[2 * k + 1]
+            if len(new_text) > len(prefix_text) and (flush[k] or not new_text.endswith(REPLACEMENT_CHAR)):
+                state.text += new_text[len(prefix_text):]
+                state.prefix_offset = state.read_offset
+                state.read_offset = len(state.decode_ids)
+
+    def _finish_chunk(self, out: TokenOut, state: DecodeState) -> None:
         finished = out.finish_reason is not None
-        self._decode(state, flush=finished)
         if not finished and self._match_stop(state):
             self.finish(out.rid, state.finish_reason)  # type: ignore[arg-type]
             finished = True
@@ -127,7 +193,11 @@ class Detokenizer:
             state.finish_reason = out.finish_reason
         if finished:
             self._match_stop(state)  # a stop string in the flushed tail still counts
+        elif not state.stream:
+            return  # not streamed: only the final output is delivered
         emit_len = len(state.text) if finished else len(state.text) - self._holdback(state)
+        if not finished and len(state.ids) - state.sent_ids < state.stream_interval:
+            return
         delta = state.text[state.sent_len:emit_len]
         if not delta and not finished and len(state.ids) == state.sent_ids:
             return
@@ -144,7 +214,7 @@ class Detokenizer:
             state.sent_logprobs += num_logprobs_delta
         self.deliver(GenerateOutput(
             rid=out.rid, text=state.text[:state.sent_len], text_delta=delta,
-            output_ids=list(state.ids), ids_delta=ids_delta, prompt_tokens=out.prompt_tokens,
+            output_ids=state.ids[:], ids_delta=ids_delta, prompt_tokens=out.prompt_tokens,
             cached_tokens=out.cached_tokens, finish_reason=state.finish_reason,
             logprobs=logprobs, num_logprobs_delta=num_logprobs_delta,
         ))
@@ -199,23 +269,10 @@ class Detokenizer:
         if out.output_logprobs is not None and out.ids_delta:
             self._entries(out.output_logprobs, out.ids_delta, "output", with_text, lists)
 
-    def _decode(self, state: DecodeState, flush: bool) -> None:
-        if state.finish_reason is not None:
-            return
-        decode = self.tokenizer.decode
-        skip = state.skip_special_tokens
-        ids = state.decode_ids
-        prefix_text = decode(ids[state.prefix_offset:state.read_offset], skip_special_tokens=skip)
-        new_text = decode(ids[state.prefix_offset:], skip_special_tokens=skip)
-        if len(new_text) > len(prefix_text) and (flush or not new_text.endswith(REPLACEMENT_CHAR)):
-            state.text += new_text[len(prefix_text):]
-            state.prefix_offset = state.read_offset
-            state.read_offset = len(ids)
-
     def _match_stop(self, state: DecodeState) -> bool:
         """Cut the text at the earliest stop string, if any; returns True when one matched."""
-        if state.finish_reason is not None and state.finish_reason.get("type") == "stop" \
-                and isinstance(state.finish_reason.get("matched"), str):
+        reason = state.finish_reason
+        if reason is not None and reason.kind is FinishKind.STOP and isinstance(reason.matched, str):
             return False
         best: tuple[int, str] | None = None
         for stop in state.stop_strs:
@@ -225,7 +282,7 @@ class Detokenizer:
         if best is None:
             return False
         state.text = state.text[:best[0] + (len(best[1]) if state.no_stop_trim else 0)]
-        state.finish_reason = {"type": "stop", "matched": best[1]}
+        state.finish_reason = FinishReason.stop(best[1])
         return True
 
     @staticmethod

@@ -54,14 +54,17 @@ class EngineCore:
         self.kv_cache = KVCache(runner.max_total_num_tokens, args.max_running_requests,
                                 self.context_len, disable_radix_cache=args.disable_radix_cache,
                                 page_size=args.page_size)
-        self.worker = ModelWorker(runner)
-        self.scheduler = Scheduler(self.kv_cache, self.worker, runner.device, self.context_len,
-                                   args.max_running_requests, args.max_prefill_tokens,
-                                   emit=self._emit, stats_interval_s=args.stats_interval_s)
         mc = runner.model_config
+        self.worker = ModelWorker(runner, self.kv_cache.num_rows, self.kv_cache.max_context_len,
+                                  mc.vocab_size)
+        self.scheduler = Scheduler(self.kv_cache, self.worker, self.context_len,
+                                   args.max_running_requests, args.max_prefill_tokens,
+                                   emit=self._emit, stats_interval_s=args.stats_interval_s,
+                                   overlap=not args.disable_overlap_schedule)
         self.tokenizer_manager = TokenizerManager(
             self.tokenizer, self.scheduler, self.context_len, runner.max_total_num_tokens,
-            vocab_size=mc.vocab_size, eos_token_ids=frozenset(mc.eos_token_ids))
+            vocab_size=mc.vocab_size, eos_token_ids=frozenset(mc.eos_token_ids),
+            stream_interval=args.stream_interval)
         self._tasks = [
             asyncio.create_task(self.scheduler.run(), name="pyserve-scheduler"),
             asyncio.create_task(self.tokenizer_manager.detokenizer.run(), name="pyserve-detokenizer"),
@@ -230,7 +233,7 @@ class EngineCore:
         if not pairs or self.server_args.disable_radix_cache:
             return True
         outs = await self._run_final([parallel_sampling.prefill_only(r, t) for r, t in pairs])
-        return all((o.finish_reason or {}).get("type") != "abort" for o in outs)
+        return all(o.finish_reason is None or not o.finish_reason.is_abort for o in outs)
 
     async def _run_final(self, pairs: list[tuple[SingleReq, TokenizedGenerateReq]]) -> list[GenerateOutput]:
         async def final(r: SingleReq, t: TokenizedGenerateReq) -> GenerateOutput:

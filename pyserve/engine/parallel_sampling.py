@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 from typing import AsyncIterator
 
+from pyserve.forward_batch_info import FinishReason
 from pyserve.io_struct import GenerateOutput, SingleReq, TokenizedGenerateReq
 
 _GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads consecutive indices apart
@@ -39,7 +40,7 @@ def aborted_output(treq: TokenizedGenerateReq, index: int | None) -> GenerateOut
     """The final output of a sample that never started (its prefill was aborted)."""
     return GenerateOutput(rid=treq.rid, text="", text_delta="", output_ids=[], ids_delta=[],
                           prompt_tokens=len(treq.input_ids), cached_tokens=0,
-                          finish_reason={"type": "abort", "message": "aborted by /abort_request"},
+                          finish_reason=FinishReason.abort("aborted by /abort_request"),
                           index=index)
 
 

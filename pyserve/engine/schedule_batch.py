@@ -1,37 +1,47 @@
-"""`Req` (one request's scheduling state) and `ScheduleBatch` (the requests of one step).
+"""`Req` (one request's scheduling state) and `ScheduleBatch` (the requests of one step and the
+host-only `StepPlan` the worker receives for it).
 
-Loop thread only. A ScheduleBatch turns into the device-side `ForwardBatch` through
-`to_forward_batch`, from the flat arrays the Rust core returned for the step.
+Loop thread only. A plan is built from the flat arrays the Rust core returns for the step
+(`prepare_extend` / `prepare_decode`); the Rust core is the single source of every request's
+stored-token count (`kv_len`), so nothing here recomputes it. A decode plan is O(batch).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
+import numpy as np
 import torch
 
-from pyserve.io_struct import LogprobParams
-from pyserve.mem_cache.kv_cache import BatchArrays
-from pyserve.model_executor.forward_batch import (
-    ForwardBatch,
+from pyserve.forward_batch_info import (
+    FinishReason,
     ForwardMode,
     LogprobBatchInfo,
-    SamplingBatchInfo,
+    SamplingRow,
+    StepPlan,
 )
+from pyserve.io_struct import LogprobParams
+from pyserve.mem_cache.kv_cache import BatchArrays
 from pyserve.sampling_params import SamplingParams
 
 
 class Req:
     """A request inside the scheduler.
 
-    origin_input_ids: the prompt. output_ids: tokens generated so far.
-    req_id: the Rust core's handle while admitted (None while waiting).
-    kv_len: tokens whose K/V is stored in the request's row (prompt + all outputs but the last
-        once decoding). prefix_len: tokens of the cached prefix reused at admission (whole
-        pages; their KV is not recomputed).
+    rid: the client's request id (a string, unique among running requests); req_id: the Rust
+    core's integer handle while admitted (None while waiting).
+    origin_input_ids: the prompt. output_ids: tokens generated so far (processed results).
+    prefix_len: tokens of the cached prefix reused at admission (whole pages).
     max_new_tokens: already clipped so that prompt + output fits the context.
+    num_planned: output tokens the steps launched so far will have produced (ahead of
+        output_ids by the steps in flight); a request is not planned past max_new_tokens.
+    num_inflight: launched steps holding it whose results are not processed yet; its KV and
+        rows are released only at 0 (overlap: a request that finished may be in one more step).
+    dropped_ids: tokens sampled after it finished (by a stop token, stop string or abort seen
+        one step late); their inputs' KV was stored, so the radix cache may keep it.
     logprob: what logprobs it wants; input_logprobs_done once its prompt logprobs were sent.
+    generator: the seeded torch.Generator (created here, used only by the worker), so a
+        retracted request continues the same random stream.
     """
 
     def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams,
@@ -44,14 +54,16 @@ class Req:
         self.stop_token_ids = stop_token_ids
         self.output_ids: list[int] = []
         self.req_id: int | None = None
+        self.req_pool_idx: int | None = None
         self.prefix_len = 0
-        self.kv_len = 0
         self.cached_tokens = 0
-        self.finish_reason: dict[str, Any] | None = None
+        self.finish_reason: FinishReason | None = None
         self.num_retractions = 0
+        self.num_planned = 0
+        self.num_inflight = 0
+        self.dropped_ids: list[int] = []
         self.logprob = logprob or LogprobParams()
         self.input_logprobs_done = False
-        self._seen_ids: set[int] | None = None  # prompt + output ids, for repetition_penalty
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)
@@ -64,12 +76,18 @@ class Req:
     def seq_len(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)
 
+    @property
+    def decodable(self) -> bool:
+        """Whether the next decode step should include it: running, and its planned tokens
+        short of max_new_tokens (a length finish is known ahead, so it costs no extra step)."""
+        return self.finish_reason is None and self.num_planned < self.max_new_tokens
+
     def remaining_new_tokens(self) -> int:
         return self.max_new_tokens - len(self.output_ids)
 
     def fill_ids(self) -> list[int]:
         """Prompt plus output so far: what a (re-)admitted request prefills."""
-        return self.origin_input_ids + self.output_ids
+        return list(self.origin_input_ids) + self.output_ids
 
     @property
     def wants_input_logprobs(self) -> bool:
@@ -80,24 +98,15 @@ class Req:
     def max_prefix_len(self) -> int:
         """Longest cached prefix this request may reuse: all but the last token, and no token
         whose logprob must be computed (the token before logprob_start_len is recomputed)."""
-        limit = len(self.fill_ids()) - 1
+        limit = self.seq_len - 1
         if self.wants_input_logprobs:
             limit = min(limit, max(self.logprob.logprob_start_len - 1, 0))  # type: ignore[operator]
         return limit
 
-    def seen_ids(self) -> set[int]:
-        """Distinct prompt and output ids (kept incrementally once asked for)."""
-        if self._seen_ids is None:
-            self._seen_ids = set(self.origin_input_ids)
-            self._num_seen_outputs = 0
-        if self._num_seen_outputs < len(self.output_ids):
-            self._seen_ids.update(self.output_ids[self._num_seen_outputs:])
-            self._num_seen_outputs = len(self.output_ids)
-        return self._seen_ids
-
-    def kv_token_ids(self) -> list[int]:
-        """The tokens whose K/V is stored, in order (what the radix cache may keep)."""
-        return self.fill_ids()[: self.kv_len]
+    def kv_token_ids(self, kv_len: int) -> list[int]:
+        """The `kv_len` tokens whose K/V is stored, in order (what the radix cache may keep):
+        the prompt, the outputs, then any sampled after the finish and fed to one more step."""
+        return (self.fill_ids() + self.dropped_ids)[:kv_len]
 
     def check_finished(self) -> None:
         """Set finish_reason after a new token was appended (EOS/stop ids, then length)."""
@@ -105,103 +114,79 @@ class Req:
             return
         last = self.output_ids[-1]
         if last in self.stop_token_ids:
-            self.finish_reason = {"type": "stop", "matched": last}
+            self.finish_reason = FinishReason.stop(last)
         elif len(self.output_ids) >= self.max_new_tokens:
-            self.finish_reason = {"type": "length", "length": self.max_new_tokens}
+            self.finish_reason = FinishReason.length_limit(self.max_new_tokens)
+
+    def sampling_row(self) -> SamplingRow:
+        """What the worker keeps for this request while it holds its row."""
+        sp = self.sampling_params
+        seen = None
+        if sp.repetition_penalty != 1.0:
+            seen = np.asarray(self.fill_ids(), dtype=np.int32)
+        outputs = np.asarray(self.output_ids, dtype=np.int32) if sp.has_penalties and self.output_ids else None
+        assert self.req_pool_idx is not None
+        return SamplingRow(self.req_pool_idx, sp, self.stop_token_ids, seen_ids=seen,
+                           output_ids=outputs, num_sampled=len(self.output_ids),
+                           generator=self.generator)
 
 
 @dataclass
 class ScheduleBatch:
-    """The requests of one step and the arrays the Rust core built for it."""
+    """The requests of one step, the arrays the Rust core built for it, and its plan."""
 
     forward_mode: ForwardMode
     reqs: list[Req]
-    input_ids: list[int]
-    arrays: BatchArrays  # per-request lengths too: prefix_lens, extend_lens, seq_lens
+    arrays: BatchArrays
+    plan: StepPlan
 
     @property
     def seq_lens(self) -> list[int]:
         return self.arrays.seq_lens.tolist()
 
-    def to_forward_batch(self, device: str) -> ForwardBatch:
-        """Tensors for the worker. numpy arrays become tensors without a copy on CPU."""
-        def t(x: Any, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-            tensor = torch.as_tensor(x, dtype=dtype)
-            return tensor.to(device, non_blocking=True) if device != "cpu" else tensor
+    @classmethod
+    def extend(cls, reqs: list[Req], fill: list[list[int]], arrays: BatchArrays,
+               released_rows: list[int], step_id: int) -> "ScheduleBatch":
+        """An EXTEND step: `fill[i]` are request i's tokens; those after its prefix are new.
+        Every request of it starts its sampling row."""
+        input_ids = np.fromiter((t for f, r in zip(fill, reqs) for t in f[r.prefix_len:]), dtype=np.int32)
+        for r, row in zip(reqs, arrays.req_pool_indices.tolist()):
+            r.req_pool_idx = row
+        plan = StepPlan(
+            ForwardMode.EXTEND, req_pool_indices=arrays.req_pool_indices.astype(np.int32),
+            seq_lens=arrays.seq_lens.astype(np.int32), positions=arrays.positions,
+            out_cache_loc=arrays.out_cache_loc, input_ids=input_ids,
+            prefix_lens=arrays.prefix_lens.astype(np.int32), extend_lens=arrays.extend_lens.astype(np.int32),
+            row_slots=arrays.kv_indices, new_sampling_rows=[r.sampling_row() for r in reqs],
+            released_rows=released_rows, all_greedy=all(r.sampling_params.is_greedy for r in reqs),
+            logprob_info=_logprob_info(reqs, extend=True), step_id=step_id)
+        return cls(ForwardMode.EXTEND, reqs, arrays, plan)
 
-        extend = self.forward_mode is ForwardMode.EXTEND
-        return ForwardBatch(
-            forward_mode=self.forward_mode,
-            batch_size=len(self.reqs),
-            input_ids=t(self.input_ids),
-            positions=t(self.arrays.positions),
-            out_cache_loc=t(self.arrays.out_cache_loc),
-            seq_lens=t(self.arrays.seq_lens),
-            kv_indptr=t(self.arrays.kv_indptr),
-            kv_indices=t(self.arrays.kv_indices, torch.int32),
-            extend_prefix_lens=t(self.arrays.prefix_lens) if extend else None,
-            extend_seq_lens=t(self.arrays.extend_lens) if extend else None,
-            sampling_info=sampling_batch_info(self.reqs, device),
-            logprob_info=self._logprob_info(),
-        )
-
-    def _logprob_info(self) -> LogprobBatchInfo | None:
-        reqs = self.reqs
-        if not any(r.logprob.return_logprob for r in reqs):
-            return None
-        starts: list[int | None] = [None] * len(reqs)
-        if self.forward_mode is ForwardMode.EXTEND:
-            for i, r in enumerate(reqs):
-                if r.wants_input_logprobs:
-                    starts[i] = r.logprob.logprob_start_len - r.prefix_len  # type: ignore[operator]
-        return LogprobBatchInfo(
-            return_logprob=[r.logprob.return_logprob for r in reqs],
-            top_logprobs_nums=[r.logprob.top_logprobs_num if r.logprob.return_logprob else 0 for r in reqs],
-            token_ids_logprob=[r.logprob.token_ids_logprob if r.logprob.return_logprob else None
-                               for r in reqs],
-            input_logprob_starts=starts,
-        )
+    @classmethod
+    def decode(cls, reqs: list[Req], arrays: BatchArrays, released_rows: list[int],
+               step_id: int) -> "ScheduleBatch":
+        """A DECODE step: one new token per request; its input is the request's last sampled
+        token, which the worker reads from its token table."""
+        plan = StepPlan(
+            ForwardMode.DECODE, req_pool_indices=arrays.req_pool_indices.astype(np.int32),
+            seq_lens=arrays.seq_lens.astype(np.int32), positions=arrays.positions,
+            out_cache_loc=arrays.out_cache_loc, released_rows=released_rows,
+            all_greedy=all(r.sampling_params.is_greedy for r in reqs),
+            logprob_info=_logprob_info(reqs, extend=False), step_id=step_id)
+        return cls(ForwardMode.DECODE, reqs, arrays, plan)
 
 
-def sampling_batch_info(reqs: list[Req], device: str) -> SamplingBatchInfo:
-    """The SamplingBatchInfo of `reqs` (row i = reqs[i]). Optional parts are built only when
-    some request uses them; penalties cost O(its output length) (frequency/presence) or
-    O(distinct seen ids) (repetition) host work per step and request."""
-    def f32(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device)
-
-    def i64(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
-
-    params = [r.sampling_params for r in reqs]
-    all_tokens = 1 << 30  # top_k at or above the vocabulary size keeps every token
-    info = SamplingBatchInfo(
-        temperatures=f32([0.0 if p.is_greedy else p.temperature for p in params]),
-        top_ps=f32([p.top_p for p in params]),
-        top_ks=i64([min(p.top_k, all_tokens) if p.top_k > 0 else all_tokens for p in params]),
-        generators=[r.generator for r in reqs],
+def _logprob_info(reqs: list[Req], extend: bool) -> LogprobBatchInfo | None:
+    if not any(r.logprob.return_logprob for r in reqs):
+        return None
+    starts: list[int | None] = [None] * len(reqs)
+    if extend:
+        for i, r in enumerate(reqs):
+            if r.wants_input_logprobs:
+                starts[i] = r.logprob.logprob_start_len - r.prefix_len  # type: ignore[operator]
+    return LogprobBatchInfo(
+        return_logprob=[r.logprob.return_logprob for r in reqs],
+        top_logprobs_nums=[r.logprob.top_logprobs_num if r.logprob.return_logprob else 0 for r in reqs],
+        token_ids_logprob=[r.logprob.token_ids_logprob if r.logprob.return_logprob else None for r in reqs],
+        input_logprob_starts=starts,
     )
-    if any(p.min_p > 0 for p in params):
-        info.min_ps = f32([p.min_p for p in params])
-    if any(p.has_penalties for p in params):
-        info.frequency_penalties = f32([p.frequency_penalty for p in params])
-        info.presence_penalties = f32([p.presence_penalty for p in params])
-        rows = [i for i, r in enumerate(reqs) if r.sampling_params.has_penalties for _ in r.output_ids]
-        ids = [t for r in reqs if r.sampling_params.has_penalties for t in r.output_ids]
-        info.output_token_rows, info.output_token_ids = i64(rows), i64(ids)
-    if any(p.repetition_penalty != 1.0 for p in params):
-        info.repetition_penalties = f32([p.repetition_penalty for p in params])
-        seen = [(i, r.seen_ids()) for i, r in enumerate(reqs) if r.sampling_params.repetition_penalty != 1.0]
-        info.seen_token_rows = i64([i for i, ids in seen for _ in ids])
-        info.seen_token_ids = i64([t for _, ids in seen for t in ids])
-    if any(p.logit_bias for p in params):
-        items = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias_items]
-        info.logit_bias_rows = i64([i for i, _, _ in items])
-        info.logit_bias_ids = i64([t for _, t, _ in items])
-        info.logit_bias_values = f32([b for _, _, b in items])
-    banned = [(i, t) for i, r in enumerate(reqs)
-              if len(r.output_ids) < r.sampling_params.min_new_tokens for t in sorted(r.stop_token_ids)]
-    if banned:
-        info.banned_rows = i64([i for i, _ in banned])
-        info.banned_ids = i64([t for _, t in banned])
-    return info

@@ -1,9 +1,16 @@
-"""The scheduler task: continuous batching over the Rust KV core, one step at a time.
+"""The scheduler task: continuous batching over the Rust KV core, with overlap scheduling.
 
-Each tick: drop finished/aborted requests (their KV goes to the radix cache or back to the
-allocator), admit waiting requests into a prefill (EXTEND) batch if any fit, else run one
-DECODE step for all running requests. The step runs on the worker thread; while it runs the
-loop serves HTTP, tokenizes and detokenizes. Loop thread only.
+Each tick: release the requests that finished and are in no step still in flight (their KV
+goes to the radix cache or back to the allocator), admit waiting requests into a prefill
+(EXTEND) batch if any fit, else plan one DECODE step for the running requests; hand the plan
+to the worker; then process the results of the previous step. With overlap (the default) the
+worker computes step N+1 while the loop processes step N's results, detokenizes and serves
+HTTP; `overlap=False` (`--disable-overlap-schedule`) awaits each step before planning the next.
+
+One step late: a request whose stop token (or stop string, or abort) is seen when step N's
+results are processed is already in step N+1. Its extra token is dropped and its resources
+are released once, after N+1 (`Req.num_inflight`). A length finish is known when planning, so
+it costs no extra step. Loop thread only.
 """
 
 from __future__ import annotations
@@ -14,14 +21,14 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 from pyserve.engine.schedule_batch import Req, ScheduleBatch
 from pyserve.engine.schedule_policy import PrefillAdder
 from pyserve.engine.worker import ModelWorker
+from pyserve.forward_batch_info import FinishReason, ForwardMode, StepOutput, TokenLogprobs
 from pyserve.io_struct import TokenizedGenerateReq
 from pyserve.mem_cache.kv_cache import KVCache
-from pyserve.model_executor.forward_batch import ForwardMode, StepOutput, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +41,7 @@ class TokenOut:
 
     rid: str
     ids_delta: list[int]
-    finish_reason: dict[str, Any] | None
+    finish_reason: FinishReason | None
     prompt_tokens: int
     cached_tokens: int
     output_logprobs: TokenLogprobs | None = None
@@ -42,25 +49,39 @@ class TokenOut:
     input_logprob_ids: list[int] | None = None
 
 
+@dataclass
+class Launched:
+    """A step handed to the worker whose results are not processed yet."""
+
+    batch: ScheduleBatch
+    future: asyncio.Future
+
+
 class Scheduler:
     """Owns the waiting queue, the running requests and the KV bookkeeping."""
 
-    def __init__(self, kv_cache: KVCache, worker: ModelWorker, device: str, context_len: int,
+    def __init__(self, kv_cache: KVCache, worker: ModelWorker, context_len: int,
                  max_running_requests: int, max_prefill_tokens: int,
-                 emit: Callable[[list[TokenOut]], None], stats_interval_s: float = 10.0) -> None:
+                 emit: Callable[[list[TokenOut]], None], stats_interval_s: float = 10.0,
+                 overlap: bool = True) -> None:
         self.kv_cache = kv_cache
         self.worker = worker
-        self.device = device
         self.context_len = context_len
         self.max_running_requests = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
         self.emit = emit
         self.stats_interval_s = stats_interval_s
+        self.overlap = overlap
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.reqs: dict[str, Req] = {}
+        self.inflight: deque[Launched] = deque()
+        self._to_release: list[Req] = []  # finished, not yet released
+        self._released_rows: list[int] = []  # for the next plan (the worker's sampling rows)
+        self._need_drain = False
         self._wake = asyncio.Event()
         self._stopping = False
+        self.num_steps = 0
         self.num_generated_tokens = 0
         self.last_gen_throughput = 0.0  # output tokens/s over the last stats interval
         self._last_stats = (time.monotonic(), 0)
@@ -79,17 +100,20 @@ class Scheduler:
         self.waiting.append(req)
         self._wake.set()
 
-    def finish_request(self, rid: str, finish_reason: dict[str, Any]) -> None:
-        """End a request now (client gone, or a stop string matched). Its KV is released at
-        the next tick; tokens computed meanwhile are dropped. Unknown rids are ignored."""
+    def finish_request(self, rid: str, finish_reason: FinishReason) -> None:
+        """End a request now (client gone, or a stop string matched). Its KV is released once
+        no step in flight holds it; tokens computed meanwhile are dropped. Unknown rids are
+        ignored."""
         req = self.reqs.get(rid)
         if req is None or req.finished:
             return
         req.finish_reason = finish_reason
         if req.req_id is None:  # still waiting: nothing allocated
             self.waiting.remove(req)
-            self._finish(req, emit=True)
-        else:  # its KV goes at the next tick; the consumer hears of the end now
+            self._forget(req)
+            self.emit([self._out(req, [])])
+        else:  # its KV goes once no step holds it; the consumer hears of the end now
+            self._to_release.append(req)
             self.emit([self._out(req, [])])
         self._wake.set()
 
@@ -102,7 +126,7 @@ class Scheduler:
         return True
 
     def is_idle(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and not self.inflight
 
     def load(self) -> int:
         """SGLang's load figure: KV slots held by admitted requests (neither free nor
@@ -120,28 +144,54 @@ class Scheduler:
         while not self._stopping:
             self._release_finished()
             self._maybe_log_stats()
-            batch = self._get_next_batch()
-            if batch is None:
-                self._wake.clear()
-                with contextlib.suppress(asyncio.TimeoutError):  # wake up for the stats line
-                    await asyncio.wait_for(self._wake.wait(), timeout=self.stats_interval_s)
+            batch = None if self._need_drain else self._get_next_batch()
+            if batch is not None:
+                self._launch(batch)
+            if not self.inflight:
+                self._need_drain = False
+                if batch is None:  # idle: sleep until a request arrives
+                    if self._released_rows:
+                        self.worker.release_rows(self._released_rows)
+                        self._released_rows = []
+                    self._wake.clear()
+                    with contextlib.suppress(asyncio.TimeoutError):  # wake up for the stats line
+                        await asyncio.wait_for(self._wake.wait(), timeout=self.stats_interval_s)
                 continue
-            try:
-                next_ids = await self.worker.submit(batch.to_forward_batch(self.device))
-            except Exception as exc:
-                for req in batch.reqs:
-                    req.kv_len = len(req.fill_ids()) if batch.forward_mode is ForwardMode.EXTEND else req.kv_len + 1
-                    if not req.finished:
-                        # status_code: a server-side failure, not the client's (HTTP 500)
-                        req.finish_reason = {"type": "abort", "message": f"model step failed: {exc}",
-                                             "status_code": 500}
-                        self.emit([self._out(req, [])])
-                self._join_running(batch)
-                continue
-            self._process_batch_result(batch, next_ids)
+            if self.overlap and batch is not None and len(self.inflight) == 1:
+                continue  # plan the next step while this one runs
+            await self._process_oldest()
+        while self.inflight:  # let the worker finish what it has before we go
+            with contextlib.suppress(Exception):
+                await self.inflight.popleft().future
         for req in list(self.waiting) + self.running:
-            req.finish_reason = req.finish_reason or {"type": "abort", "message": "server shutting down"}
-            self.emit([self._out(req, [])])
+            if not req.finished:
+                req.finish_reason = FinishReason.abort("server shutting down")
+                self.emit([self._out(req, [])])
+
+    def _launch(self, batch: ScheduleBatch) -> None:
+        for req in batch.reqs:
+            req.num_inflight += 1
+            req.num_planned += 1
+        if batch.forward_mode is ForwardMode.EXTEND:
+            self.running.extend(batch.reqs)
+        self.num_steps += 1
+        self.inflight.append(Launched(batch, self.worker.submit(batch.plan)))
+
+    async def _process_oldest(self) -> None:
+        launched = self.inflight.popleft()
+        batch = launched.batch
+        try:
+            result = await launched.future
+        except Exception as exc:
+            for req in batch.reqs:
+                req.num_inflight -= 1
+                if not req.finished:
+                    # status_code: a server-side failure, not the client's (HTTP 500)
+                    req.finish_reason = FinishReason.abort(f"model step failed: {exc}", status_code=500)
+                    self._to_release.append(req)
+                    self.emit([self._out(req, [])])
+            return
+        self._process_batch_result(batch, result)
 
     def _get_next_batch(self) -> ScheduleBatch | None:
         if self.waiting:
@@ -156,41 +206,52 @@ class Scheduler:
             return self._decode_batch()
         return None
 
+    def _take_released_rows(self) -> list[int]:
+        rows, self._released_rows = self._released_rows, []
+        return rows
+
     def _extend_batch(self, reqs: list[Req]) -> ScheduleBatch | None:
         fill = [r.fill_ids() for r in reqs]
-        prefix_lens = [r.prefix_len for r in reqs]
-        extend_lens = [len(f) - p for f, p in zip(fill, prefix_lens)]
+        extend_lens = [len(f) - r.prefix_len for f, r in zip(fill, reqs)]
         arrays = self.kv_cache.prepare_extend([r.req_id for r in reqs], extend_lens)
         if arrays is None:  # admission raced with reservations: put them back
             for req in reversed(reqs):
                 self._unadmit(req)
                 self.waiting.appendleft(req)
             return None
-        input_ids = [t for f, p in zip(fill, prefix_lens) for t in f[p:]]
-        return ScheduleBatch(ForwardMode.EXTEND, reqs, input_ids, arrays)
+        return ScheduleBatch.extend(reqs, fill, arrays, self._take_released_rows(), self.num_steps)
 
     def _decode_batch(self) -> ScheduleBatch | None:
-        while self.running:
-            reqs = self.running
+        while True:
+            reqs = [r for r in self.running if r.decodable]
+            if not reqs:
+                return None
             arrays = self.kv_cache.prepare_decode([r.req_id for r in reqs])
             if arrays is not None:
-                return ScheduleBatch(ForwardMode.DECODE, list(reqs), [r.output_ids[-1] for r in reqs],
-                                     arrays)
+                return ScheduleBatch.decode(reqs, arrays, self._take_released_rows(), self.num_steps)
+            if self.inflight:  # retract only once every token in flight is known
+                self._need_drain = True
+                return None
             self._retract()
-        return None
 
     def _retract(self) -> None:
         """The pool is full even after eviction: send the newest request back to the waiting
         queue, freeing its KV; it resumes later by prefilling prompt + output so far. A lone
-        request cannot be helped by retraction: it finishes with reason length."""
-        if len(self.running) == 1:
-            self.running[0].finish_reason = {"type": "length", "length": len(self.running[0].output_ids)}
-            self.emit([self._out(self.running[0], [])])
+        request cannot be helped by retraction: it finishes with reason length. Only with no
+        step in flight."""
+        live = [r for r in self.running if not r.finished]
+        if len(live) == 1:
+            live[0].finish_reason = FinishReason.length_limit(len(live[0].output_ids))
+            self._to_release.append(live[0])
+            self.emit([self._out(live[0], [])])
             self._release_finished()
             return
-        req = self.running.pop()
+        req = live[-1]
+        self.running.remove(req)
         self.kv_cache.abort_req(req.req_id)
-        req.req_id, req.prefix_len, req.kv_len = None, 0, 0
+        self._released_rows.append(req.req_pool_idx)
+        req.req_id, req.req_pool_idx, req.prefix_len = None, None, 0
+        req.num_planned = len(req.output_ids)
         req.num_retractions += 1
         self.waiting.appendleft(req)
         logger.warning("KV pool full: retracted request %s (%d tokens so far)", req.rid, req.seq_len)
@@ -202,35 +263,40 @@ class Scheduler:
     def _process_batch_result(self, batch: ScheduleBatch, result: StepOutput) -> None:
         """Append each request's new token, decide who finished, emit TokenOuts."""
         outs = []
-        extend = batch.forward_mode is ForwardMode.EXTEND
         failed = set(result.failed_rows) if result.failed_rows else ()
-        for i, (req, token) in enumerate(zip(batch.reqs, result.next_token_ids)):
-            req.kv_len = len(req.fill_ids()) if extend else req.kv_len + 1
+        ids = result.next_token_ids
+        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        for i, (req, token) in enumerate(zip(batch.reqs, ids)):
+            req.num_inflight -= 1
             if req.finished:  # ended while the step ran: drop the extra token
+                req.dropped_ids.append(token)
                 continue
             if i in failed:  # its own parameters left nothing to sample: it alone fails
-                req.finish_reason = {"type": "abort", "status_code": 400, "message": (
+                req.finish_reason = FinishReason.abort(
                     "the sampling parameters leave no token to sample at output token "
-                    f"{len(req.output_ids)} (every logit banned, or a bias or penalty overflowed)")}
+                    f"{len(req.output_ids)} (every logit banned, or a bias or penalty overflowed)",
+                    status_code=400)
+                self._to_release.append(req)
                 outs.append(self._out(req, []))
                 continue
             if req.max_new_tokens == 0:  # a prefill-only request: no output token
-                req.finish_reason = {"type": "length", "length": 0}
+                req.finish_reason = FinishReason.length_limit(0)
+                req.dropped_ids.append(token)
                 token_out = self._out(req, [])
                 self._add_input_logprobs(token_out, req, result, i)
+                self._to_release.append(req)
                 outs.append(token_out)
                 continue
             req.output_ids.append(token)
             self.num_generated_tokens += 1
             req.check_finished()
-            if not req.finished and req.seq_len >= self.context_len:
-                req.finish_reason = {"type": "length", "length": len(req.output_ids)}
             out = self._out(req, [token])
             if result.output_logprobs is not None:
                 out.output_logprobs = result.output_logprobs[i]
             self._add_input_logprobs(out, req, result, i)
+            if req.finished:
+                self._to_release.append(req)
             outs.append(out)
-        self._join_running(batch)
         if outs:
             self.emit(outs)
 
@@ -242,33 +308,33 @@ class Scheduler:
             out.input_logprob_ids = req.origin_input_ids[req.logprob.logprob_start_len:]
             req.input_logprobs_done = True
 
-    def _join_running(self, batch: ScheduleBatch) -> None:
-        if batch.forward_mode is ForwardMode.EXTEND:
-            self.running.extend(batch.reqs)
-
     def _release_finished(self) -> None:
-        """Return the KV of finished requests: cached for normal finishes, freed for aborts."""
-        if not any(r.finished for r in self.running):
+        """Return the KV of finished requests that no step in flight holds: cached for normal
+        finishes, freed for aborts. Each is released exactly once."""
+        if not self._to_release:
             return
-        keep = []
-        for req in self.running:
-            if not req.finished:
-                keep.append(req)
+        pending, released = [], set()
+        for req in self._to_release:
+            if req.num_inflight > 0:
+                pending.append(req)
                 continue
-            if req.finish_reason.get("type") == "abort":
-                self.kv_cache.abort_req(req.req_id)
-            else:
-                self.kv_cache.cache_finished_req(req.req_id, req.kv_token_ids())
-            req.req_id = None
-            self._finish(req, emit=False)
-        self.running = keep
+            if req.req_id is not None:
+                if req.finish_reason.is_abort:  # type: ignore[union-attr]
+                    self.kv_cache.abort_req(req.req_id)
+                else:
+                    kv_len = self.kv_cache.kv_len(req.req_id)
+                    self.kv_cache.cache_finished_req(req.req_id, req.kv_token_ids(kv_len))
+                self._released_rows.append(req.req_pool_idx)
+                req.req_id = req.req_pool_idx = None
+            released.add(id(req))
+            self._forget(req)
+        self._to_release = pending
+        if released:
+            self.running = [r for r in self.running if id(r) not in released]
 
-    def _finish(self, req: Req, emit: bool) -> None:
-        """Forget a finished request. `emit`: tell the detokenizer (when no step did)."""
+    def _forget(self, req: Req) -> None:
         if self.reqs.get(req.rid) is req:  # the rid may already name a newer request
             del self.reqs[req.rid]
-        if emit:
-            self.emit([self._out(req, [])])
 
     def _out(self, req: Req, ids: list[int]) -> TokenOut:
         return TokenOut(req.rid, ids, req.finish_reason, len(req.origin_input_ids), req.cached_tokens)

@@ -53,6 +53,9 @@ def server_info(core: "EngineCore") -> dict[str, Any]:
         "kv_cache_bytes": core.model_runner.kv_cache_bytes,
         "num_running_reqs": len(sched.running),
         "num_waiting_reqs": len(sched.waiting),
+        "num_inflight_steps": len(sched.inflight),
+        "num_req_rows_used": kv.num_reqs(),
+        "num_sampling_rows_live": core.worker.num_live_sampling_rows,
         "num_generated_tokens": sched.num_generated_tokens,
     })
     return info

@@ -15,6 +15,7 @@ from typing import Any, AsyncIterator
 from pyserve.engine.detokenizer import Detokenizer
 from pyserve.engine.scheduler import Scheduler
 from pyserve.errors import InvalidRequestError, ModelStepError
+from pyserve.forward_batch_info import FinishReason
 from pyserve.io_struct import GenerateOutput, SingleReq, TokenizedGenerateReq
 
 
@@ -26,35 +27,16 @@ class ReqState:
         self.finished = False
 
 
-class _Sent:
-    """What a stream has yielded, so that a chunk following skipped ones (stream_interval)
-    carries all their deltas."""
-
-    def __init__(self) -> None:
-        self.num_ids = 0
-        self.text_len = 0
-        self.skipped_logprobs = 0
-
-    def skip(self, out: GenerateOutput) -> None:
-        self.skipped_logprobs += out.num_logprobs_delta
-
-    def merge(self, out: GenerateOutput) -> GenerateOutput:
-        if self.skipped_logprobs or len(out.ids_delta) != len(out.output_ids) - self.num_ids:
-            out.text_delta = out.text[self.text_len:]
-            out.ids_delta = out.output_ids[self.num_ids:]
-            out.num_logprobs_delta += self.skipped_logprobs
-            self.skipped_logprobs = 0
-        self.num_ids = len(out.output_ids)
-        self.text_len = len(out.text)
-        return out
-
-
 class TokenizerManager:
     """Tokenizes, validates, tracks and aborts requests. Loop thread only."""
 
     def __init__(self, tokenizer: Any, scheduler: Scheduler, context_len: int,
-                 max_total_tokens: int, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+                 max_total_tokens: int, vocab_size: int, eos_token_ids: frozenset[int],
+                 stream_interval: int = 1) -> None:
+        """stream_interval: the server's default tokens per streamed chunk (a request's own
+        stream_interval overrides it)."""
         self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
         self.scheduler = scheduler
         self.context_len = context_len
         self.max_total_tokens = max_total_tokens
@@ -136,30 +118,25 @@ class TokenizerManager:
         self.states[req.rid] = state
         sp = req.sampling_params
         self.detokenizer.register(req.rid, sp.stop_strs, sp.skip_special_tokens, treq.logprob,
-                                  prompt_ids=treq.input_ids, no_stop_trim=sp.no_stop_trim)
+                                  prompt_ids=treq.input_ids, no_stop_trim=sp.no_stop_trim,
+                                  stream=req.stream, stream_interval=sp.stream_interval or self.stream_interval)
         self.scheduler.add_request(treq)
-        interval = sp.stream_interval or 1
-        sent = _Sent()
         try:
             while True:
                 out = await state.queue.get()
                 if out.finished:
                     state.finished = True
-                    reason = out.finish_reason or {}
-                    status = reason.get("status_code", 0)
+                    reason = out.finish_reason
+                    status = (reason.status_code if reason is not None else None) or 0
                     if status >= 500:
-                        raise ModelStepError(reason.get("message", "the model step failed"))
+                        raise ModelStepError(reason.message or "the model step failed")  # type: ignore[union-attr]
                     if status >= 400:  # the request's own parameters failed it mid-way
-                        raise InvalidRequestError(reason.get("message", "invalid request"),
+                        raise InvalidRequestError(reason.message or "invalid request",  # type: ignore[union-attr]
                                                   param="sampling_params")
-                    yield sent.merge(out) if req.stream else out
+                    yield out
                     return
-                if not req.stream:
-                    continue
-                if len(out.output_ids) - sent.num_ids >= interval:
-                    yield sent.merge(out)
-                else:
-                    sent.skip(out)
+                if req.stream:  # the detokenizer delivers every stream_interval tokens
+                    yield out
         finally:
             self.states.pop(req.rid, None)
             if not state.finished:
@@ -168,14 +145,14 @@ class TokenizerManager:
     def abort_request(self, rid: str) -> None:
         """Stop a request and free what it holds; its consumer gets no more output."""
         self.detokenizer.forget(rid)
-        self.scheduler.finish_request(rid, {"type": "abort", "message": "aborted by the client"})
+        self.scheduler.finish_request(rid, FinishReason.abort("aborted by the client"))
 
     def end_request(self, rid: str, message: str) -> bool:
         """Stop a running request and free what it holds; its consumer receives a last
         output with finish reason abort (`message`). False for an unknown rid."""
         if rid not in self.states:
             return False
-        self.scheduler.finish_request(rid, {"type": "abort", "message": message})
+        self.scheduler.finish_request(rid, FinishReason.abort(message))
         return True
 
     def _deliver(self, out: GenerateOutput) -> None:

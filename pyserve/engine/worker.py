@@ -1,9 +1,12 @@
-"""`ModelWorker`: the one thread that touches the model, the KV tensors and the device stream.
+"""`ModelWorker`: the one thread that touches the model, the device tensors and the device stream.
 
-The loop thread calls `submit(forward_batch)` and awaits the returned future; the worker runs
-`ModelRunner.forward` + `step_output`, copies the next token ids (and logprobs) to the host and resolves the future
-on the loop with `call_soon_threadsafe`. The worker never awaits the loop, and the loop never
-blocks on the device (DESIGN.md section 1).
+The loop thread calls `submit(plan)` with a host-only `StepPlan` and gets a future; steps run in
+submission order. For each, the worker applies the plan to its `DeviceState` (request rows,
+token table, sampling rows), runs `ModelRunner.forward`, samples, writes the new tokens into
+the token table (the next decode step reads them there), copies the ids (and logprobs) to the
+host and resolves the future on the loop with `call_soon_threadsafe`. Because the queue keeps
+order, the loop may submit step N+1 before step N's future resolved (overlap scheduling). The
+worker never awaits the loop, and the loop never blocks on the device (DESIGN.md section 1).
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from typing import Any
 
 import torch
 
-from pyserve.model_executor.forward_batch import ForwardBatch, StepOutput
+from pyserve.forward_batch_info import StepOutput, StepPlan
+from pyserve.model_executor.device_state import DeviceState
 
 logger = logging.getLogger(__name__)
 
@@ -24,21 +28,36 @@ _STOP = object()
 
 
 class ModelWorker:
-    """Runs forward passes of `model_runner` on a dedicated thread (and CUDA stream on CUDA)."""
+    """Runs the steps of `model_runner` on a dedicated thread (and CUDA stream on CUDA).
 
-    def __init__(self, model_runner: Any) -> None:
+    num_rows / row_width: the request rows of the KV core (`KVCache.num_rows` and its
+    maximum context) that the device tables mirror; vocab_size: the model's.
+    """
+
+    def __init__(self, model_runner: Any, num_rows: int, row_width: int, vocab_size: int) -> None:
         self.model_runner = model_runner
+        self.state = DeviceState(num_rows, row_width, vocab_size, model_runner.device)
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="pyserve-worker", daemon=True)
         self._thread.start()
 
-    def submit(self, batch: ForwardBatch) -> asyncio.Future:
+    @property
+    def num_live_sampling_rows(self) -> int:
+        """Requests whose sampling rows the worker holds (0 once idle: the leak check)."""
+        return self.state.sampling.num_live
+
+    def submit(self, plan: StepPlan) -> asyncio.Future:
         """Queue one step. The future resolves to a StepOutput (next token ids, logprobs), or
         to the exception the step raised. Loop thread only."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._queue.put((batch, loop, future))
+        self._queue.put((plan, loop, future))
         return future
+
+    def release_rows(self, rows: list[int]) -> None:
+        """Drop the sampling rows of requests that left while no step follows (the next plan
+        carries later releases itself). Loop thread only; ordered with the steps."""
+        self._queue.put((rows, None, None))
 
     def shutdown(self) -> None:
         self._queue.put(_STOP)
@@ -51,14 +70,16 @@ class ModelWorker:
             item = self._queue.get()
             if item is _STOP:
                 return
-            batch, loop, future = item
+            plan, loop, future = item
+            if future is None:  # a release without a step
+                self.state.sampling.release_rows(plan)
+                continue
             try:
                 if stream is not None:
                     with torch.cuda.stream(stream):
-                        next_ids = self._step(batch)
+                        result: Any = self._step(plan)
                 else:
-                    next_ids = self._step(batch)
-                result: Any = next_ids
+                    result = self._step(plan)
                 ok = True
             # A failed step fails its requests, not the server. BaseException: a panic in a
             # native kernel arrives as pyo3's PanicException, which is not an Exception, and
@@ -70,10 +91,16 @@ class ModelWorker:
                 ok = False
             loop.call_soon_threadsafe(_resolve, future, ok, result)
 
-    def _step(self, batch: ForwardBatch) -> StepOutput:
+    def _step(self, plan: StepPlan) -> StepOutput:
         runner = self.model_runner
-        logits = runner.forward(batch)
-        return runner.step_output(logits, batch)
+        with torch.inference_mode():
+            batch = self.state.forward_batch(plan)
+            logits = runner.forward(batch)
+            next_ids, failed_rows = runner.sample_next(logits, batch)
+            self.state.record_sampled(plan, batch, next_ids)
+            out = StepOutput(next_token_ids=next_ids.to(torch.int32).cpu().numpy(), failed_rows=failed_rows)
+            runner.add_logprobs(out, logits, batch, next_ids)
+        return out
 
 
 def _resolve(future: asyncio.Future, ok: bool, result: Any) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from pyserve.layers.linear import linear
-from pyserve.model_executor.forward_batch import ForwardBatch, ForwardMode
+from pyserve.forward_batch_info import ForwardBatch, ForwardMode
 
 
 def last_token_indices(forward_batch: ForwardBatch) -> torch.Tensor:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from pyserve.model_executor.forward_batch import TokenLogprobs
+from pyserve.forward_batch_info import TokenLogprobs
 
 
 def _pairs(values: list[float], ids: list[int]) -> list[tuple[float, int]]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from pyserve.model_executor.forward_batch import SamplingBatchInfo
+from pyserve.forward_batch_info import SamplingBatchInfo
 
 
 def apply_logit_adjustments(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
@@ -16,10 +16,11 @@ def apply_logit_adjustments(logits: torch.Tensor, info: SamplingBatchInfo) -> to
 
     1. logit_bias: logits[row, id] += value.
     2. repetition penalty (CTRL, Keskar et al. 2019, as HF's RepetitionPenaltyLogitsProcessor):
-       for every token seen in the prompt or output, a positive logit is divided by the
+       for every token seen in the prompt or output (seen_token_mask), a positive logit is divided by the
        penalty and a negative one multiplied by it.
     3. frequency / presence penalties (OpenAI API semantics): logit -= frequency * count
-       - presence * (count > 0), count = occurrences among the output tokens so far.
+       - presence * (count > 0), count = occurrences among the output tokens so far
+       (output_token_counts).
     4. banned tokens (stop tokens before min_new_tokens) become -inf.
     Returns `logits` itself when nothing applies, else a new tensor (the input is not mutated).
     """
@@ -27,16 +28,12 @@ def apply_logit_adjustments(logits: torch.Tensor, info: SamplingBatchInfo) -> to
     if info.logit_bias_rows is not None:
         out = out.clone()
         out.index_put_((info.logit_bias_rows, info.logit_bias_ids), info.logit_bias_values, accumulate=True)
-    if info.repetition_penalties is not None and info.seen_token_rows is not None:
-        out = out.clone() if out is logits else out
-        rows, ids = info.seen_token_rows, info.seen_token_ids
-        penalty = info.repetition_penalties[rows]
-        picked = out[rows, ids]
-        out[rows, ids] = torch.where(picked > 0, picked / penalty, picked * penalty)
-    if info.frequency_penalties is not None and info.output_token_rows is not None:
-        counts = torch.zeros_like(logits)
-        counts.index_put_((info.output_token_rows, info.output_token_ids),
-                          torch.ones_like(info.output_token_rows, dtype=logits.dtype), accumulate=True)
+    if info.repetition_penalties is not None and info.seen_token_mask is not None:
+        penalty = info.repetition_penalties[:, None]
+        penalized = torch.where(out > 0, out / penalty, out * penalty)
+        out = torch.where(info.seen_token_mask, penalized, out)
+    if info.frequency_penalties is not None and info.output_token_counts is not None:
+        counts = info.output_token_counts
         penalty = (info.frequency_penalties[:, None] * counts
                    + info.presence_penalties[:, None] * (counts > 0).to(logits.dtype))
         out = out - penalty

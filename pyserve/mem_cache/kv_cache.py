@@ -51,9 +51,10 @@ class KVCache:
         self.page_size = page_size
         self.max_total_tokens = usable_pool_tokens(max_total_tokens, page_size)
         # One spare row: a request is admitted before the finished ones of the step leave.
-        self.core = _rs.KVCache(self.max_total_tokens, max_running_requests + 1,
-                                max_context_len + 1, page_size=page_size,
-                                disable_radix_cache=disable_radix_cache)
+        self.num_rows = max_running_requests + 1
+        self.max_context_len = max_context_len + 1  # tokens a row holds
+        self.core = _rs.KVCache(self.max_total_tokens, self.num_rows, self.max_context_len,
+                                page_size=page_size, disable_radix_cache=disable_radix_cache)
 
     # ---- sizes (tokens) --------------------------------------------------------------------
     def available_size(self) -> int:
@@ -92,6 +93,10 @@ class KVCache:
         the cache and release it. False if it was released already."""
         return self.core.cache_finished_req(req_id, np.asarray(token_ids, dtype=np.int32))
 
+    def kv_len(self, req_id: int) -> int:
+        """Tokens with stored KV of a live request (the Rust core's count)."""
+        return self.core.req_info(req_id)[2]
+
     def abort_req(self, req_id: int) -> bool:
         """Free everything a request holds without caching it. False if released already."""
         return self.core.abort_req(req_id)
@@ -104,5 +109,5 @@ class KVCache:
 
     def prepare_decode(self, req_ids: list[int]) -> BatchArrays | None:
         """Allocate one token per request (a new page only at page boundaries, evicting if
-        needed); None if they do not fit."""
+        needed); None if they do not fit. O(batch): the arrays hold no kv_indices."""
         return self.core.prepare_decode(np.asarray(req_ids, dtype=np.int64))

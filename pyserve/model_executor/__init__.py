@@ -1,7 +1,7 @@
 """Model execution on the worker thread: ForwardBatch (the step's inputs) and ModelRunner
 (model + KV cache + attention backend + sampling)."""
 
-from pyserve.model_executor.forward_batch import ForwardBatch, ForwardMode, SamplingBatchInfo
+from pyserve.forward_batch_info import ForwardBatch, ForwardMode, SamplingBatchInfo
 
 __all__ = ["ForwardBatch", "ForwardMode", "SamplingBatchInfo", "ModelRunner"]
 

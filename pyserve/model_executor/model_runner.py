@@ -18,7 +18,7 @@ from pyserve.layers.logprobs import logprobs_of_rows
 from pyserve.layers.sampler import sample as sample_tokens
 from pyserve.layers.sampler import sample_checked
 from pyserve.mem_cache.memory_pool import MHATokenToKVPool
-from pyserve.model_executor.forward_batch import (
+from pyserve.forward_batch_info import (
     ForwardBatch,
     ForwardMode,
     SamplingBatchInfo,
@@ -201,15 +201,28 @@ class ModelRunner:
         batch.input_logits_rows = torch.tensor(rows, dtype=torch.int64, device=batch.input_ids.device)
         return groups
 
+    def sample_next(self, logits: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, list[int]]:
+        """Next token ids [B] int64 on the device of `batch` (after `forward(batch)`) and the
+        rows whose own parameters left nothing to sample (see sample_checked). Worker
+        thread only."""
+        with torch.inference_mode():
+            return sample_checked(logits, batch.sampling_info)
+
     def step_output(self, logits: torch.Tensor, batch: ForwardBatch) -> StepOutput:
         """Sample the next tokens of `batch` (after `forward(batch)`) and gather the logprobs
         its logprob_info asks for. Worker thread only."""
-        with torch.inference_mode():
-            next_ids, failed_rows = sample_checked(logits, batch.sampling_info)
-        out = StepOutput(next_token_ids=next_ids.tolist(), failed_rows=failed_rows)
+        next_ids, failed_rows = self.sample_next(logits, batch)
+        out = StepOutput(next_token_ids=next_ids.to(torch.int32).cpu().numpy(), failed_rows=failed_rows)
+        self.add_logprobs(out, logits, batch, next_ids)
+        return out
+
+    def add_logprobs(self, out: StepOutput, logits: torch.Tensor, batch: ForwardBatch,
+                     next_ids: torch.Tensor) -> None:
+        """Fill out.output_logprobs / input_logprobs with what batch.logprob_info asks for
+        (nothing when it asks for none). Worker thread only."""
         info = batch.logprob_info
         if info is None or not any(info.return_logprob):
-            return out
+            return
         with torch.inference_mode():
             rows = [i for i, want in enumerate(info.return_logprob) if want]
             rows_t = torch.tensor(rows, dtype=torch.int64, device=logits.device)
@@ -235,7 +248,6 @@ class ModelRunner:
                         if item.token_ids_logprobs is not None:
                             item.token_ids_logprobs.insert(0, [])
                     out.input_logprobs[i] = item
-        return out
 
     def sample(self, logits: torch.Tensor, sampling_info: SamplingBatchInfo) -> torch.Tensor:
         """Next token ids [B] int64 on the device: argmax where temperature == 0, else

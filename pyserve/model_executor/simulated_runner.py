@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pyserve.model_executor.forward_batch import ForwardBatch, ForwardMode, StepOutput
+from pyserve.forward_batch_info import ForwardBatch, ForwardMode, StepOutput
 
 
 @dataclass
@@ -41,7 +41,7 @@ class SimulatedRunner:
     between runs from any thread; a step reads them when it starts).
     seed: the token stream (the same sequence of steps gives the same ids).
 
-    Worker thread: forward, step_output. Any thread: busy_s, reset_busy.
+    Worker thread: forward, sample_next, add_logprobs, step_output. Any thread: busy_s, reset_busy.
     """
 
     device = "cpu"
@@ -81,9 +81,17 @@ class SimulatedRunner:
             self._busy_s += time.perf_counter() - start
             self.num_steps += 1
 
-    def step_output(self, logits: None, batch: ForwardBatch) -> StepOutput:
+    def sample_next(self, logits: None, batch: ForwardBatch) -> tuple[torch.Tensor, list[int]]:
+        """[B] int64 seeded ids, never EOS; no failed rows."""
         ids = self._ids[self._rng.integers(0, len(self._ids), size=batch.batch_size)]
-        return StepOutput(next_token_ids=ids.tolist())
+        return torch.from_numpy(ids), []
+
+    def add_logprobs(self, out: StepOutput, logits: None, batch: ForwardBatch, next_ids: torch.Tensor) -> None:
+        """Logprobs are not simulated."""
+
+    def step_output(self, logits: None, batch: ForwardBatch) -> StepOutput:
+        ids, _ = self.sample_next(logits, batch)
+        return StepOutput(next_token_ids=ids.to(torch.int32).numpy())
 
     def busy_s(self) -> float:
         """Seconds the device has been busy since the last reset_busy."""

@@ -24,7 +24,7 @@ from pyserve.layers.layernorm import RMSNorm
 from pyserve.layers.linear import linear, prepack, prepack_supported
 from pyserve.layers.logits_processor import LogitsProcessor
 from pyserve.layers.rotary_embedding import RotaryEmbedding
-from pyserve.model_executor.forward_batch import ForwardBatch
+from pyserve.forward_batch_info import ForwardBatch
 from pyserve.model_loader.config import rope_parameters
 from pyserve_kernels import apply_rotary_pos_emb, rotary_embedding_
 

@@ -8,6 +8,7 @@ from transformers import AutoTokenizer
 
 from pyserve.engine.detokenizer import Detokenizer
 from pyserve.engine.scheduler import TokenOut
+from pyserve.forward_batch_info import FinishReason
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def run(tokenizer, ids, stop=(), finish_last=True):
     det.register("r", list(stop), skip_special_tokens=True)
     for i, t in enumerate(ids):
         last = finish_last and i == len(ids) - 1
-        det.handle(TokenOut("r", [t], {"type": "length", "length": len(ids)} if last else None, 3, 0))
+        det.handle(TokenOut("r", [t], FinishReason.length_limit(len(ids)) if last else None, 3, 0))
     return rec
 
 
@@ -51,9 +52,9 @@ def test_multibyte_characters_are_never_split(tokenizer):
 def test_stop_string_cuts_text_and_finishes(tokenizer):
     ids = tokenizer.encode("Lily went to the park. She played.", add_special_tokens=False)
     rec = run(tokenizer, ids, stop=["park"], finish_last=False)
-    assert rec.finished == [("r", {"type": "stop", "matched": "park"})]
+    assert rec.finished == [("r", FinishReason.stop("park"))]
     assert rec.outs[-1].text == "Lily went to the "
-    assert rec.outs[-1].finish_reason == {"type": "stop", "matched": "park"}
+    assert rec.outs[-1].finish_reason == FinishReason.stop("park")
     assert "".join(o.text_delta for o in rec.outs) == "Lily went to the "
     # tokens after the stop are dropped
     n = len(rec.outs)
@@ -69,7 +70,7 @@ def test_partial_stop_string_is_held_back_then_released(tokenizer):
         sent += o.text_delta
         assert not sent.endswith(("p", "pa", "par", "park", "park "))
     assert "".join(o.text_delta for o in rec.outs) == "the park is big"
-    assert rec.outs[-1].finish_reason == {"type": "length", "length": len(ids)}
+    assert rec.outs[-1].finish_reason == FinishReason.length_limit(len(ids))
 
 
 def run_with_prompt(tokenizer, prompt_ids, ids, stop=(), no_stop_trim=False, finish=None):
@@ -78,7 +79,7 @@ def run_with_prompt(tokenizer, prompt_ids, ids, stop=(), no_stop_trim=False, fin
     det.register("r", list(stop), skip_special_tokens=True, prompt_ids=prompt_ids, no_stop_trim=no_stop_trim)
     for i, t in enumerate(ids):
         last = i == len(ids) - 1
-        det.handle(TokenOut("r", [t], (finish or {"type": "length", "length": len(ids)}) if last else None, 3, 0))
+        det.handle(TokenOut("r", [t], (finish or FinishReason.length_limit(len(ids))) if last else None, 3, 0))
     return rec
 
 
@@ -110,7 +111,7 @@ def test_first_token_keeps_its_word_initial_space(tokenizer, prompt, output):
 def test_matched_stop_token_text_is_trimmed_unless_no_stop_trim(tokenizer):
     prompt_ids = tokenizer.encode("Lily went")
     ids = tokenizer.encode("Lily went to the park", add_special_tokens=True)[len(prompt_ids):]
-    stop = {"type": "stop", "matched": ids[-1]}
+    stop = FinishReason.stop(ids[-1])
     trimmed = run_with_prompt(tokenizer, prompt_ids, ids, finish=stop)
     assert trimmed.outs[-1].text == continuation(tokenizer, prompt_ids, ids[:-1])
     assert trimmed.outs[-1].output_ids == ids  # the id itself is still reported
@@ -122,6 +123,6 @@ def test_no_stop_trim_keeps_the_stop_string(tokenizer):
     prompt_ids = tokenizer.encode("Lily")
     ids = tokenizer.encode("Lily went to the park. She played.")[len(prompt_ids):]
     rec = run_with_prompt(tokenizer, prompt_ids, ids, stop=["park"], no_stop_trim=True)
-    assert rec.finished == [("r", {"type": "stop", "matched": "park"})]
+    assert rec.finished == [("r", FinishReason.stop("park"))]
     assert rec.outs[-1].text == " went to the park"
     assert "".join(o.text_delta for o in rec.outs) == " went to the park"

@@ -25,7 +25,8 @@ def wait_idle(engine) -> dict:
     for _ in range(500):
         info = engine.get_server_info()
         if (info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0
-                and info["kv_protected_slots"] == 0):
+                and info["kv_protected_slots"] == 0 and info["num_req_rows_used"] == 0
+                and info["num_sampling_rows_live"] == 0):
             return info
         asyncio.run(asyncio.sleep(0.02))
     return info
@@ -38,6 +39,7 @@ def no_kv_leak(engine):
     info = wait_idle(engine)
     assert info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0
     assert info["kv_protected_slots"] == 0
+    assert info["num_req_rows_used"] == 0 and info["num_sampling_rows_live"] == 0
     assert info["kv_free_slots"] + info["kv_evictable_slots"] == POOL
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from pyserve.model_executor.forward_batch import ForwardBatch, ForwardMode
+from pyserve.forward_batch_info import ForwardBatch, ForwardMode
 from pyserve.model_executor.model_runner import ModelRunner
 from pyserve.model_loader import ModelConfig, ModelNotFoundError, default_model_path, get_tokenizer
 from pyserve.model_loader.gguf_loader import gguf_name_to_hf, unpermute_qk

@@ -7,7 +7,7 @@ import json
 import torch
 import transformers
 
-from pyserve.model_executor.forward_batch import ForwardBatch, ForwardMode
+from pyserve.forward_batch_info import ForwardBatch, ForwardMode
 from pyserve.model_executor.model_runner import ModelRunner
 from pyserve.model_loader.hf_loader import safetensors_files
 

@@ -9,7 +9,7 @@ import transformers
 
 from pyserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from pyserve.mem_cache.memory_pool import MHATokenToKVPool
-from pyserve.model_executor.forward_batch import ForwardBatch, ForwardMode
+from pyserve.forward_batch_info import ForwardBatch, ForwardMode
 from pyserve.model_executor.model_runner import ModelRunner
 from pyserve.models.llama import LlamaForCausalLM
 

@@ -9,7 +9,7 @@ import torch
 from pyserve.layers.attention.cpu_backend import CpuAttnBackend
 from pyserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from pyserve.mem_cache.memory_pool import MHATokenToKVPool
-from pyserve.model_executor.forward_batch import ForwardBatch, ForwardMode, SamplingBatchInfo
+from pyserve.forward_batch_info import ForwardBatch, ForwardMode, SamplingBatchInfo
 from pyserve.model_executor.model_runner import ModelRunner
 from pyserve.model_loader import ModelConfig, ModelNotFoundError, resolve_dtype
 from pyserve.models.llama import LlamaForCausalLM

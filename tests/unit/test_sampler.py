@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pyserve.layers.sampler import sample, top_k_top_p_probs
-from pyserve.model_executor.forward_batch import SamplingBatchInfo
+from pyserve.forward_batch_info import SamplingBatchInfo
 
 
 def _info(temps, top_ps, top_ks, generators=()) -> SamplingBatchInfo:
@@ -90,8 +90,8 @@ def test_penalties_match_hf_processors_and_openai_formula() -> None:
     info = _info([0, 0], [1, 1], [6, 6])
     # row 0: repetition 1.5 over prompt+output ids {0, 1, 3}; row 1: none
     info.repetition_penalties = torch.tensor([1.5, 1.0])
-    info.seen_token_rows = torch.tensor([0, 0, 0])
-    info.seen_token_ids = torch.tensor([0, 1, 3])
+    info.seen_token_mask = torch.zeros(2, 6, dtype=torch.bool)
+    info.seen_token_mask[0, [0, 1, 3]] = True
     ref = RepetitionPenaltyLogitsProcessor(1.5)(torch.tensor([[0, 1, 3]]), logits[:1].clone())
     out = apply_logit_adjustments(logits, info)
     assert torch.equal(out[0], ref[0]) and torch.equal(out[1], logits[1])
@@ -99,8 +99,9 @@ def test_penalties_match_hf_processors_and_openai_formula() -> None:
     info = _info([0, 0], [1, 1], [6, 6])
     info.frequency_penalties = torch.tensor([0.0, 0.5])
     info.presence_penalties = torch.tensor([0.0, 0.25])
-    info.output_token_rows = torch.tensor([1, 1, 1])
-    info.output_token_ids = torch.tensor([4, 4, 2])
+    info.output_token_counts = torch.zeros(2, 6)
+    info.output_token_counts[1, 4] = 2.0
+    info.output_token_counts[1, 2] = 1.0
     out = apply_logit_adjustments(logits, info)
     assert out[1].tolist() == [0.0, 1.0, 2.0 - 0.5 - 0.25, 3.0, 4.0 - 1.0 - 0.25, 5.0]
     assert torch.equal(out[0], logits[0])

@@ -1,67 +1,258 @@
-"""Scheduler bookkeeping without a model: admission, release, and rid reuse."""
+"""The scheduler against a fake worker: exact plans, overlap (step N+1 planned before step N's
+results), one-step-late finishes released exactly once, aborts mid-flight, decode inputs read
+from the worker's device token table, and no KV, row or sampling-row leak."""
 
 from __future__ import annotations
 
+import asyncio
+from collections import deque
+
+import numpy as np
+import pytest
+
 from pyserve.engine.scheduler import Scheduler
+from pyserve.forward_batch_info import FinishKind, FinishReason, ForwardMode, StepOutput
 from pyserve.io_struct import TokenizedGenerateReq
 from pyserve.mem_cache.kv_cache import KVCache
-from pyserve.model_executor.forward_batch import ForwardMode, StepOutput
+from pyserve.model_executor.device_state import DeviceState
 from pyserve.sampling_params import SamplingParams
 
-ABORT = {"type": "abort", "message": "test"}
+ABORT = FinishReason.abort("test")
+POOL = 100
+VOCAB = 128
 
 
-def make_scheduler(pool: int = 100):
-    outs: list = []
-    kv = KVCache(pool, max_running_requests=4, max_context_len=64)
-    sched = Scheduler(kv, worker=None, device="cpu", context_len=64, max_running_requests=4,
-                      max_prefill_tokens=64, emit=outs.extend)
-    return sched, kv, outs
+class FakeWorker:
+    """Queues plans as the real worker does; a test runs them one at a time (`run_next`) with
+    the token ids it chooses. Each run builds the step's ForwardBatch from the real
+    DeviceState (so decode inputs come from its token table) and records its input ids."""
+
+    def __init__(self, kv: KVCache) -> None:
+        self.state = DeviceState(kv.num_rows, kv.max_context_len, VOCAB, "cpu")
+        self.pending: deque = deque()
+        self.plans: list = []
+        self.inputs: list[list[int]] = []
+
+    @property
+    def num_live_sampling_rows(self) -> int:
+        return self.state.sampling.num_live
+
+    def submit(self, plan):
+        future = asyncio.get_running_loop().create_future()
+        self.plans.append(plan)
+        self.pending.append((plan, future))
+        return future
+
+    def release_rows(self, rows) -> None:
+        self.state.sampling.release_rows(rows)
+
+    def run_next(self, ids: list[int]) -> None:
+        import torch
+
+        plan, future = self.pending.popleft()
+        batch = self.state.forward_batch(plan)
+        self.inputs.append(batch.input_ids.tolist())
+        next_ids = torch.tensor(ids, dtype=torch.int64)
+        self.state.record_sampled(plan, batch, next_ids)
+        future.set_result(StepOutput(next_token_ids=np.array(ids, dtype=np.int32)))
 
 
-def treq(rid: str, ids: list[int], max_new_tokens: int = 5) -> TokenizedGenerateReq:
-    return TokenizedGenerateReq(rid, ids, SamplingParams(max_new_tokens=max_new_tokens), frozenset())
+def treq(rid: str, ids: list[int], max_new_tokens: int = 5, stop=frozenset()) -> TokenizedGenerateReq:
+    return TokenizedGenerateReq(rid, ids, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0),
+                                frozenset(stop))
 
 
-def test_extend_then_decode_arrays_and_release():
-    sched, kv, outs = make_scheduler()
-    sched.add_request(treq("a", [1, 2, 3]))
-    batch = sched._get_next_batch()
-    assert batch.forward_mode is ForwardMode.EXTEND
-    assert batch.input_ids == [1, 2, 3]
-    assert batch.arrays.positions.tolist() == [0, 1, 2]
-    sched._process_batch_result(batch, StepOutput(next_token_ids=[7]))
-    assert [o.ids_delta for o in outs] == [[7]]
-    decode = sched._get_next_batch()
-    assert decode.forward_mode is ForwardMode.DECODE
-    assert decode.input_ids == [7] and decode.seq_lens == [4]
-    assert decode.arrays.positions.tolist() == [3]
-    assert kv.free_slots() == 100 - 4
-    sched._process_batch_result(decode, StepOutput(next_token_ids=[8]))
-    assert sched.reqs["a"].output_ids == [7, 8] and sched.reqs["a"].kv_len == 4
-    sched.finish_request("a", ABORT)
-    sched._release_finished()
-    assert kv.free_slots() == 100 and sched.running == [] and sched.reqs == {}
+class Harness:
+    def __init__(self, overlap: bool = True, pool: int = POOL) -> None:
+        self.outs: list = []
+        self.kv = KVCache(pool, max_running_requests=4, max_context_len=64)
+        self.worker = FakeWorker(self.kv)
+        self.sched = Scheduler(self.kv, self.worker, context_len=64, max_running_requests=4,
+                               max_prefill_tokens=64, emit=self.outs.extend, overlap=overlap)
+
+    async def start(self) -> None:
+        self.task = asyncio.ensure_future(self.sched.run())
+        await settle()
+
+    async def step(self, ids: list[int]) -> None:
+        """Let the worker finish its oldest step with `ids`, then let the loop react."""
+        self.worker.run_next(ids)
+        await settle()
+
+    async def stop(self) -> None:
+        await self.sched.stop()
+        await settle()
+        self.task.cancel()
+
+    def outs_of(self, rid: str) -> list:
+        return [o for o in self.outs if o.rid == rid]
+
+    def assert_no_leak(self) -> None:
+        self.kv.core.check_integrity()
+        assert self.kv.num_reqs() == 0 and self.kv.protected_slots() == 0
+        assert self.kv.free_slots() + self.kv.evictable_slots() == POOL
+        assert self.worker.num_live_sampling_rows == 0
+        assert self.sched.is_idle() and self.sched.reqs == {}
+
+
+async def settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+def run(coro) -> None:
+    asyncio.run(coro)
+
+
+def test_exact_plans_and_decode_inputs_from_the_token_table():
+    async def body():
+        h = Harness()
+        h.sched.add_request(treq("a", [1, 2, 3], max_new_tokens=3))
+        h.sched.add_request(treq("b", [4, 5], max_new_tokens=3))
+        await h.start()
+        # overlap: the extend and the first decode are both planned before any result
+        assert [p.forward_mode for p in h.worker.plans] == [ForwardMode.EXTEND, ForwardMode.DECODE]
+        ext, dec = h.worker.plans
+        rows = ext.req_pool_indices.tolist()
+        assert ext.input_ids.tolist() == [1, 2, 3, 4, 5] and ext.input_ids.dtype == np.int32
+        assert ext.positions.tolist() == [0, 1, 2, 0, 1] and ext.out_cache_loc.tolist() == [1, 2, 3, 4, 5]
+        assert ext.seq_lens.tolist() == [3, 2] and ext.row_slots.tolist() == [1, 2, 3, 4, 5]
+        assert [r.req_pool_idx for r in ext.new_sampling_rows] == rows and ext.all_greedy
+        # decode: O(batch) integers, no input ids (they are on the worker), no rows copied
+        assert dec.input_ids is None and dec.row_slots is None
+        assert dec.req_pool_indices.tolist() == rows
+        assert dec.positions.tolist() == [3, 2] and dec.out_cache_loc.tolist() == [6, 7]
+        assert dec.seq_lens.tolist() == [4, 3] and dec.new_sampling_rows == []
+        await h.step([10, 20])  # the extend's tokens
+        assert [(o.rid, o.ids_delta) for o in h.outs] == [("a", [10]), ("b", [20])]
+        assert len(h.worker.plans) == 3  # the next decode was planned while step 1 runs
+        assert h.worker.plans[2].positions.tolist() == [4, 3]
+        assert h.worker.plans[2].out_cache_loc.tolist() == [8, 9]
+        await h.step([11, 21])
+        # the decode's inputs were the extend's sampled tokens, read from the token table
+        assert h.worker.inputs == [[1, 2, 3, 4, 5], [10, 20]]
+        await h.step([12, 22])
+        assert h.worker.inputs[2] == [11, 21]
+        # max_new_tokens 3 is known ahead: no fourth step was planned
+        assert len(h.worker.plans) == 3 and not h.worker.pending
+        assert [o.ids_delta for o in h.outs_of("a")] == [[10], [11], [12]]
+        assert h.outs_of("a")[-1].finish_reason == FinishReason.length_limit(3)
+        await settle()
+        h.assert_no_leak()
+        await h.stop()
+
+    run(body())
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_stop_token_seen_one_step_late_releases_exactly_once(overlap):
+    async def body():
+        h = Harness(overlap=overlap)
+        h.sched.add_request(treq("a", [1, 2, 3], max_new_tokens=10, stop={99}))
+        await h.start()
+        assert len(h.worker.plans) == (2 if overlap else 1)
+        await h.step([99])  # a stop token: a finishes at step 0
+        assert h.outs_of("a")[-1].finish_reason == FinishReason.stop(99)
+        if overlap:  # ... but it is in step 1 already: nothing is released yet
+            assert h.kv.num_reqs() == 1 and h.kv.free_slots() == POOL - 4
+            await h.step([7])  # the extra token is dropped
+        h.assert_no_leak()
+        # exactly one output per token; nothing after the finish
+        assert [o.ids_delta for o in h.outs_of("a")] == [[99]]
+        # the extra step's KV (its input, 99) was cached: prompt + output is reused
+        assert h.kv.evictable_slots() == (4 if overlap else 3)
+        assert h.kv.core.match_prefix(np.array([1, 2, 3, 99, 5], dtype=np.int32))[0].shape[0] == (
+            4 if overlap else 3)
+        assert len(h.worker.plans) == (2 if overlap else 1)
+        await h.stop()
+
+    run(body())
+
+
+def test_abort_mid_flight_frees_once_and_spares_the_others():
+    async def body():
+        h = Harness()
+        h.sched.add_request(treq("a", [1, 2, 3], max_new_tokens=8))
+        h.sched.add_request(treq("b", [4, 5], max_new_tokens=3))
+        await h.start()
+        await h.step([10, 20])  # extend done; decode 1 runs, decode 2 is planned
+        row_a = h.sched.reqs["a"].req_pool_idx
+        h.sched.finish_request("a", ABORT)
+        assert h.outs_of("a")[-1].finish_reason == ABORT  # the consumer hears now
+        assert h.kv.num_reqs() == 2  # but two steps in flight still hold a
+        await h.step([11, 21])
+        await h.step([12, 22])
+        # a's tokens after the abort were dropped; b ran to its end untouched
+        assert [o.ids_delta for o in h.outs_of("a")] == [[10], []]
+        assert [o.ids_delta for o in h.outs_of("b")] == [[20], [21], [22]]
+        assert h.outs_of("b")[-1].finish_reason.kind is FinishKind.LENGTH
+        # the steps after the abort did not include a
+        assert all(row_a not in p.req_pool_indices.tolist() for p in h.worker.plans[3:])
+        await settle()
+        h.assert_no_leak()
+        assert h.kv.evictable_slots() == 4  # b's prompt and first 2 outputs cached; a's KV freed
+        await h.stop()
+
+    run(body())
+
+
+def test_overlap_off_runs_one_step_at_a_time():
+    async def body():
+        h = Harness(overlap=False)
+        h.sched.add_request(treq("a", [1, 2], max_new_tokens=3))
+        await h.start()
+        for ids in ([5], [6], [7]):
+            assert len(h.worker.pending) == 1
+            await h.step(ids)
+        assert [o.ids_delta for o in h.outs_of("a")] == [[5], [6], [7]]
+        assert h.worker.inputs == [[1, 2], [5], [6]]
+        h.assert_no_leak()
+        await h.stop()
+
+    run(body())
+
+
+def test_rows_are_reused_and_released_rows_reach_the_worker():
+    async def body():
+        h = Harness()
+        h.sched.add_request(treq("a", [1, 2], max_new_tokens=1))
+        await h.start()
+        await h.step([5])
+        h.assert_no_leak()  # released while idle: the worker was told directly
+        h.sched.add_request(treq("b", [3, 4], max_new_tokens=1))
+        await settle()
+        plan = h.worker.plans[-1]
+        assert plan.forward_mode is ForwardMode.EXTEND
+        assert h.worker.num_live_sampling_rows == 0  # the plan has not run yet
+        await h.step([6])
+        h.assert_no_leak()
+        await h.stop()
+
+    run(body())
 
 
 def test_rid_reused_before_the_old_request_is_released():
-    sched, kv, outs = make_scheduler()
-    sched.add_request(treq("R", [1, 2, 3]))
-    sched._process_batch_result(sched._get_next_batch(), StepOutput(next_token_ids=[7]))
-    sched.finish_request("R", ABORT)          # the client left; released at the next tick
-    sched.add_request(treq("R", [4, 5]))      # a new request reuses the rid meanwhile
-    sched._release_finished()                 # releasing the old one must not forget the new one
-    assert sched.reqs["R"].origin_input_ids == [4, 5]
-    sched.finish_request("R", ABORT)          # so the new one can still be aborted
-    assert sched.waiting == type(sched.waiting)() and sched.reqs == {}
-    assert outs[-1].rid == "R" and outs[-1].finish_reason == ABORT
-    assert kv.free_slots() == 100
+    async def body():
+        h = Harness()
+        h.sched.add_request(treq("R", [1, 2, 3]))
+        await h.start()
+        h.sched.finish_request("R", ABORT)  # the client left; its step is still in flight
+        h.sched.add_request(treq("R", [4, 5]))  # a new request reuses the rid meanwhile
+        await h.step([7])
+        while h.worker.pending:
+            await h.step([8] * h.worker.pending[0][0].batch_size)
+        assert h.outs_of("R")[0].finish_reason == ABORT
+        assert h.outs_of("R")[-1].finish_reason.kind is FinishKind.LENGTH
+        h.assert_no_leak()
+        await h.stop()
+
+    run(body())
 
 
 def test_max_new_tokens_clipped_to_pool_and_context():
-    sched, kv, outs = make_scheduler(pool=40)
-    sched.add_request(treq("a", list(range(1, 11)), max_new_tokens=1000))
-    assert sched.reqs["a"].max_new_tokens == 30       # pool 40 - prompt 10
-    sched2, _, _ = make_scheduler(pool=1000)
-    sched2.add_request(treq("b", list(range(1, 11)), max_new_tokens=1000))
-    assert sched2.reqs["b"].max_new_tokens == 54      # context 64 - prompt 10
+    h = Harness(pool=40)
+    h.sched.add_request(treq("a", list(range(1, 11)), max_new_tokens=1000))
+    assert h.sched.reqs["a"].max_new_tokens == 30       # pool 40 - prompt 10
+    h2 = Harness(pool=1000)
+    h2.sched.add_request(treq("b", list(range(1, 11)), max_new_tokens=1000))
+    assert h2.sched.reqs["b"].max_new_tokens == 54      # context 64 - prompt 10

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from pyserve.model_executor.forward_batch import ForwardMode
+from pyserve.forward_batch_info import ForwardMode
 from pyserve.model_executor.simulated_runner import SimulatedRunner
 from tests.conftest import REPO
 

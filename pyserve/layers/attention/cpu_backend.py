@@ -15,7 +15,7 @@ from pyserve_kernels import native_available
 from pyserve_kernels._native import _cpu
 
 from pyserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
-from pyserve.model_executor.forward_batch import ForwardBatch, ForwardMode
+from pyserve.forward_batch_info import ForwardBatch, ForwardMode
 
 
 class CpuAttnBackend(TorchNativeAttnBackend):

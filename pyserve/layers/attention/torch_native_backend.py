@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from pyserve.model_executor.forward_batch import ForwardBatch, ForwardMode
+from pyserve.forward_batch_info import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
     from pyserve.mem_cache.memory_pool import MHATokenToKVPool

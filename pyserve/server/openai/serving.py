@@ -30,8 +30,7 @@ from pyserve.server.sse import sse_response, until_disconnect
 def finish_reason(out: GenerateOutput) -> str | None:
     if out.finish_reason is None:
         return None
-    kind = out.finish_reason.get("type")
-    return "length" if kind == "length" else "stop" if kind == "stop" else "abort"
+    return out.finish_reason.kind.value
 
 
 def usage(outs: list[GenerateOutput], n: int = 1) -> dict[str, Any]:
@@ -118,7 +117,7 @@ async def chat_completions(request: Request) -> Response:
         "id": rid, "object": "chat.completion", "created": created, "model": name,
         "choices": [{"index": i, "message": {"role": "assistant", "content": out.text},
                      "logprobs": chat_logprobs(out, 0), "finish_reason": finish_reason(out),
-                     "matched_stop": (out.finish_reason or {}).get("matched")}
+                     "matched_stop": out.finish_reason.matched if out.finish_reason else None}
                     for i, out in enumerate(outs)],
         "usage": usage(outs, body.n),
     })
@@ -182,7 +181,7 @@ async def completions(request: Request) -> Response:
             "index": i, "text": prefix + o.text,
             "logprobs": completion_logprobs(o, 0, echo=body.echo, text_offset=len(prefix),
                                             prompt_offsets=prompt_offsets),
-            "finish_reason": finish_reason(o), "matched_stop": (o.finish_reason or {}).get("matched")})
+            "finish_reason": finish_reason(o), "matched_stop": o.finish_reason.matched if o.finish_reason else None})
     return SafeJSONResponse({"id": rid, "object": "text_completion", "created": created, "model": name,
                              "choices": choices, "usage": usage(outs, body.n)})
 

@@ -1,6 +1,8 @@
 //! Per-step batch bookkeeping: allocate the KV pages of a batch (evicting from the radix cache
-//! if the free pages do not suffice), record the slots in the request rows, and build every
-//! flat array the model runner needs. One call per batch.
+//! if the free pages do not suffice), record the slots in the request rows, and build the flat
+//! arrays of the step's plan. One call per batch. A decode step costs O(batch): it returns
+//! only the new slots and positions (the worker keeps each request's row on its device and
+//! adds the new slot); an extend step also returns the whole rows of its requests, once.
 //!
 //! Pages: a request whose stored tokens end inside a page first fills the rest of that page;
 //! a new page is taken only when a token lands on a page boundary (position % page_size == 0).
@@ -27,12 +29,12 @@ pub struct BatchArrays {
     pub out_cache_loc: Vec<i64>,
     /// `[num_new_tokens]` position (0-based index in its sequence) of each new token.
     pub positions: Vec<i64>,
-    /// `[B + 1]` CSR offsets into `kv_indices`: request `i` attends to
-    /// `kv_indices[kv_indptr[i]..kv_indptr[i + 1]]`.
+    /// Extend: `[B + 1]` CSR offsets into `kv_indices`: request `i`'s row is
+    /// `kv_indices[kv_indptr[i]..kv_indptr[i + 1]]`. Decode: empty.
     pub kv_indptr: Vec<i64>,
-    /// `[sum(seq_lens)]` KV slots of every token each request attends to (its stored prefix
-    /// and its new tokens), requests concatenated in batch order. `i32`, as request rows are
-    /// (slots stay below 2^31): the largest array of a step, copied from the rows each step.
+    /// Extend: `[sum(seq_lens)]` the KV slots of every token of each request's row (its
+    /// stored prefix and its new tokens), requests concatenated in batch order; `i32`, as
+    /// request rows are (slots stay below 2^31). Decode: empty (O(batch) per decode step).
     pub kv_indices: Vec<i32>,
 }
 
@@ -165,8 +167,8 @@ impl KVCache {
     /// Builds a decode batch: every request in `req_ids` adds one token at position
     /// `kv_len`. A request takes a new page only when `kv_len % page_size == 0`; otherwise
     /// its token goes to the next slot of its last page. Returns the arrays (`extend_lens`
-    /// all 1, `positions == prefix_lens`), or `Ok(None)` if the pages do not fit even after
-    /// eviction.
+    /// all 1, `positions == prefix_lens`, `kv_indptr` and `kv_indices` empty: O(batch)), or
+    /// `Ok(None)` if the pages do not fit even after eviction.
     ///
     /// Errors: as [`Self::prepare_extend`].
     pub fn prepare_decode(&mut self, req_ids: &[u64]) -> CoreResult<Option<BatchArrays>> {
@@ -180,8 +182,8 @@ impl KVCache {
         let pages = self.alloc.alloc_pages(need).expect("pages ensured");
         let mut next_page = pages.into_iter();
         let b = reqs.len();
-        let total: usize = reqs.iter().map(|&(_, kv)| kv + 1).sum();
-        let mut a = BatchArrays::with_capacity(b, b, total);
+        let mut a = BatchArrays::with_capacity(b, b, 0);
+        a.kv_indptr.clear();
         a.extend_lens = vec![1; b];
         for (i, &(row, kv)) in reqs.iter().enumerate() {
             let slot = if kv % ps == 0 {
@@ -191,9 +193,6 @@ impl KVCache {
             };
             self.req_pool.write(row, kv, &[slot])?;
             self.own[row].push(slot as u32);
-            a.kv_indices
-                .extend_from_slice(self.req_pool.read(row, 0, kv + 1)?);
-            a.kv_indptr.push(a.kv_indices.len() as i64);
             a.out_cache_loc.push(slot);
             a.positions.push(kv as i64);
             a.req_pool_indices.push(row as i64);

@@ -226,7 +226,8 @@ impl Model {
         let n = n.min(8 * self.ps - kv);
         let need = (kv + n).div_ceil(self.ps) - kv.div_ceil(self.ps);
         let short = need.saturating_sub(self.c.alloc.available_pages());
-        let out = if n == 1 && self.now.is_multiple_of(2) {
+        let decode = n == 1 && self.now.is_multiple_of(2);
+        let out = if decode {
             self.c.prepare_decode(&[id]).unwrap()
         } else {
             self.c.prepare_extend(&[id], &[n]).unwrap()
@@ -244,7 +245,13 @@ impl Model {
             a.positions,
             (kv as i64..(kv + n) as i64).collect::<Vec<_>>()
         );
-        assert_eq!(a.kv_indices, self.c.req_slots(id).unwrap());
+        if decode {
+            // the new slot is the row's last; the row is not copied out
+            assert!(a.kv_indices.is_empty());
+            assert_eq!(a.out_cache_loc[0], i64::from(*self.c.req_slots(id).unwrap().last().unwrap()));
+        } else {
+            assert_eq!(a.kv_indices, self.c.req_slots(id).unwrap());
+        }
         let r = &mut self.reqs[i];
         r.tokens.extend((0..n).map(|j| ((kv + j) % 2) as i32));
     }

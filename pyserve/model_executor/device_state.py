@@ -1,0 +1,87 @@
+"""`DeviceState`: the per-request state the worker keeps on its device between steps, and the
+turning of a host-only `StepPlan` into a `ForwardBatch` (DESIGN.md section 1).
+
+It holds the req_to_token table (each request row's KV slots, in position order), the token
+table (each row's last sampled token: the input of its next decode step, so decode inputs
+never round-trip through the host) and the sampling rows (`SamplingRows`). A decode plan adds
+one slot per request to the table; an extend plan writes its requests' rows once. The batch's
+`kv_indptr` / `kv_indices` are then gathered from the table on the device. Worker thread only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pyserve.forward_batch_info import ForwardBatch, ForwardMode, StepPlan
+from pyserve.model_executor.sampling_rows import SamplingRows
+
+
+class DeviceState:
+    """State of `num_rows` request rows of up to `row_width` tokens each, on `device`.
+
+    req_to_token: [num_rows, row_width] int32 KV slots (0 where unused: the padding slot).
+    token_table:  [num_rows] int64 last sampled token of each row.
+    sampling:     SamplingRows of the same rows.
+    """
+
+    def __init__(self, num_rows: int, row_width: int, vocab_size: int, device: str) -> None:
+        self.device = device
+        self.req_to_token = torch.zeros(num_rows, row_width, dtype=torch.int32, device=device)
+        self.token_table = torch.zeros(num_rows, dtype=torch.int64, device=device)
+        self.sampling = SamplingRows(num_rows, vocab_size, device)
+
+    def _tensor(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.from_numpy(array)
+        if self.device == "cpu":
+            return t.to(dtype)
+        return t.to(self.device, non_blocking=True).to(dtype)
+
+    def forward_batch(self, plan: StepPlan) -> ForwardBatch:
+        """Apply `plan` to the tables (row releases and starts, new slots) and return the
+        step's ForwardBatch. Raises ValueError when an EXTEND plan's arrays disagree."""
+        self.sampling.release_rows(plan.released_rows)
+        self.sampling.set_rows(plan.new_sampling_rows)
+        rows = self._tensor(plan.req_pool_indices, torch.int64)
+        seq_lens = self._tensor(plan.seq_lens, torch.int64)
+        positions = self._tensor(plan.positions, torch.int64)
+        out_cache_loc = self._tensor(plan.out_cache_loc, torch.int64)
+        batch_size = plan.batch_size
+        kv_indptr = torch.zeros(batch_size + 1, dtype=torch.int64, device=seq_lens.device)
+        torch.cumsum(seq_lens, 0, out=kv_indptr[1:])
+        extend = plan.forward_mode is ForwardMode.EXTEND
+        if extend:
+            assert plan.input_ids is not None and plan.row_slots is not None
+            if plan.row_slots.shape[0] != int(plan.seq_lens.sum()):
+                raise ValueError("row_slots does not hold seq_lens slots")
+            kv_indices = self._tensor(plan.row_slots, torch.int32)
+            # row and column of every entry of the batch's rows, written in one scatter
+            row_of = torch.repeat_interleave(rows, seq_lens)
+            col = torch.arange(kv_indices.shape[0], device=rows.device) - torch.repeat_interleave(
+                kv_indptr[:-1], seq_lens)
+            self.req_to_token[row_of, col] = kv_indices
+            input_ids = self._tensor(plan.input_ids, torch.int64)
+        else:
+            self.req_to_token[rows, positions] = out_cache_loc.to(torch.int32)
+            input_ids = self.token_table[rows]
+            max_len = int(plan.seq_lens.max()) if batch_size else 0
+            cols = torch.arange(max_len, device=rows.device)
+            mask = cols[None, :] < seq_lens[:, None]
+            kv_indices = self.req_to_token[rows, :max_len][mask]
+        return ForwardBatch(
+            forward_mode=plan.forward_mode, batch_size=batch_size, input_ids=input_ids,
+            positions=positions, out_cache_loc=out_cache_loc, seq_lens=seq_lens,
+            kv_indptr=kv_indptr, kv_indices=kv_indices,
+            extend_prefix_lens=self._tensor(plan.prefix_lens, torch.int64) if extend else None,
+            extend_seq_lens=self._tensor(plan.extend_lens, torch.int64) if extend else None,
+            sampling_info=self.sampling.batch_info(plan.req_pool_indices, rows, plan.all_greedy),
+            logprob_info=plan.logprob_info, req_pool_indices=rows,
+        )
+
+    def record_sampled(self, plan: StepPlan, batch: ForwardBatch, next_ids: torch.Tensor) -> None:
+        """After sampling: each row's new token goes to the token table (the next decode's
+        input) and into its penalty counts. next_ids: [B] int64 on the device."""
+        rows = batch.req_pool_indices
+        assert rows is not None
+        self.token_table[rows] = next_ids
+        self.sampling.record_sampled(plan.req_pool_indices, rows, next_ids)

@@ -1,0 +1,181 @@
+"""`SamplingRows`: every running request's sampling parameters, kept on the worker's device by
+request row and updated incrementally (DESIGN.md sections 1 and 7).
+
+A request's row is set once, when its admission plan arrives (`set_rows`), and dropped when a
+later plan says the request left (`release_rows`). Each step gathers the batch's rows
+(`batch_info`) and, after sampling, counts the new tokens (`record_sampled`). Nothing is
+rebuilt from Python lists per step: dense per-row tensors hold temperature, top-p, top-k and
+min-p; the penalties' token counts and seen-token masks are [num_rows, vocab] tensors made on
+first use; logit biases, min_new_tokens bans and seeded generators are kept only for the rows
+that have them. Worker thread only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pyserve.forward_batch_info import SamplingBatchInfo, SamplingRow
+
+# top_k at or above the vocabulary size keeps every token
+ALL_TOKENS = 1 << 30
+
+
+class SamplingRows:
+    """Sampling state of `num_rows` request rows for a vocabulary of `vocab_size` on `device`.
+
+    Dense state: temperatures [num_rows] float32 (0 = greedy), top_ps [num_rows] float32,
+    top_ks [num_rows] int64, min_ps [num_rows] float32; host flags per row (numpy) say which
+    optional parts a row uses. num_live: rows set and not yet released (the idle leak check
+    reads it from the loop thread: a plain int).
+    """
+
+    def __init__(self, num_rows: int, vocab_size: int, device: str) -> None:
+        self.num_rows = num_rows
+        self.vocab_size = vocab_size
+        self.device = device
+        f32 = dict(dtype=torch.float32, device=device)
+        self.temperatures = torch.zeros(num_rows, **f32)
+        self.top_ps = torch.ones(num_rows, **f32)
+        self.top_ks = torch.full((num_rows,), ALL_TOKENS, dtype=torch.int64, device=device)
+        self.min_ps = torch.zeros(num_rows, **f32)
+        self.frequency_penalties = torch.zeros(num_rows, **f32)
+        self.presence_penalties = torch.zeros(num_rows, **f32)
+        self.repetition_penalties = torch.ones(num_rows, **f32)
+        self.live = np.zeros(num_rows, dtype=bool)
+        self.uses_min_p = np.zeros(num_rows, dtype=bool)
+        self.uses_counts = np.zeros(num_rows, dtype=bool)  # frequency or presence penalty
+        self.uses_seen = np.zeros(num_rows, dtype=bool)  # repetition penalty
+        self.num_sampled = np.zeros(num_rows, dtype=np.int64)
+        self.min_new_tokens = np.zeros(num_rows, dtype=np.int64)
+        self.output_counts: torch.Tensor | None = None  # [num_rows, vocab] float32
+        self.seen_mask: torch.Tensor | None = None  # [num_rows, vocab] bool
+        self.logit_bias: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.banned: dict[int, torch.Tensor] = {}  # stop ids, while below min_new_tokens
+        self.generators: dict[int, torch.Generator] = {}
+        self.num_live = 0
+
+    # ---- row lifetime ----------------------------------------------------------------------
+    def release_rows(self, rows: list[int]) -> None:
+        """Forget the requests of `rows` (their rows may be set again later)."""
+        for row in rows:
+            if not self.live[row]:
+                continue
+            self.live[row] = False
+            self.num_live -= 1
+            self.logit_bias.pop(row, None)
+            self.banned.pop(row, None)
+            self.generators.pop(row, None)
+            self.uses_min_p[row] = self.uses_counts[row] = self.uses_seen[row] = False
+
+    def set_rows(self, new_rows: list[SamplingRow]) -> None:
+        """Start the sampling rows of newly admitted requests (a few small host-to-device
+        writes per request, once)."""
+        for item in new_rows:
+            row, p = item.req_pool_idx, item.params
+            if self.live[row]:
+                raise RuntimeError(f"sampling row {row} set while still live")
+            self.live[row] = True
+            self.num_live += 1
+            self.temperatures[row] = 0.0 if p.is_greedy else p.temperature
+            self.top_ps[row] = p.top_p
+            self.top_ks[row] = min(p.top_k, ALL_TOKENS) if p.top_k > 0 else ALL_TOKENS
+            self.min_ps[row] = p.min_p
+            self.uses_min_p[row] = p.min_p > 0
+            self.num_sampled[row] = item.num_sampled
+            self.min_new_tokens[row] = p.min_new_tokens
+            if p.min_new_tokens > item.num_sampled and item.stop_token_ids:
+                self.banned[row] = torch.tensor(sorted(item.stop_token_ids), dtype=torch.int64,
+                                                device=self.device)
+            if item.generator is not None:
+                self.generators[row] = item.generator
+            if p.logit_bias:
+                ids, values = zip(*p.logit_bias_items)
+                self.logit_bias[row] = (torch.tensor(ids, dtype=torch.int64, device=self.device),
+                                        torch.tensor(values, dtype=torch.float32, device=self.device))
+            if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+                self.uses_counts[row] = True
+                self.frequency_penalties[row] = p.frequency_penalty
+                self.presence_penalties[row] = p.presence_penalty
+                counts = self._counts()
+                counts[row].zero_()
+                if item.output_ids is not None and len(item.output_ids):
+                    ids_t = torch.as_tensor(item.output_ids, dtype=torch.int64).to(self.device)
+                    counts[row].index_add_(0, ids_t, torch.ones(ids_t.shape[0], device=self.device))
+            if p.repetition_penalty != 1.0:
+                self.uses_seen[row] = True
+                self.repetition_penalties[row] = p.repetition_penalty
+                seen = self._seen()
+                seen[row].zero_()
+                if item.seen_ids is not None and len(item.seen_ids):
+                    seen[row, torch.as_tensor(item.seen_ids, dtype=torch.int64).to(self.device)] = True
+
+    def _counts(self) -> torch.Tensor:
+        if self.output_counts is None:
+            self.output_counts = torch.zeros(self.num_rows, self.vocab_size, dtype=torch.float32,
+                                             device=self.device)
+        return self.output_counts
+
+    def _seen(self) -> torch.Tensor:
+        if self.seen_mask is None:
+            self.seen_mask = torch.zeros(self.num_rows, self.vocab_size, dtype=torch.bool,
+                                         device=self.device)
+        return self.seen_mask
+
+    # ---- per step --------------------------------------------------------------------------
+    def batch_info(self, rows_np: np.ndarray, rows: torch.Tensor, all_greedy: bool) -> SamplingBatchInfo:
+        """The SamplingBatchInfo of a batch whose request i sits in row rows_np[i] (host
+        int32 [B]; `rows`: the same as an int64 tensor on the device)."""
+        info = SamplingBatchInfo(
+            temperatures=self.temperatures[rows], top_ps=self.top_ps[rows], top_ks=self.top_ks[rows],
+            all_greedy=all_greedy,
+        )
+        if self.generators:
+            info.generators = [self.generators.get(int(r)) for r in rows_np]
+        if self.uses_min_p[rows_np].any():
+            info.min_ps = self.min_ps[rows]
+        if self.uses_counts[rows_np].any():
+            info.frequency_penalties = self.frequency_penalties[rows]
+            info.presence_penalties = self.presence_penalties[rows]
+            info.output_token_counts = self._counts()[rows]
+        if self.uses_seen[rows_np].any():
+            info.repetition_penalties = self.repetition_penalties[rows]
+            info.seen_token_mask = self._seen()[rows]
+        if self.logit_bias:
+            self._sparse(info, rows_np, self.logit_bias, bias=True)
+        if self.banned:
+            self._sparse(info, rows_np, self.banned, bias=False)
+        return info
+
+    def _sparse(self, info: SamplingBatchInfo, rows_np: np.ndarray, table: dict, bias: bool) -> None:
+        picked = [(i, table[int(r)]) for i, r in enumerate(rows_np) if int(r) in table]
+        if not picked:
+            return
+        ids = [entry[0] if bias else entry for _, entry in picked]
+        batch_rows = torch.cat([torch.full((t.shape[0],), i, dtype=torch.int64, device=self.device)
+                                for (i, _), t in zip(picked, ids)])
+        if bias:
+            info.logit_bias_rows, info.logit_bias_ids = batch_rows, torch.cat(ids)
+            info.logit_bias_values = torch.cat([entry[1] for _, entry in picked])
+        else:
+            info.banned_rows, info.banned_ids = batch_rows, torch.cat(ids)
+
+    def record_sampled(self, rows_np: np.ndarray, rows: torch.Tensor, next_ids: torch.Tensor) -> None:
+        """Count the batch's new tokens (next_ids [B] int64 on the device) into the rows'
+        penalty state; lift min_new_tokens bans that are now met."""
+        self.num_sampled[rows_np] += 1
+        if self.output_counts is not None or self.seen_mask is not None:
+            use_counts = self.uses_counts[rows_np]
+            use_seen = self.uses_seen[rows_np]
+            if use_counts.any():
+                sel = torch.from_numpy(np.flatnonzero(use_counts)).to(self.device)
+                self._counts().index_put_((rows[sel], next_ids[sel]),
+                                          torch.ones(sel.shape[0], device=self.device), accumulate=True)
+            if use_seen.any():
+                sel = torch.from_numpy(np.flatnonzero(use_seen)).to(self.device)
+                self._seen()[rows[sel], next_ids[sel]] = True
+        if self.banned:
+            for r in rows_np:
+                r = int(r)
+                if r in self.banned and self.num_sampled[r] >= self.min_new_tokens[r]:
+                    del self.banned[r]
