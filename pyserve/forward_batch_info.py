@@ -260,9 +260,12 @@ class ForwardBatch:
       seq_lens:      [B] int64   tokens per request after this step (prefix + new)
       extend_prefix_lens / extend_seq_lens: [B] int64 (EXTEND only) cached and new tokens
       kv_indptr:     [B + 1] int64  CSR offsets into kv_indices
-      kv_indices:    [sum(seq_lens)] int32 (gathered from the req_to_token table; int64 works too)
-                     KV slots of every token of request i, in order, at
-                     kv_indices[kv_indptr[i]:kv_indptr[i + 1]] (new tokens included)
+      kv_indices:    [sum(seq_lens)] int32 (int64 works too) KV slots of every token of
+                     request i, in order, at kv_indices[kv_indptr[i]:kv_indptr[i + 1]] (new
+                     tokens included). A worker-built DECODE batch leaves both None until an
+                     attention backend asks (`ensure_kv_indices` gathers them from
+                     req_to_token rows req_pool_indices).
+      req_to_token:  [num_rows, row_width] int32 the worker's table of request rows, or None
     All tensors are on the model device.
     """
 
@@ -272,8 +275,8 @@ class ForwardBatch:
     positions: torch.Tensor
     out_cache_loc: torch.Tensor
     seq_lens: torch.Tensor
-    kv_indptr: torch.Tensor
-    kv_indices: torch.Tensor
+    kv_indptr: torch.Tensor | None
+    kv_indices: torch.Tensor | None
     extend_prefix_lens: torch.Tensor | None = None
     extend_seq_lens: torch.Tensor | None = None
     sampling_info: SamplingBatchInfo | None = None
@@ -284,3 +287,20 @@ class ForwardBatch:
     input_logits: torch.Tensor | None = None
     # [B] int64: each request's row in the worker's tables (None for hand-built batches)
     req_pool_indices: torch.Tensor | None = None
+    req_to_token: torch.Tensor | None = None
+
+    def ensure_kv_indices(self) -> None:
+        """Set kv_indptr / kv_indices from req_to_token when they were left None (O(B x
+        longest seq_len) gather on the device; attention backends call this in
+        init_forward_metadata). Raises ValueError when neither is available."""
+        if self.kv_indices is not None and self.kv_indptr is not None:
+            return
+        if self.req_to_token is None or self.req_pool_indices is None:
+            raise ValueError("a ForwardBatch needs kv_indices or its req_to_token rows")
+        seq_lens = self.seq_lens
+        indptr = torch.zeros(self.batch_size + 1, dtype=torch.int64, device=seq_lens.device)
+        torch.cumsum(seq_lens, 0, out=indptr[1:])
+        max_len = int(seq_lens.max()) if self.batch_size else 0
+        cols = torch.arange(max_len, device=seq_lens.device)
+        self.kv_indptr = indptr
+        self.kv_indices = self.req_to_token[self.req_pool_indices, :max_len][cols[None, :] < seq_lens[:, None]]

@@ -45,6 +45,11 @@ def add_host_args(p: argparse.ArgumentParser) -> None:
     a("--input-len", type=int, default=256, help="prompt tokens per request (default: %(default)s)")
     a("--output-len", type=int, default=256, help="output tokens per request (default: %(default)s)")
     a("--requests-per-client", type=int, default=1, help="requests each client sends in a case (default: %(default)s)")
+    a("--request-rate", type=float, default=float("inf"),
+      help="requests/s sent at most (Poisson arrivals, as bench serve's flag); finite rates stagger "
+           "the clients so they do not run in lockstep (default: %(default)s: all at once)")
+    a("--overlap", choices=["on", "off", "both"], default="both",
+      help="overlap scheduling on and/or off (--disable-overlap-schedule) (default: %(default)s)")
     a("--output-file", default=None, help="append one JSON line per case")
 
 
@@ -74,7 +79,8 @@ class HostServer:
         args = ServerArgs(model_path=path, port=self.port, max_running_requests=max_running_requests,
                           max_prefill_tokens=max(8192, context_len), log_level="warning",
                           stats_interval_s=3600.0)
-        config = uvicorn.Config(create_app(args, model_runner=self.runner), host="127.0.0.1",
+        self.app = create_app(args, model_runner=self.runner)
+        config = uvicorn.Config(self.app, host="127.0.0.1",
                                 port=self.port, loop="uvloop", http=HTTP1Protocol, log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="pyserve-host-loop", daemon=True)
@@ -91,14 +97,21 @@ class HostServer:
         """CPU seconds the server's loop thread has used (its own clock, read from here)."""
         return time.clock_gettime(self.loop_clock)
 
+    def set_overlap(self, overlap: bool) -> None:
+        """Overlap scheduling on or off from the next scheduler tick (between cases only)."""
+        self.app.state.engine.scheduler.overlap = overlap
+
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
 
 
-def run_case(server: HostServer, clients: int, stream: bool, decode_ms: float, args: Any) -> dict[str, Any]:
-    """One case: the runner's timing set, the cache flushed, `bench serve` run against it."""
+def run_case(server: HostServer, clients: int, stream: bool, decode_ms: float, overlap: bool,
+             args: Any) -> dict[str, Any]:
+    """One case: the runner's timing and the scheduler's overlap set, the cache flushed,
+    `bench serve` run against it."""
     runner = server.runner
+    server.set_overlap(overlap)
     runner.decode_base_ms, runner.decode_us_per_req = decode_ms, args.decode_us_per_req
     runner.extend_us_per_token = args.extend_us_per_token
     httpx.post(server.base_url + "/flush_cache", timeout=30).raise_for_status()
@@ -109,6 +122,7 @@ def run_case(server: HostServer, clients: int, stream: bool, decode_ms: float, a
                "--port", str(server.port), "--num-prompts", str(num), "--max-concurrency", str(clients),
                "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
                "--random-range-ratio", "1", "--warmup-requests", "0", "--disable-tqdm",
+               "--request-rate", str(args.request_rate),
                "--output-file", str(out)] + ([] if stream else ["--disable-stream"])
         runner.reset_busy()
         cpu_before = server.loop_cpu_s()
@@ -127,7 +141,7 @@ def run_case(server: HostServer, clients: int, stream: bool, decode_ms: float, a
         "device_busy_fraction": busy_s / metrics["duration_s"] if metrics["duration_s"] else None,
         "loop_cpu_us_per_token": 1e6 * cpu_s / tokens if tokens else None,
         "device_steps": runner.num_steps, "duration_s": metrics["duration_s"],
-        "overlap": False,  # the scheduler awaits every step (no overlap schedule yet)
+        "overlap": overlap,
     }
 
 
@@ -138,16 +152,18 @@ def run_host(args: Any) -> list[dict[str, Any]]:
     most = max(args.clients)
     server = HostServer(args.model_path, most, context_len, max_total_tokens=most * context_len + 4096)
     rows = []
-    header = (f"{'clients':>7} {'stream':>6} {'step ms':>7} {'out tok/s':>10} {'busy':>6} "
+    overlaps = {"on": [True], "off": [False], "both": [True, False]}[args.overlap]
+    header = (f"{'overlap':>7} {'clients':>7} {'stream':>6} {'step ms':>7} {'out tok/s':>10} {'busy':>6} "
               f"{'loop us/tok':>11} {'done/fail':>9}")
     print(header)
     print("-" * len(header))
     try:
-        for decode_ms, stream, clients in itertools.product(args.decode_step_ms, streams, args.clients):
-            row = run_case(server, clients, stream, decode_ms, args)
+        for decode_ms, stream, clients, overlap in itertools.product(
+                args.decode_step_ms, streams, args.clients, overlaps):
+            row = run_case(server, clients, stream, decode_ms, overlap, args)
             rows.append(row)
             busy = row["device_busy_fraction"]
-            print(f"{clients:>7} {'on' if stream else 'off':>6} {decode_ms:>7.1f} {row['output_tok_s']:>10.0f} "
+            print(f"{'on' if overlap else 'off':>7} {clients:>7} {'on' if stream else 'off':>6} {decode_ms:>7.1f} {row['output_tok_s']:>10.0f} "
                   f"{busy:>6.3f} {row['loop_cpu_us_per_token']:>11.1f} {row['completed']:>4}/{row['failed']:<4}",
                   flush=True)
             if args.output_file:

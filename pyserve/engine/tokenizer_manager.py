@@ -44,12 +44,57 @@ class TokenizerManager:
         self.eos_token_ids = eos_token_ids
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyserve-tokenizer")
         self.states: dict[str, ReqState] = {}
+        self._pending_encodes: list[tuple[str, bool, asyncio.Future]] = []
+        self._plain_backend = _encodes_like_backend(tokenizer)
         self.detokenizer = Detokenizer(tokenizer, self._deliver, scheduler.finish_request)
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`. Texts of requests arriving together are encoded in one
+        batched call on the executor thread (the tokenizer's `encode_batch`, which runs in
+        Rust with the GIL released, on all cores), so a burst of requests neither holds the
+        GIL against the loop and the worker nor waits on one encode after another."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self.executor, lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        future: asyncio.Future = loop.create_future()
+        self._pending_encodes.append((text, add_special_tokens, future))
+        if len(self._pending_encodes) == 1:
+            loop.call_soon(self._flush_encodes)
+        return await future
+
+    def _encode_batch(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        """Executor thread: ids of `texts`. A transformers fast tokenizer that adds nothing
+        to its backend's encoding goes straight to `tokenizers.Tokenizer.encode_batch` (its
+        encode is that call, and the batch call holds the GIL only to hand back the ids);
+        any other tokenizer through its own batched call."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None and self._plain_backend:
+            return [e.ids for e in backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
+        return self.tokenizer(texts, add_special_tokens=add_special_tokens,
+                              return_attention_mask=False)["input_ids"]
+
+    def _flush_encodes(self) -> None:
+        pending, self._pending_encodes = self._pending_encodes, []
+        loop = asyncio.get_running_loop()
+
+        def work() -> list[list[int]]:
+            ids: list[list[int]] = [[] for _ in pending]
+            for flag in (True, False):
+                picked = [k for k, (_, special, _) in enumerate(pending) if special is flag]
+                if picked:
+                    for k, row in zip(picked, self._encode_batch([pending[k][0] for k in picked], flag)):
+                        ids[k] = row
+            return ids
+
+        def done(job: asyncio.Future) -> None:
+            exc = job.exception()
+            for k, (_, _, future) in enumerate(pending):
+                if future.done():
+                    continue
+                if exc is not None:
+                    future.set_exception(exc)
+                else:
+                    future.set_result(job.result()[k])
+
+        asyncio.ensure_future(loop.run_in_executor(self.executor, work)).add_done_callback(done)
 
     async def tokenize(self, req: SingleReq) -> TokenizedGenerateReq:
         """Token ids of the request, validated. Raises InvalidRequestError."""
@@ -159,3 +204,18 @@ class TokenizerManager:
         state = self.states.get(out.rid)
         if state is not None:
             state.queue.put_nowait(out)
+
+
+def _encodes_like_backend(tokenizer: Any) -> bool:
+    """Whether `tokenizer.encode(text, add_special_tokens=f)` is its backend's
+    `encode(text, add_special_tokens=f).ids`: checked once on probe texts (a tokenizer class
+    may prepend or rewrite; then its own batched call is used)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return False
+    probes = ["Hello world!", "  two  spaces\nand a line", "caf\u00e9 \u65e5\u672c <s> </s>"]
+    try:
+        return all(tokenizer.encode(t, add_special_tokens=f) == backend.encode(t, add_special_tokens=f).ids
+                   for t in probes for f in (True, False))
+    except Exception:  # a tokenizer whose backend cannot encode these: use its own calls
+        return False

@@ -7,6 +7,11 @@ the token table (the next decode step reads them there), copies the ids (and log
 host and resolves the future on the loop with `call_soon_threadsafe`. Because the queue keeps
 order, the loop may submit step N+1 before step N's future resolved (overlap scheduling). The
 worker never awaits the loop, and the loop never blocks on the device (DESIGN.md section 1).
+
+A runner whose launches are asynchronous (it has `step_done_waiter`, as the simulated device
+does and a CUDA runner with copy-done events will) does not make the worker wait: a second
+thread, the completer, waits for each step's end in order and resolves its future, while the
+worker already builds and launches the next step, so its host work overlaps the device's.
 """
 
 from __future__ import annotations
@@ -38,8 +43,12 @@ class ModelWorker:
         self.model_runner = model_runner
         self.state = DeviceState(num_rows, row_width, vocab_size, model_runner.device)
         self._queue: queue.Queue = queue.Queue()
+        self._async = hasattr(model_runner, "step_done_waiter")
+        self._done: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="pyserve-worker", daemon=True)
         self._thread.start()
+        if self._async:
+            threading.Thread(target=self._complete, name="pyserve-completer", daemon=True).start()
 
     @property
     def num_live_sampling_rows(self) -> int:
@@ -62,6 +71,17 @@ class ModelWorker:
     def shutdown(self) -> None:
         self._queue.put(_STOP)
         self._thread.join(timeout=30)
+        self._done.put(_STOP)
+
+    def _complete(self) -> None:
+        while True:
+            item = self._done.get()
+            if item is _STOP:
+                return
+            wait, loop, future, ok, result = item
+            if wait is not None:
+                wait()
+            loop.call_soon_threadsafe(_resolve, future, ok, result)
 
     def _run(self) -> None:
         runner = self.model_runner
@@ -89,7 +109,10 @@ class ModelWorker:
                 # the loop handles Exceptions; a panic is passed on as one
                 result = exc if isinstance(exc, Exception) else RuntimeError(f"{type(exc).__name__}: {exc}")
                 ok = False
-            loop.call_soon_threadsafe(_resolve, future, ok, result)
+            if self._async:  # resolved, in order, once the device has run the step
+                self._done.put((runner.step_done_waiter() if ok else None, loop, future, ok, result))
+            else:
+                loop.call_soon_threadsafe(_resolve, future, ok, result)
 
     def _step(self, plan: StepPlan) -> StepOutput:
         runner = self.model_runner

@@ -4,8 +4,9 @@ turning of a host-only `StepPlan` into a `ForwardBatch` (DESIGN.md section 1).
 It holds the req_to_token table (each request row's KV slots, in position order), the token
 table (each row's last sampled token: the input of its next decode step, so decode inputs
 never round-trip through the host) and the sampling rows (`SamplingRows`). A decode plan adds
-one slot per request to the table; an extend plan writes its requests' rows once. The batch's
-`kv_indptr` / `kv_indices` are then gathered from the table on the device. Worker thread only.
+one slot per request to the table; an extend plan writes its requests' rows once. A decode
+batch's `kv_indptr` / `kv_indices` are gathered from the table on the device only when its
+attention backend asks (`ForwardBatch.ensure_kv_indices`). Worker thread only.
 """
 
 from __future__ import annotations
@@ -47,10 +48,12 @@ class DeviceState:
         positions = self._tensor(plan.positions, torch.int64)
         out_cache_loc = self._tensor(plan.out_cache_loc, torch.int64)
         batch_size = plan.batch_size
-        kv_indptr = torch.zeros(batch_size + 1, dtype=torch.int64, device=seq_lens.device)
-        torch.cumsum(seq_lens, 0, out=kv_indptr[1:])
         extend = plan.forward_mode is ForwardMode.EXTEND
+        kv_indptr: torch.Tensor | None = None
+        kv_indices: torch.Tensor | None = None
         if extend:
+            kv_indptr = torch.zeros(batch_size + 1, dtype=torch.int64, device=seq_lens.device)
+            torch.cumsum(seq_lens, 0, out=kv_indptr[1:])
             assert plan.input_ids is not None and plan.row_slots is not None
             if plan.row_slots.shape[0] != int(plan.seq_lens.sum()):
                 raise ValueError("row_slots does not hold seq_lens slots")
@@ -63,11 +66,7 @@ class DeviceState:
             input_ids = self._tensor(plan.input_ids, torch.int64)
         else:
             self.req_to_token[rows, positions] = out_cache_loc.to(torch.int32)
-            input_ids = self.token_table[rows]
-            max_len = int(plan.seq_lens.max()) if batch_size else 0
-            cols = torch.arange(max_len, device=rows.device)
-            mask = cols[None, :] < seq_lens[:, None]
-            kv_indices = self.req_to_token[rows, :max_len][mask]
+            input_ids = self.token_table[rows]  # kv_indices: gathered if a backend asks
         return ForwardBatch(
             forward_mode=plan.forward_mode, batch_size=batch_size, input_ids=input_ids,
             positions=positions, out_cache_loc=out_cache_loc, seq_lens=seq_lens,
@@ -75,7 +74,7 @@ class DeviceState:
             extend_prefix_lens=self._tensor(plan.prefix_lens, torch.int64) if extend else None,
             extend_seq_lens=self._tensor(plan.extend_lens, torch.int64) if extend else None,
             sampling_info=self.sampling.batch_info(plan.req_pool_indices, rows, plan.all_greedy),
-            logprob_info=plan.logprob_info, req_pool_indices=rows,
+            logprob_info=plan.logprob_info, req_pool_indices=rows, req_to_token=self.req_to_token,
         )
 
     def record_sampled(self, plan: StepPlan, batch: ForwardBatch, next_ids: torch.Tensor) -> None:

@@ -69,21 +69,29 @@ class SamplingRows:
             self.uses_min_p[row] = self.uses_counts[row] = self.uses_seen[row] = False
 
     def set_rows(self, new_rows: list[SamplingRow]) -> None:
-        """Start the sampling rows of newly admitted requests (a few small host-to-device
-        writes per request, once)."""
+        """Start the sampling rows of newly admitted requests: one write per dense field for
+        all of them, then the optional parts of the requests that use them."""
+        if not new_rows:
+            return
+        rows = [item.req_pool_idx for item in new_rows]
+        if self.live[rows].any() or len(set(rows)) != len(rows):
+            raise RuntimeError(f"sampling rows {rows} set while still live")
+        self.live[rows] = True
+        self.num_live += len(rows)
+        params = [item.params for item in new_rows]
+        rows_t = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        dense = torch.tensor([[0.0 if p.is_greedy else p.temperature, p.top_p, p.min_p] for p in params],
+                             dtype=torch.float32).to(self.device)
+        self.temperatures[rows_t] = dense[:, 0]
+        self.top_ps[rows_t] = dense[:, 1]
+        self.min_ps[rows_t] = dense[:, 2]
+        self.top_ks[rows_t] = torch.tensor([min(p.top_k, ALL_TOKENS) if p.top_k > 0 else ALL_TOKENS
+                                            for p in params], dtype=torch.int64).to(self.device)
+        self.uses_min_p[rows] = [p.min_p > 0 for p in params]
+        self.num_sampled[rows] = [item.num_sampled for item in new_rows]
+        self.min_new_tokens[rows] = [p.min_new_tokens for p in params]
         for item in new_rows:
             row, p = item.req_pool_idx, item.params
-            if self.live[row]:
-                raise RuntimeError(f"sampling row {row} set while still live")
-            self.live[row] = True
-            self.num_live += 1
-            self.temperatures[row] = 0.0 if p.is_greedy else p.temperature
-            self.top_ps[row] = p.top_p
-            self.top_ks[row] = min(p.top_k, ALL_TOKENS) if p.top_k > 0 else ALL_TOKENS
-            self.min_ps[row] = p.min_p
-            self.uses_min_p[row] = p.min_p > 0
-            self.num_sampled[row] = item.num_sampled
-            self.min_new_tokens[row] = p.min_new_tokens
             if p.min_new_tokens > item.num_sampled and item.stop_token_ids:
                 self.banned[row] = torch.tensor(sorted(item.stop_token_ids), dtype=torch.int64,
                                                 device=self.device)

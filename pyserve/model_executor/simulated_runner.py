@@ -1,10 +1,15 @@
 """`SimulatedRunner`: a ModelRunner stand-in whose "device" only takes time, for measuring the
 host path (DESIGN.md section 8). Benchmarks and tests only.
 
-Its forward sleeps the step's device time with the GIL released, as a CUDA launch followed by
-a synchronize does: an EXTEND step `extend_us_per_token` per token computed, a DECODE step
-`decode_base_ms` plus `decode_us_per_req` per request. It returns seeded token ids that are
-never EOS (outputs run to max_new_tokens) and records when it was busy, so a benchmark can
+It behaves as a CUDA device does behind asynchronous launches: `forward` queues the step on
+the device's timeline (it starts when the device finishes the step before, or now if idle) and
+returns at once, and the worker then waits for the step's end with the GIL released
+(`step_done_waiter`), as it would wait on a copy-done event. An EXTEND step takes
+`extend_us_per_token` per token computed, a DECODE step `decode_base_ms` plus
+`decode_us_per_req` per request. So the worker's own host work for the next step overlaps
+the device's current one, as with a GPU, and the device idles only when no step was handed
+to it in time. It returns seeded token ids that are never EOS (outputs run to
+max_new_tokens) and records its busy time (the sum of its steps' times), so a benchmark can
 report the device's busy fraction. Everything else of the server is real: HTTP, tokenizer,
 scheduler, the Rust core, the detokenizer.
 """
@@ -14,6 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -63,6 +69,7 @@ class SimulatedRunner:
         self._rng = np.random.default_rng(seed)
         self._lock = threading.Lock()
         self._busy_s = 0.0
+        self._device_free_at = 0.0
         self.num_steps = 0
 
     def step_time_s(self, batch: ForwardBatch) -> float:
@@ -72,14 +79,28 @@ class SimulatedRunner:
         return self.decode_base_ms * 1e-3 + batch.batch_size * self.decode_us_per_req * 1e-6
 
     def forward(self, batch: ForwardBatch) -> None:
+        """Queue the step on the device timeline; returns at once (an asynchronous launch)."""
         duration = self.step_time_s(batch)
-        start = time.perf_counter()
-        deadline = start + duration
-        while (left := deadline - time.perf_counter()) > 0:
-            time.sleep(left)  # releases the GIL, as waiting on the device does
         with self._lock:
-            self._busy_s += time.perf_counter() - start
+            start = max(time.perf_counter(), self._device_free_at)
+            self._device_free_at = start + duration
+            self._busy_s += duration
             self.num_steps += 1
+
+    def step_done_waiter(self) -> "Callable[[], None]":
+        """A function that returns once the step launched last has ended on the device (it
+        sleeps, releasing the GIL, as a wait on a CUDA event does)."""
+        end = self._device_free_at
+
+        def wait() -> None:
+            while (left := end - time.perf_counter()) > 0:
+                time.sleep(left)
+
+        return wait
+
+    def synchronize(self) -> None:
+        """Wait until every launched step has ended."""
+        self.step_done_waiter()()
 
     def sample_next(self, logits: None, batch: ForwardBatch) -> tuple[torch.Tensor, list[int]]:
         """[B] int64 seeded ids, never EOS; no failed rows."""

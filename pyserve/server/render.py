@@ -12,7 +12,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import orjson
 from starlette.responses import JSONResponse
+
+_ORJSON_OPTIONS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
 
 # Longest message / param an error object carries, in characters (the whole body stays
 # under about 1.3 kB).
@@ -21,10 +24,17 @@ MAX_ERROR_PARAM_CHARS = 200
 
 
 def json_bytes(obj: Any) -> bytes:
-    """`obj` as UTF-8 JSON. Strings with lone surrogates are written with JSON escapes: a raw
-    surrogate can only stand inside a JSON string, where its six-character backslash-u form
-    is a valid escape that parses back to the same character.
-    Raises only for objects JSON cannot hold (NaN/inf floats, non-JSON types)."""
+    """`obj` as compact UTF-8 JSON, encoded by orjson (the hot path: every SSE chunk). Strings
+    with lone surrogates (which orjson refuses) go through the standard library instead and
+    are written with JSON escapes: a raw surrogate can only stand inside a JSON string, where
+    its six-character backslash-u form is a valid escape that parses back to the same
+    character. NaN and infinities become null (orjson's rule; logprobs are made finite before).
+    Raises TypeError for non-JSON types."""
+    try:
+        return orjson.dumps(obj, option=_ORJSON_OPTIONS)
+    except orjson.JSONEncodeError as exc:
+        if not isinstance(exc.__cause__, UnicodeError) and "str is not valid UTF-8" not in str(exc):
+            raise TypeError(str(exc)) from exc
     text = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
     return text.encode("utf-8", "backslashreplace")
 

@@ -30,10 +30,13 @@ def test_step_times_ids_and_busy_accounting():
     assert runner.step_time_s(extend) == 40 * 100e-6
     assert runner.step_time_s(decode) == 3e-3 + 4 * 500e-6
     start = time.perf_counter()
-    runner.forward(extend)
+    runner.forward(extend)  # launches return at once; the device runs them one after another
     runner.forward(decode)
-    wall = time.perf_counter() - start
-    assert 0.009 <= runner.busy_s() <= wall and runner.num_steps == 2
+    assert time.perf_counter() - start < 0.004
+    assert runner.busy_s() == runner.step_time_s(extend) + runner.step_time_s(decode) == 0.009
+    assert runner.num_steps == 2
+    runner.step_done_waiter()()
+    assert time.perf_counter() - start >= runner.busy_s()  # the second step ends after both
     ids = [t for _ in range(200) for t in runner.step_output(None, decode).next_token_ids]
     assert set(ids) == {0, 1, 3, 4, 5}  # every id but EOS
     again = SimulatedRunner(6, {2}, 64, 32, seed=7)

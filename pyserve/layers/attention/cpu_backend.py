@@ -51,6 +51,8 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         if not self.decode:
             super().init_forward_metadata(forward_batch)
             return
+        forward_batch.ensure_kv_indices()
+        assert forward_batch.kv_indptr is not None and forward_batch.kv_indices is not None
         kv_indptr = forward_batch.kv_indptr.to(torch.int64)
         if kv_indptr.shape[0] != forward_batch.batch_size + 1 or not torch.equal(
                 kv_indptr[1:] - kv_indptr[:-1], forward_batch.seq_lens.to(torch.int64)):

@@ -46,9 +46,11 @@ class TorchNativeAttnBackend:
         DECODE: one new token per request that attends to all seq_len keys.
         Raises ValueError if the batch's lengths are inconsistent.
         """
+        forward_batch.ensure_kv_indices()
         batch = forward_batch.batch_size
         seq_lens = forward_batch.seq_lens
         kv_indptr = forward_batch.kv_indptr
+        assert kv_indptr is not None and forward_batch.kv_indices is not None
         if seq_lens.shape[0] != batch or kv_indptr.shape[0] != batch + 1:
             raise ValueError("seq_lens / kv_indptr do not match batch_size")
         if not torch.equal(kv_indptr[1:] - kv_indptr[:-1], seq_lens):
