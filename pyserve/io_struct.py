@@ -241,7 +241,7 @@ class TokenizedGenerateReq:
     logprob: LogprobParams = field(default_factory=LogprobParams)
 
 
-@dataclass
+@dataclass(slots=True)
 class GenerateOutput:
     """One chunk of output for a request.
 

@@ -33,7 +33,7 @@ from pyserve.mem_cache.kv_cache import KVCache
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenOut:
     """New token ids of one request after one step (to the detokenizer), with their logprobs
     (output_logprobs: one entry per id of ids_delta) and, once, the prompt's (input_logprobs

@@ -9,8 +9,9 @@ disconnect) aborts the request.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from pyserve.engine.detokenizer import Detokenizer
 from pyserve.engine.scheduler import Scheduler
@@ -20,11 +21,32 @@ from pyserve.io_struct import GenerateOutput, SingleReq, TokenizedGenerateReq
 
 
 class ReqState:
-    """Outputs of one request waiting for its consumer."""
+    """Outputs of one request waiting for its consumer: a deque and at most one waiting
+    future (one consumer, one producer, both on the loop; lighter than an asyncio.Queue,
+    which this is per streamed token)."""
 
-    def __init__(self) -> None:
-        self.queue: asyncio.Queue[GenerateOutput] = asyncio.Queue()
+    __slots__ = ("outputs", "waiter", "finished", "sink")
+
+    def __init__(self, sink: Callable[[GenerateOutput], None] | None = None) -> None:
+        self.outputs: deque[GenerateOutput] = deque()
+        self.waiter: asyncio.Future | None = None
         self.finished = False
+        self.sink = sink  # set: outputs go straight to it (start_stream), not to the deque
+
+    def put(self, out: GenerateOutput) -> None:
+        self.outputs.append(out)
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> GenerateOutput:
+        while not self.outputs:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        return self.outputs.popleft()
 
 
 class TokenizerManager:
@@ -168,7 +190,7 @@ class TokenizerManager:
         self.scheduler.add_request(treq)
         try:
             while True:
-                out = await state.queue.get()
+                out = await state.get()
                 if out.finished:
                     state.finished = True
                     reason = out.finish_reason
@@ -187,6 +209,22 @@ class TokenizerManager:
             if not state.finished:
                 self.abort_request(req.rid)
 
+    def start_stream(self, req: SingleReq, treq: TokenizedGenerateReq,
+                     sink: Callable[[GenerateOutput], None]) -> None:
+        """Start `req` (tokenized as `treq`) with its outputs handed to `sink` as they come,
+        synchronously on the loop (every chunk when req.stream, else the final output; a
+        failure is the final output with its finish reason's status_code, not an exception).
+        The caller must call `abort_request(rid)` if it stops listening before the final
+        output. Raises InvalidRequestError if the rid is already running."""
+        if req.rid in self.states:
+            raise InvalidRequestError(f"a request with rid {req.rid!r} is already running", param="rid")
+        self.states[req.rid] = ReqState(sink)
+        sp = req.sampling_params
+        self.detokenizer.register(req.rid, sp.stop_strs, sp.skip_special_tokens, treq.logprob,
+                                  prompt_ids=treq.input_ids, no_stop_trim=sp.no_stop_trim,
+                                  stream=req.stream, stream_interval=sp.stream_interval or self.stream_interval)
+        self.scheduler.add_request(treq)
+
     def abort_request(self, rid: str) -> None:
         """Stop a request and free what it holds; its consumer gets no more output."""
         self.detokenizer.forget(rid)
@@ -202,8 +240,15 @@ class TokenizerManager:
 
     def _deliver(self, out: GenerateOutput) -> None:
         state = self.states.get(out.rid)
-        if state is not None:
-            state.queue.put_nowait(out)
+        if state is None:
+            return
+        if state.sink is None:
+            state.put(out)
+            return
+        if out.finished:
+            state.finished = True
+            del self.states[out.rid]
+        state.sink(out)
 
 
 def _encodes_like_backend(tokenizer: Any) -> bool:

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-from typing import AsyncIterator
-
 from pydantic import BaseModel, ConfigDict
 from starlette.requests import Request
 from starlette.responses import Response
@@ -12,10 +10,11 @@ from starlette.routing import Route
 
 from pyserve.engine.engine_core import EngineCore
 from pyserve.errors import InvalidRequestError
-from pyserve.io_struct import GenerateReqInput
+from pyserve.io_struct import GenerateOutput, GenerateReqInput
 from pyserve.server.errors import parse_json
 from pyserve.server.render import SafeJSONResponse
 from pyserve.server.sse import sse_response, until_disconnect
+from pyserve.server.stream_hub import HubSSEResponse
 
 
 def engine_of(request: Request) -> EngineCore:
@@ -29,9 +28,18 @@ async def generate(request: Request) -> Response:
     engine.resolve_model(obj.model)
     reqs = obj.split()
     if obj.stream:
-        stream = engine.generate(reqs[0])
+        req = reqs[0]
+        if req.sampling_params.n == 1:  # the fast path: written by the stream hub
+            tm = engine.tokenizer_manager
+            treq = await tm.tokenize(req)  # errors surface here, before the 200 is sent
+            if req.rid in tm.states:
+                raise InvalidRequestError(f"a request with rid {req.rid!r} is already running", param="rid")
+            return HubSSEResponse(request.app.state.stream_hub, GenerateOutput.to_native,
+                                  lambda sink: tm.start_stream(req, treq, sink),
+                                  lambda: tm.abort_request(req.rid))
+        stream = engine.generate(req)
         first = await anext_or_none(stream)  # errors surface here, before the 200 is sent
-        return sse_response(_chain(first, stream, lambda o: o.to_native()))
+        return sse_response(stream, first, GenerateOutput.to_native)
     outs = await until_disconnect(request, engine.generate_all(reqs))
     dicts = [o.to_native() for o in outs]
     # a list for a list of prompts or n > 1 samples (SGLang's shape), else one object
@@ -43,16 +51,6 @@ async def anext_or_none(it):  # type: ignore[no-untyped-def]
         return await it.__anext__()
     except StopAsyncIteration:
         return None
-
-
-async def _chain(first, rest, convert) -> AsyncIterator:  # type: ignore[no-untyped-def]
-    try:
-        if first is not None:
-            yield convert(first)
-            async for item in rest:
-                yield convert(item)
-    finally:
-        await rest.aclose()
 
 
 async def health(request: Request) -> Response:

@@ -337,14 +337,41 @@ impl Ctx<'_> {
                 R::tile_store(acc[h], inv_sums[first_head + h], &mut out[h * d + t * tile..h * d + (t + 1) * tile]);
             }
         }
-        // Columns past the last full tile (head_dim not a multiple of TILE).
-        for h in 0..G {
-            for c in full_tiles * tile..d {
-                let mut acc = 0f32;
-                for (j, &slot) in slots.iter().enumerate() {
-                    acc += p[(first_head + h) * n + j] * self.v_buffer[row(slot) + kv_offset + c];
+        // Columns past the last full tile (head_dim not a multiple of TILE, or below it: all
+        // of head_dim 8 or 32). One sweep over the V rows with a small accumulator per head,
+        // each column summed in slot order as in the tiles (one pass per column was 5-10x
+        // slower at head_dim 8).
+        let c0 = full_tiles * tile;
+        match d - c0 {
+            0 => {}
+            8 => self.weigh_tail::<G, 8>(c0, kv_offset, first_head, slots, p, inv_sums, out),
+            _ => self.weigh_tail::<G, MAX_TILE>(c0, kv_offset, first_head, slots, p, inv_sums, out),
+        }
+    }
+
+    /// The columns c0..head_dim of `weigh_values` (fewer than a tile), in one sweep over the
+    /// V rows with W-wide accumulators (W: the tail width when known at compile time, so the
+    /// sums vectorize; else MAX_TILE, using the first head_dim - c0).
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    fn weigh_tail<const G: usize, const W: usize>(&self, c0: usize, kv_offset: usize, first_head: usize, slots: &[i32], p: &[f32], inv_sums: &[f32], out: &mut [f32]) {
+        let (d, n) = (self.head_dim, slots.len());
+        let rem = d - c0;
+        let mut acc = [[0f32; W]; G];
+        for (j, &slot) in slots.iter().enumerate() {
+            let start = slot as usize * self.num_kv_heads * d + kv_offset + c0;
+            let v = &self.v_buffer[start..start + rem];
+            for (h, acc_h) in acc.iter_mut().enumerate() {
+                let ph = p[(first_head + h) * n + j];
+                for (a, &x) in acc_h[..rem].iter_mut().zip(v) {
+                    *a += ph * x;
                 }
-                out[h * d + c] = acc * inv_sums[first_head + h];
+            }
+        }
+        for (h, acc_h) in acc.iter().enumerate() {
+            let scale = inv_sums[first_head + h];
+            for (o, &a) in out[h * d + c0..h * d + d].iter_mut().zip(&acc_h[..rem]) {
+                *o = a * scale;
             }
         }
     }
@@ -357,6 +384,9 @@ fn store_scores<const G: usize>(dots: &[f32; G], scores: &mut [f32], h: usize, n
         scores[(h + i) * n + j] = dots[i] * scaling;
     }
 }
+
+/// The widest Tile of any RowOps (AVX-512's 64 columns): the remainder columns fit in it.
+const MAX_TILE: usize = 64;
 
 /// Query heads sharing a KV head that are computed together (register budget of AVX2's 16).
 const GROUP_CHUNK: usize = 4;

@@ -166,6 +166,11 @@ impl RowOps for Avx512 {
         use std::arch::x86_64::*;
         let d = k.len();
         assert_eq!(q.len(), G * d);
+        if d % 16 != 0 {
+            // head_dim 8, 24, ...: AVX2's 8-float chunks cover it (AVX-512F CPUs have AVX2 and
+            // FMA); 16-float chunks would leave it to the scalar tail.
+            return Avx2::dot_heads::<G>(q, k);
+        }
         let chunks = d / 16;
         // SAFETY: every load reads 16 floats at offsets below chunks * 16 <= d of k and of row
         // h of q (length G * d, checked above); the CPU has AVX-512F (type's contract).

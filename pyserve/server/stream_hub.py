@@ -1,0 +1,184 @@
+"""Streamed responses written in one batch per step: the fast path of SSE streaming.
+
+A streamed request's outputs arrive from the detokenizer once per step (or per
+`stream_interval` tokens), for every streaming request at once. Instead of waking one
+response coroutine per request per step (through an output queue, two async generators and
+Starlette's StreamingResponse), each output is turned into its SSE bytes where it is delivered
+(`SSEStream.push`, called synchronously by the TokenizerManager) and one `StreamHub` task
+writes the step's chunks of every stream with the ASGI server's own `send`. Each response
+coroutine only waits for its stream's end or its client's disconnect (which aborts the
+request and frees its KV). Loop thread only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Callable
+
+from pyserve.errors import InvalidRequestError, ModelStepError
+from pyserve.io_struct import GenerateOutput
+from pyserve.server.render import SafeJSONResponse, error_body, sse_event
+from pyserve.server.sse import DONE_EVENT, RAW_SEND_KEY
+
+logger = logging.getLogger(__name__)
+
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+               (b"x-accel-buffering", b"no")]
+
+
+class SSEStream:
+    """One streamed response: outputs become SSE events (`convert(output)` as JSON); the last
+    one is followed by `data: [DONE]`. A failure the request's consumer would raise (its own
+    parameters at 400, a failed model step at 500) becomes an SSE error event instead, or,
+    when it is the very first output, a plain error response (nothing was sent yet)."""
+
+    def __init__(self, hub: "StreamHub", convert: Callable[[GenerateOutput], Any]) -> None:
+        loop = asyncio.get_running_loop()
+        self.hub = hub
+        self.convert = convert
+        self.send: Any = None  # the ASGI server's send, once the response started
+        self.buffered: list[bytes] = []  # events pushed before the response started
+        self.first: asyncio.Future = loop.create_future()  # the first event (or error)
+        self.done: asyncio.Future = loop.create_future()  # the last event was written
+        self.closed = False
+
+    def push(self, out: GenerateOutput) -> None:
+        """The TokenizerManager's sink for this request: called on the loop with each output."""
+        try:
+            data = self._event(out)
+        except Exception as exc:  # a pyserve bug: say so in the stream, keep the server sane
+            logger.error("stream output failed", exc_info=exc)
+            data = sse_event(error_body(f"internal server error: {type(exc).__name__}: {exc}",
+                                        type_="internal_server_error", code=500)) + DONE_EVENT
+            self._write(data, final=True)
+            return
+        self._write(data, final=out.finished)
+
+    def _event(self, out: GenerateOutput) -> bytes:
+        reason = out.finish_reason
+        status = (reason.status_code if reason is not None else None) or 0
+        if status >= 400:
+            message = reason.message or "request failed"  # type: ignore[union-attr]
+            exc: Exception = (ModelStepError(message) if status >= 500
+                              else InvalidRequestError(message, param="sampling_params"))
+            if not self.first.done():
+                self.first.set_result(exc)
+                return b""
+            if isinstance(exc, ModelStepError):
+                return sse_event(error_body(message, type_="internal_server_error", code=500)) + DONE_EVENT
+            return sse_event(error_body(message, param="sampling_params", code=400)) + DONE_EVENT
+        data = sse_event(self.convert(out))
+        return data + DONE_EVENT if out.finished else data
+
+    def _write(self, data: bytes, final: bool) -> None:
+        if not self.first.done():
+            self.first.set_result(None)
+        if self.closed:
+            return
+        if self.send is None:
+            if data:
+                self.buffered.append(data)
+            if final:
+                self.closed = True
+                self._finish()
+            return
+        self.hub.write(self, data, final)
+
+    def _finish(self) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+
+class StreamHub:
+    """Writes the chunks of every stream of a step in one task, in the order they came."""
+
+    def __init__(self) -> None:
+        self._items: list[tuple[SSEStream, bytes, bool]] = []
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def write(self, stream: SSEStream, data: bytes, final: bool) -> None:
+        self._items.append((stream, data, final))
+        if final:
+            stream.closed = True
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._run())
+        self._wake.set()
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            items, self._items = self._items, []
+            for stream, data, final in items:
+                try:
+                    if data:
+                        await stream.send({"type": "http.response.body", "body": data, "more_body": True})
+                except Exception as exc:  # the connection broke: that stream ends, the others go on
+                    logger.debug("stream write failed: %s", exc)
+                    stream.closed = True
+                    stream._finish()
+                    continue
+                if final:
+                    stream._finish()
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+
+class HubSSEResponse:
+    """An ASGI response streaming one request through a StreamHub.
+
+    start(sink) starts the request with `sink` receiving its outputs; abort() stops it and
+    frees what it holds (client gone, server shutting down). The 200 is sent once the first
+    output came: a request failing at its first step gets a plain error response."""
+
+    def __init__(self, hub: StreamHub, convert: Callable[[GenerateOutput], Any],
+                 start: Callable[[Callable[[GenerateOutput], None]], None], abort: Callable[[], None]) -> None:
+        self.hub, self.convert, self.start, self.abort = hub, convert, start, abort
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        stream = SSEStream(self.hub, self.convert)
+        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        finished = False
+        try:
+            self.start(stream.push)
+            await asyncio.wait({stream.first, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not stream.first.done():
+                return  # the client left before anything came
+            failure = stream.first.result()
+            if failure is not None:
+                finished = True
+                status = 500 if isinstance(failure, ModelStepError) else 400
+                body = error_body(str(failure) if status == 500 else failure.message,
+                                  type_="internal_server_error" if status == 500 else "invalid_request_error",
+                                  param=None if status == 500 else "sampling_params", code=status)
+                await SafeJSONResponse(body, status_code=status)(scope, receive, send)
+                return
+            await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+            raw = scope.get(RAW_SEND_KEY) or send
+            for data in stream.buffered:
+                await raw({"type": "http.response.body", "body": data, "more_body": True})
+            stream.buffered = []
+            stream.send = raw
+            if stream.done.done():  # everything came before the start
+                finished = True
+            else:
+                await asyncio.wait({stream.done, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                finished = stream.done.done()
+            if finished:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            watcher.cancel()
+            if not finished:
+                stream.closed = True
+                self.abort()
+
+
+async def _wait_disconnect(receive: Any) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
