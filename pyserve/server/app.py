@@ -14,7 +14,6 @@ from pyserve.server import native
 from pyserve.server.errors import EXCEPTION_HANDLERS
 from pyserve.server.openai import serving
 from pyserve.server.sse import RAW_SEND_KEY
-from pyserve.server.stream_hub import StreamHub
 
 
 class PyserveApp(Starlette):
@@ -38,11 +37,12 @@ def create_app(server_args: ServerArgs | None = None, model_runner: Any = None) 
         engine = EngineCore(args, model_runner=model_runner)
         await engine.start()
         app.state.engine = engine
-        app.state.stream_hub = StreamHub()
         try:
             yield
         finally:
-            app.state.stream_hub.close()
+            hub = getattr(app.state, "stream_hub", None)
+            if hub is not None:
+                hub.close()
             await engine.shutdown()
 
     return PyserveApp(routes=native.ROUTES + serving.ROUTES, lifespan=lifespan,

@@ -14,7 +14,16 @@ from pyserve.io_struct import GenerateOutput, GenerateReqInput
 from pyserve.server.errors import parse_json
 from pyserve.server.render import SafeJSONResponse
 from pyserve.server.sse import sse_response, until_disconnect
-from pyserve.server.stream_hub import HubSSEResponse
+from pyserve.server.stream_hub import HubSSEResponse, StreamHub
+
+
+def stream_hub_of(request: Request) -> StreamHub:
+    """The app's StreamHub (made on first use: an app driven without its lifespan has none)."""
+    state = request.app.state
+    hub = getattr(state, "stream_hub", None)
+    if hub is None:
+        hub = state.stream_hub = StreamHub()
+    return hub
 
 
 def engine_of(request: Request) -> EngineCore:
@@ -34,7 +43,7 @@ async def generate(request: Request) -> Response:
             treq = await tm.tokenize(req)  # errors surface here, before the 200 is sent
             if req.rid in tm.states:
                 raise InvalidRequestError(f"a request with rid {req.rid!r} is already running", param="rid")
-            return HubSSEResponse(request.app.state.stream_hub, GenerateOutput.to_native,
+            return HubSSEResponse(stream_hub_of(request), GenerateOutput.to_native,
                                   lambda sink: tm.start_stream(req, treq, sink),
                                   lambda: tm.abort_request(req.rid))
         stream = engine.generate(req)
