@@ -118,9 +118,9 @@ def stories_reference(stories_path: Path) -> list[dict]:
 
 
 def make_stories_engine(stories_path: Path, max_total_tokens: int, max_running_requests: int = 8,
-                        page_size: int = 1):
-    """An in-process Engine on stories260k (shut it down after use)."""
+                        page_size: int = 1, **kwargs):
+    """An in-process Engine on stories260k (shut it down after use); kwargs: ServerArgs."""
     from pyserve import Engine
 
     return Engine(model_path=str(stories_path), max_total_tokens=max_total_tokens,
-                  max_running_requests=max_running_requests, page_size=page_size)
+                  max_running_requests=max_running_requests, page_size=page_size, **kwargs)

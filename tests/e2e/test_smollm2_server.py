@@ -121,6 +121,25 @@ def test_greedy_equals_hf_transformers(server):
         assert hf_greedy(model, case["input_ids"], 64) == case["output_ids"]
 
 
+def test_greedy_equals_hf_without_overlap_schedule():
+    """The same 10 prompts through an in-process Engine with --disable-overlap-schedule: the
+    stored HF greedy ids again (overlap changes when steps are planned, never the tokens)."""
+    import json
+
+    from pyserve import Engine
+
+    cases = json.loads((Path(__file__).resolve().parents[1] / "data" / "smollm2_greedy_reference.json")
+                       .read_text())["cases"]
+    engine = Engine(model_path=str(smollm2_gguf()), max_total_tokens=8192, disable_overlap_schedule=True)
+    try:
+        assert engine.core.scheduler.overlap is False
+        outs = engine.generate(input_ids=[c["input_ids"] for c in cases], sampling_params={
+            "temperature": 0, "max_new_tokens": 64, "ignore_eos": True})
+    finally:
+        engine.shutdown()
+    assert [o["output_ids"] for o in outs] == [c["output_ids"] for c in cases]
+
+
 def test_chat_logprobs_template_and_stream(server, client):
     from transformers import AutoTokenizer
 

@@ -14,9 +14,12 @@ from tests.conftest import make_stories_engine
 POOL = 2048
 
 
-@pytest.fixture(scope="module", params=[1, 16], ids=lambda p: f"page{p}")
+@pytest.fixture(scope="module", params=[(1, False), (16, False), (1, True)],
+                ids=lambda p: f"page{p[0]}" + ("-no-overlap" if p[1] else ""))
 def engine(request, stories_path):
-    eng = make_stories_engine(stories_path, POOL, page_size=request.param)
+    """Every test here runs with overlap scheduling (pages of 1 and 16) and without it."""
+    page_size, no_overlap = request.param
+    eng = make_stories_engine(stories_path, POOL, page_size=page_size, disable_overlap_schedule=no_overlap)
     yield eng
     eng.shutdown()
 
