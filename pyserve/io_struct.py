@@ -239,6 +239,9 @@ class TokenizedGenerateReq:
     sampling_params: SamplingParams
     stop_token_ids: frozenset[int]
     logprob: LogprobParams = field(default_factory=LogprobParams)
+    # quiet: only the final output is wanted and nothing needs text on the way (not streamed,
+    # no stop strings, no logprobs): the scheduler hands its tokens on once, when it ends
+    quiet: bool = False
 
 
 @dataclass(slots=True)

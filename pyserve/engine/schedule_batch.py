@@ -40,6 +40,7 @@ class Req:
     dropped_ids: tokens sampled after it finished (by a stop token, stop string or abort seen
         one step late); their inputs' KV was stored, so the radix cache may keep it.
     logprob: what logprobs it wants; input_logprobs_done once its prompt logprobs were sent.
+    num_emitted / quiet: see TokenizedGenerateReq.quiet and Scheduler._out.
     generator: the seeded torch.Generator (created here, used only by the worker), so a
         retracted request continues the same random stream.
     """
@@ -62,6 +63,8 @@ class Req:
         self.num_planned = 0
         self.num_inflight = 0
         self.dropped_ids: list[int] = []
+        self.num_emitted = 0  # output tokens handed to the detokenizer
+        self.quiet = False  # only the final output is wanted (TokenizedGenerateReq.quiet)
         self.logprob = logprob or LogprobParams()
         self.input_logprobs_done = False
         self.generator: torch.Generator | None = None

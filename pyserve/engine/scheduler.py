@@ -93,6 +93,7 @@ class Scheduler:
         room = min(self.context_len, self.kv_cache.max_total_tokens) - len(treq.input_ids)
         max_new = room if sp.max_new_tokens is None else min(sp.max_new_tokens, room)
         req = Req(treq.rid, treq.input_ids, sp, max_new, treq.stop_token_ids, treq.logprob)
+        req.quiet = treq.quiet
         self.reqs[req.rid] = req
         # max_new_tokens 0 still prefills, as in SGLang: the prompt's KV enters the radix
         # cache (clients send such requests to cache a prefix) and prompt logprobs are
@@ -111,10 +112,10 @@ class Scheduler:
         if req.req_id is None:  # still waiting: nothing allocated
             self.waiting.remove(req)
             self._forget(req)
-            self.emit([self._out(req, [])])
+            self.emit([self._out(req)])
         else:  # its KV goes once no step holds it; the consumer hears of the end now
             self._to_release.append(req)
-            self.emit([self._out(req, [])])
+            self.emit([self._out(req)])
         self._wake.set()
 
     def flush_cache(self) -> bool:
@@ -166,7 +167,7 @@ class Scheduler:
         for req in list(self.waiting) + self.running:
             if not req.finished:
                 req.finish_reason = FinishReason.abort("server shutting down")
-                self.emit([self._out(req, [])])
+                self.emit([self._out(req)])
 
     def _launch(self, batch: ScheduleBatch) -> None:
         for req in batch.reqs:
@@ -189,7 +190,7 @@ class Scheduler:
                     # status_code: a server-side failure, not the client's (HTTP 500)
                     req.finish_reason = FinishReason.abort(f"model step failed: {exc}", status_code=500)
                     self._to_release.append(req)
-                    self.emit([self._out(req, [])])
+                    self.emit([self._out(req)])
             return
         self._process_batch_result(batch, result)
 
@@ -243,7 +244,7 @@ class Scheduler:
         if len(live) == 1:
             live[0].finish_reason = FinishReason.length_limit(len(live[0].output_ids))
             self._to_release.append(live[0])
-            self.emit([self._out(live[0], [])])
+            self.emit([self._out(live[0])])
             self._release_finished()
             return
         req = live[-1]
@@ -266,6 +267,7 @@ class Scheduler:
         failed = set(result.failed_rows) if result.failed_rows else ()
         ids = result.next_token_ids
         ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        with_logprobs = result.output_logprobs is not None or result.input_logprobs is not None
         for i, (req, token) in enumerate(zip(batch.reqs, ids)):
             req.num_inflight -= 1
             if req.finished:  # ended while the step ran: drop the extra token
@@ -277,12 +279,12 @@ class Scheduler:
                     f"{len(req.output_ids)} (every logit banned, or a bias or penalty overflowed)",
                     status_code=400)
                 self._to_release.append(req)
-                outs.append(self._out(req, []))
+                outs.append(self._out(req))
                 continue
             if req.max_new_tokens == 0:  # a prefill-only request: no output token
                 req.finish_reason = FinishReason.length_limit(0)
                 req.dropped_ids.append(token)
-                token_out = self._out(req, [])
+                token_out = self._out(req)
                 self._add_input_logprobs(token_out, req, result, i)
                 self._to_release.append(req)
                 outs.append(token_out)
@@ -290,12 +292,15 @@ class Scheduler:
             req.output_ids.append(token)
             self.num_generated_tokens += 1
             req.check_finished()
-            out = self._out(req, [token])
-            if result.output_logprobs is not None:
-                out.output_logprobs = result.output_logprobs[i]
-            self._add_input_logprobs(out, req, result, i)
             if req.finished:
                 self._to_release.append(req)
+            elif req.quiet:
+                continue  # its tokens go to the detokenizer once, when it ends
+            out = self._out(req)
+            if with_logprobs:
+                if result.output_logprobs is not None:
+                    out.output_logprobs = result.output_logprobs[i]
+                self._add_input_logprobs(out, req, result, i)
             outs.append(out)
         if outs:
             self.emit(outs)
@@ -336,7 +341,11 @@ class Scheduler:
         if self.reqs.get(req.rid) is req:  # the rid may already name a newer request
             del self.reqs[req.rid]
 
-    def _out(self, req: Req, ids: list[int]) -> TokenOut:
+    def _out(self, req: Req) -> TokenOut:
+        """The request's output tokens not handed on yet (one per step, or all of a quiet
+        request's at its end) and its finish reason."""
+        start, req.num_emitted = req.num_emitted, len(req.output_ids)
+        ids = req.output_ids[start:] if start < req.num_emitted else []
         return TokenOut(req.rid, ids, req.finish_reason, len(req.origin_input_ids), req.cached_tokens)
 
     def _maybe_log_stats(self) -> None:

@@ -166,7 +166,8 @@ class TokenizerManager:
                 "token is left to sample", param="min_new_tokens")
         if lp.logprob_start_len is not None and lp.logprob_start_len >= len(ids):
             lp.logprob_start_len = None  # nothing of the prompt to report
-        return TokenizedGenerateReq(req.rid, ids, sp, frozenset(stop_ids), lp)
+        quiet = not req.stream and not sp.stop_strs and not lp.return_logprob
+        return TokenizedGenerateReq(req.rid, ids, sp, frozenset(stop_ids), lp, quiet=quiet)
 
     async def generate(self, req: SingleReq,
                        tokenized: TokenizedGenerateReq | None = None) -> AsyncIterator[GenerateOutput]:
