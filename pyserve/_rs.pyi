@@ -79,10 +79,12 @@ class BatchArrays:
         """[sum(extend_lens)] position of each new token in its sequence."""
     @property
     def kv_indptr(self) -> _Int64Array:
-        """[B + 1] CSR offsets: request i attends to kv_indices[kv_indptr[i]:kv_indptr[i+1]]."""
+        """Extend: [B + 1] CSR offsets, request i's row is kv_indices[kv_indptr[i]:kv_indptr[i+1]].
+        Decode: empty (a decode step is O(batch); the worker keeps the rows)."""
     @property
     def kv_indices(self) -> _Int32Array:
-        """[sum(seq_lens)] KV slots of every token each request attends to."""
+        """Extend: [sum(seq_lens)] the KV slots of every token of each request's row (prefix
+        and new tokens). Decode: empty."""
 
 @final
 class KVCache:
