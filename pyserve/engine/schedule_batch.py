@@ -64,6 +64,7 @@ class Req:
         self.num_inflight = 0
         self.dropped_ids: list[int] = []
         self.num_emitted = 0  # output tokens handed to the detokenizer
+        self.kv_invalid = False  # a step holding it failed: free its KV, never cache it
         self.quiet = False  # only the final output is wanted (TokenizedGenerateReq.quiet)
         self.logprob = logprob or LogprobParams()
         self.input_logprobs_done = False

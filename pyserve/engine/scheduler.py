@@ -149,8 +149,8 @@ class Scheduler:
             if batch is not None:
                 self._launch(batch)
             if not self.inflight:
-                self._need_drain = False
-                if batch is None:  # idle: sleep until a request arrives
+                drained, self._need_drain = self._need_drain, False
+                if batch is None and not drained:  # idle: sleep until a request arrives
                     if self._released_rows:
                         self.worker.release_rows(self._released_rows)
                         self._released_rows = []
@@ -186,6 +186,9 @@ class Scheduler:
         except Exception as exc:
             for req in batch.reqs:
                 req.num_inflight -= 1
+                # this step wrote (some of) its KV: never cache it, even for a request that
+                # had finished normally one step before (its stop token's KV is in here)
+                req.kv_invalid = True
                 if not req.finished:
                     # status_code: a server-side failure, not the client's (HTTP 500)
                     req.finish_reason = FinishReason.abort(f"model step failed: {exc}", status_code=500)
@@ -324,7 +327,7 @@ class Scheduler:
                 pending.append(req)
                 continue
             if req.req_id is not None:
-                if req.finish_reason.is_abort:  # type: ignore[union-attr]
+                if req.finish_reason.is_abort or req.kv_invalid:  # type: ignore[union-attr]
                     self.kv_cache.abort_req(req.req_id)
                 else:
                     kv_len = self.kv_cache.kv_len(req.req_id)

@@ -73,8 +73,9 @@ class TokenizerManager:
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`. Texts of requests arriving together are encoded in one
         batched call on the executor thread (the tokenizer's `encode_batch`, which runs in
-        Rust with the GIL released, on all cores), so a burst of requests neither holds the
-        GIL against the loop and the worker nor waits on one encode after another."""
+        Rust with the GIL released), so a burst of requests neither holds the GIL against
+        the loop and the worker nor pays the per-call overhead once per prompt. If the
+        batch fails, each text is encoded alone, so only a bad one fails its request."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
         self._pending_encodes.append((text, add_special_tokens, future))
@@ -97,13 +98,24 @@ class TokenizerManager:
         pending, self._pending_encodes = self._pending_encodes, []
         loop = asyncio.get_running_loop()
 
-        def work() -> list[list[int]]:
-            ids: list[list[int]] = [[] for _ in pending]
+        def work() -> list[list[int] | BaseException]:
+            ids: list[list[int] | BaseException] = [[] for _ in pending]
             for flag in (True, False):
                 picked = [k for k, (_, special, _) in enumerate(pending) if special is flag]
-                if picked:
-                    for k, row in zip(picked, self._encode_batch([pending[k][0] for k in picked], flag)):
-                        ids[k] = row
+                if not picked:
+                    continue
+                try:
+                    rows: list[list[int] | BaseException] = list(
+                        self._encode_batch([pending[k][0] for k in picked], flag))
+                except Exception:  # one bad text: encode them one by one
+                    rows = []
+                    for k in picked:
+                        try:
+                            rows.append(self._encode_batch([pending[k][0]], flag)[0])
+                        except Exception as exc:
+                            rows.append(exc)
+                for k, row in zip(picked, rows):
+                    ids[k] = row
             return ids
 
         def done(job: asyncio.Future) -> None:
@@ -113,8 +125,12 @@ class TokenizerManager:
                     continue
                 if exc is not None:
                     future.set_exception(exc)
+                    continue
+                row = job.result()[k]
+                if isinstance(row, BaseException):
+                    future.set_exception(row)
                 else:
-                    future.set_result(job.result()[k])
+                    future.set_result(row)
 
         asyncio.ensure_future(loop.run_in_executor(self.executor, work)).add_done_callback(done)
 
@@ -228,6 +244,7 @@ class TokenizerManager:
 
     def abort_request(self, rid: str) -> None:
         """Stop a request and free what it holds; its consumer gets no more output."""
+        self.states.pop(rid, None)
         self.detokenizer.forget(rid)
         self.scheduler.finish_request(rid, FinishReason.abort("aborted by the client"))
 

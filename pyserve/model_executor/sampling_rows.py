@@ -88,6 +88,11 @@ class SamplingRows:
         self.top_ks[rows_t] = torch.tensor([min(p.top_k, ALL_TOKENS) if p.top_k > 0 else ALL_TOKENS
                                             for p in params], dtype=torch.int64).to(self.device)
         self.uses_min_p[rows] = [p.min_p > 0 for p in params]
+        # a batch gathers every row's penalties once any row uses them: a reused row must
+        # not keep its previous request's values (0, 0 and 1 are no penalty)
+        self.frequency_penalties[rows_t] = 0.0
+        self.presence_penalties[rows_t] = 0.0
+        self.repetition_penalties[rows_t] = 1.0
         self.num_sampled[rows] = [item.num_sampled for item in new_rows]
         self.min_new_tokens[rows] = [p.min_new_tokens for p in params]
         for item in new_rows:

@@ -42,6 +42,14 @@ class SSEStream:
         self.first: asyncio.Future = loop.create_future()  # the first event (or error)
         self.done: asyncio.Future = loop.create_future()  # the last event was written
         self.closed = False
+        self.failed = False  # a write failed: the client is gone
+        self.slow: asyncio.Future | None = None  # a write still under way (slow reader)
+        self.backlog: list[tuple[bytes, bool]] = []  # chunks waiting behind it
+
+    def fail(self, exc: BaseException) -> None:
+        logger.debug("stream write failed: %s", exc)
+        self.closed = self.failed = True
+        self._finish()
 
     def push(self, out: GenerateOutput) -> None:
         """The TokenizerManager's sink for this request: called on the loop with each output."""
@@ -91,7 +99,11 @@ class SSEStream:
 
 
 class StreamHub:
-    """Writes the chunks of every stream of a step in one task, in the order they came."""
+    """Writes the chunks of every stream of a step in one task, in the order they came.
+
+    A write that cannot finish at once (the client reads slowly: the ASGI server waits for its
+    socket to drain) must not hold up the other streams: that stream's write goes on in a
+    task of its own, and its later chunks queue behind it (`SSEStream.backlog`)."""
 
     def __init__(self) -> None:
         self._items: list[tuple[SSEStream, bytes, bool]] = []
@@ -112,20 +124,75 @@ class StreamHub:
             self._wake.clear()
             items, self._items = self._items, []
             for stream, data, final in items:
-                try:
-                    if data:
-                        await stream.send({"type": "http.response.body", "body": data, "more_body": True})
-                except Exception as exc:  # the connection broke: that stream ends, the others go on
-                    logger.debug("stream write failed: %s", exc)
-                    stream.closed = True
-                    stream._finish()
+                if stream.slow is not None:  # a write of this stream is still under way
+                    stream.backlog.append((data, final))
                     continue
-                if final:
+                message = {"type": "http.response.body", "body": data, "more_body": True}
+                try:
+                    waiting = _start(stream.send(message)) if data else None
+                except Exception as exc:  # the connection broke: that stream ends, the others go on
+                    stream.fail(exc)
+                    continue
+                if waiting is not None:
+                    stream.slow = asyncio.ensure_future(self._finish_slow(stream, waiting, final))
+                elif final:
                     stream._finish()
+
+    @staticmethod
+    async def _finish_slow(stream: SSEStream, waiting: tuple[Any, Any], final: bool) -> None:
+        """Complete a stream's suspended write, then its queued chunks, in order."""
+        try:
+            await _resume(*waiting)
+            while not final:
+                if not stream.backlog:  # caught up: later chunks are written directly again
+                    stream.slow = None
+                    return
+                data, final = stream.backlog.pop(0)
+                if data:
+                    await stream.send({"type": "http.response.body", "body": data, "more_body": True})
+            stream._finish()
+        except Exception as exc:
+            stream.fail(exc)
+        finally:
+            if final or stream.failed:
+                stream.slow = None
 
     def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
+
+
+def _start(coro: Any) -> tuple[Any, Any] | None:
+    """Run the coroutine `coro` up to its first suspension: None if it finished at once (a
+    socket write that did not have to wait), else (coro, what it waits on) for `_resume`."""
+    try:
+        waited = coro.send(None)
+    except StopIteration:
+        return None
+    return coro, waited
+
+
+async def _resume(coro: Any, waited: Any) -> None:
+    """Drive a coroutine started by `_start` to its end, as a task would."""
+    while True:
+        try:
+            if waited is None:
+                await asyncio.sleep(0)
+            else:
+                # what a Task does with a future its coroutine yielded: clear the flag the
+                # yield set, then wait for it
+                waited._asyncio_future_blocking = False
+                await waited
+        except BaseException as exc:  # what it waited on failed: let the coroutine see it
+            try:
+                waited = coro.throw(exc)
+            except StopIteration:
+                return
+            continue
+        try:
+            waited = coro.send(None)
+        except StopIteration:
+            return
 
 
 class HubSSEResponse:
@@ -167,7 +234,7 @@ class HubSSEResponse:
                 finished = True
             else:
                 await asyncio.wait({stream.done, watcher}, return_when=asyncio.FIRST_COMPLETED)
-                finished = stream.done.done()
+                finished = stream.done.done() and not stream.failed
             if finished:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:

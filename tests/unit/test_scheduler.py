@@ -46,6 +46,9 @@ class FakeWorker:
     def release_rows(self, rows) -> None:
         self.state.sampling.release_rows(rows)
 
+    def fail_next(self, exc: Exception) -> None:
+        self.pending.popleft()[1].set_exception(exc)
+
     def run_next(self, ids: list[int]) -> None:
         import torch
 
@@ -243,6 +246,55 @@ def test_rid_reused_before_the_old_request_is_released():
             await h.step([8] * h.worker.pending[0][0].batch_size)
         assert h.outs_of("R")[0].finish_reason == ABORT
         assert h.outs_of("R")[-1].finish_reason.kind is FinishKind.LENGTH
+        h.assert_no_leak()
+        await h.stop()
+
+    run(body())
+
+
+def test_a_failed_extra_step_frees_the_kv_of_a_finished_request_uncached():
+    async def body():
+        h = Harness()
+        h.sched.add_request(treq("a", [1, 2, 3], max_new_tokens=10, stop={99}))
+        await h.start()
+        await h.step([99])  # a stops; step 1 (writing 99's KV) is in flight
+        h.worker.fail_next(RuntimeError("device lost"))
+        await settle()
+        h.assert_no_leak()
+        assert h.kv.evictable_slots() == 0  # nothing of a cached: step 1 may not have written
+        assert h.outs_of("a")[-1].finish_reason == FinishReason.stop(99)  # its answer stands
+        await h.stop()
+
+    run(body())
+
+
+def test_pool_full_with_a_step_in_flight_drains_then_retracts_without_waiting():
+    async def body():
+        h = Harness()
+        h.sched.add_request(treq("a", [1, 2, 3], max_new_tokens=6))
+        h.sched.add_request(treq("b", [4, 5], max_new_tokens=6))
+        await h.start()
+        await h.step([10, 20])  # decode 1 runs; decode 2 was planned
+        real = h.kv.prepare_decode
+        calls: list[list[int]] = []
+
+        def full_twice(req_ids):  # the pool is "full" for the next two decode plans
+            calls.append([int(r) for r in req_ids])
+            return None if len(calls) <= 2 else real(req_ids)
+
+        h.kv.prepare_decode = full_twice
+        await h.step([11, 21])  # decode 1 done; planning decode 3 finds the pool full
+        assert h.sched._need_drain and len(calls) == 1
+        await h.step([12, 22])  # the drain: decode 2 processed, then at once: full again with
+        # nothing in flight, so b (the newest) is retracted and a goes on, with no new request
+        # or wake-up needed
+        assert len(calls) == 3 and len(calls[2]) == 1
+        assert [r.rid for r in h.sched.waiting] == [] and h.sched.reqs["b"].num_retractions == 1
+        assert h.worker.pending  # the next step (b's re-prefill, a's decode) is already planned
+        while h.worker.pending:
+            await h.step([30] * h.worker.pending[0][0].batch_size)
+        assert sum(len(o.ids_delta) for o in h.outs_of("a")) == 6
+        assert sum(len(o.ids_delta) for o in h.outs_of("b")) == 6
         h.assert_no_leak()
         await h.stop()
 

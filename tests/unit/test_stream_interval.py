@@ -24,3 +24,37 @@ def test_server_stream_interval_and_per_request_override(engine):
     own = list(engine.generate("Once upon a time", {**params, "stream_interval": 5}, stream=True))
     assert [c["meta_info"]["completion_tokens"] for c in own] == [5, 8]
     assert own[-1]["text"] == whole["text"]
+
+
+def test_a_sink_stream_left_by_its_client_leaves_nothing_behind(engine):
+    """The /generate streaming fast path (TokenizerManager.start_stream): a client that leaves
+    mid-stream aborts the request; its rid is free again and its KV and rows are released."""
+    import asyncio
+
+    from pyserve.io_struct import GenerateReqInput
+
+    core = engine.core
+    tm = core.tokenizer_manager
+    req = GenerateReqInput(text="Once upon a time", stream=True, rid="left", sampling_params={
+        "temperature": 0, "max_new_tokens": 200, "ignore_eos": True}).split()[0]
+    got: list = []
+
+    async def run() -> None:
+        tm.start_stream(req, await tm.tokenize(req), got.append)
+        while len(got) < 3:
+            await asyncio.sleep(0.005)
+        tm.abort_request("left")  # what HubSSEResponse does when the client disconnects
+        for _ in range(400):
+            info = core.get_server_info()
+            if info["num_running_reqs"] == 0 and info["num_sampling_rows_live"] == 0:
+                break
+            await asyncio.sleep(0.01)
+
+    engine._call(run())
+    assert "left" not in tm.states and "left" not in core.scheduler.reqs
+    assert not got[-1].finished  # the consumer that left is not written to any more
+    info = engine.get_server_info()
+    assert info["num_running_reqs"] == 0 and info["kv_protected_slots"] == 0
+    assert info["num_req_rows_used"] == 0 and info["num_sampling_rows_live"] == 0
+    again = engine.generate("Once upon a time", {"temperature": 0, "max_new_tokens": 2}, rid="left")
+    assert again["meta_info"]["id"] == "left"
