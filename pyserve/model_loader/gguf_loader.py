@@ -84,8 +84,9 @@ def iter_gguf_weights(
     [rows, cols]), dequantized to float32 then cast to `dtype`, on CPU.
     q_proj/k_proj rows are unpermuted (see `unpermute_qk`).
     progress: show a tqdm bar (it hides itself when stderr is not a TTY).
-    Raises ValueError for an unknown tensor name or for `rope_freqs` (Llama 3 rope factors,
-    not supported), NotImplementedError for a quantization type gguf-py cannot dequantize.
+    Raises ValueError for an unknown tensor name, for `rope_freqs` (Llama 3 rope factors,
+    not supported) and for a quantization type gguf-py cannot dequantize (naming the tensor
+    and the type).
     """
     reader = open_gguf(path)
     bar = tqdm(reader.tensors, desc="Loading GGUF tensors", unit="tensor", disable=not progress or None)
@@ -93,7 +94,11 @@ def iter_gguf_weights(
         if tensor.name == "rope_freqs.weight":
             raise ValueError("GGUF rope_freqs (Llama 3 rope scaling) is not supported")
         hf_name = gguf_name_to_hf(tensor.name)
-        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        try:
+            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError as exc:  # gguf-py has no dequantizer for this type
+            raise ValueError(f"GGUF tensor {tensor.name}: quantization type "
+                             f"{tensor.tensor_type.name} is not supported ({exc})") from exc
         # GGUF shapes list the innermost dim first; HF wants them outermost first.
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         # Copy only when the array is a read-only view of the memory-mapped file (F32 tensors).

@@ -129,3 +129,18 @@ def test_gguf_bf16_run_dtype(tmp_path) -> None:
     assert runner.kv_pool.get_key_buffer(0).dtype == torch.bfloat16
     logits = runner.forward(Requests(list(range(1, 33))).extend({0: [3, 17, 40]}))
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
+
+
+def test_gguf_quantization_without_a_dequantizer_is_a_clear_error(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "tiny-Q8_0.gguf"
+    write_tiny_gguf(path, "Q8_0")
+    real = gguf.quants.dequantize
+
+    def no_q8(data, qtype):  # as gguf-py answers for a type it has no dequantizer for
+        if qtype == gguf.GGMLQuantizationType.Q8_0:
+            raise NotImplementedError("Dequantization for Q8_0 is not yet implemented")
+        return real(data, qtype)
+
+    monkeypatch.setattr(gguf.quants, "dequantize", no_q8)
+    with pytest.raises(ValueError, match=r"GGUF tensor \S+: quantization type Q8_0 is not supported"):
+        ModelRunner(str(path), max_total_tokens=32, load_progress=False)
