@@ -236,16 +236,23 @@ class TokenLogprobs:
 class StepOutput:
     """What the worker hands back for one step.
 
-    next_token_ids: [B] int32 numpy array (or a list of ints). output_logprobs: [B] TokenLogprobs of the sampled token (one
+    next_token_ids: [B] int32 numpy array. output_logprobs: [B] TokenLogprobs of the sampled token (one
     entry) or None per request. input_logprobs: [B] TokenLogprobs of the prompt tokens asked
     for, or None. failed_rows: rows whose own sampling parameters left no token to draw
     (their ids are meaningless; those requests fail, the others go on).
     """
 
-    next_token_ids: np.ndarray | list[int]
+    next_token_ids: np.ndarray
     output_logprobs: list[TokenLogprobs | None] | None = None
     input_logprobs: list[TokenLogprobs | None] | None = None
     failed_rows: list[int] = field(default_factory=list)
+
+
+def kv_indptr_of(seq_lens: torch.Tensor) -> torch.Tensor:
+    """[B + 1] int64 CSR offsets of B consecutive ranges of seq_lens [B] tokens (0 first)."""
+    indptr = torch.zeros(seq_lens.shape[0] + 1, dtype=torch.int64, device=seq_lens.device)
+    torch.cumsum(seq_lens, 0, out=indptr[1:])
+    return indptr
 
 
 @dataclass
@@ -298,9 +305,7 @@ class ForwardBatch:
         if self.req_to_token is None or self.req_pool_indices is None:
             raise ValueError("a ForwardBatch needs kv_indices or its req_to_token rows")
         seq_lens = self.seq_lens
-        indptr = torch.zeros(self.batch_size + 1, dtype=torch.int64, device=seq_lens.device)
-        torch.cumsum(seq_lens, 0, out=indptr[1:])
         max_len = int(seq_lens.max()) if self.batch_size else 0
         cols = torch.arange(max_len, device=seq_lens.device)
-        self.kv_indptr = indptr
+        self.kv_indptr = kv_indptr_of(seq_lens)
         self.kv_indices = self.req_to_token[self.req_pool_indices, :max_len][cols[None, :] < seq_lens[:, None]]

@@ -137,16 +137,14 @@ class Req:
 
 @dataclass
 class ScheduleBatch:
-    """The requests of one step, the arrays the Rust core built for it, and its plan."""
+    """The requests of one step (request i is row i of its plan) and its plan."""
 
-    forward_mode: ForwardMode
     reqs: list[Req]
-    arrays: BatchArrays
     plan: StepPlan
 
     @property
-    def seq_lens(self) -> list[int]:
-        return self.arrays.seq_lens.tolist()
+    def forward_mode(self) -> ForwardMode:
+        return self.plan.forward_mode
 
     @classmethod
     def extend(cls, reqs: list[Req], fill: list[list[int]], arrays: BatchArrays,
@@ -164,7 +162,7 @@ class ScheduleBatch:
             row_slots=arrays.kv_indices, new_sampling_rows=[r.sampling_row() for r in reqs],
             released_rows=released_rows, all_greedy=all(r.sampling_params.is_greedy for r in reqs),
             logprob_info=_logprob_info(reqs, extend=True), step_id=step_id)
-        return cls(ForwardMode.EXTEND, reqs, arrays, plan)
+        return cls(reqs, plan)
 
     @classmethod
     def decode(cls, reqs: list[Req], arrays: BatchArrays, released_rows: list[int],
@@ -177,7 +175,7 @@ class ScheduleBatch:
             out_cache_loc=arrays.out_cache_loc, released_rows=released_rows,
             all_greedy=all(r.sampling_params.is_greedy for r in reqs),
             logprob_info=_logprob_info(reqs, extend=False), step_id=step_id)
-        return cls(ForwardMode.DECODE, reqs, arrays, plan)
+        return cls(reqs, plan)
 
 
 def _logprob_info(reqs: list[Req], extend: bool) -> LogprobBatchInfo | None:

@@ -108,14 +108,13 @@ class Scheduler:
         req = self.reqs.get(rid)
         if req is None or req.finished:
             return
-        req.finish_reason = finish_reason
         if req.req_id is None:  # still waiting: nothing allocated
+            req.finish_reason = finish_reason
             self.waiting.remove(req)
             self._forget(req)
-            self.emit([self._out(req)])
         else:  # its KV goes once no step holds it; the consumer hears of the end now
-            self._to_release.append(req)
-            self.emit([self._out(req)])
+            self._end(req, finish_reason)
+        self.emit([self._out(req)])
         self._wake.set()
 
     def flush_cache(self) -> bool:
@@ -191,8 +190,7 @@ class Scheduler:
                 req.kv_invalid = True
                 if not req.finished:
                     # status_code: a server-side failure, not the client's (HTTP 500)
-                    req.finish_reason = FinishReason.abort(f"model step failed: {exc}", status_code=500)
-                    self._to_release.append(req)
+                    self._end(req, FinishReason.abort(f"model step failed: {exc}", status_code=500))
                     self.emit([self._out(req)])
             return
         self._process_batch_result(batch, result)
@@ -245,8 +243,7 @@ class Scheduler:
         step in flight."""
         live = [r for r in self.running if not r.finished]
         if len(live) == 1:
-            live[0].finish_reason = FinishReason.length_limit(len(live[0].output_ids))
-            self._to_release.append(live[0])
+            self._end(live[0], FinishReason.length_limit(len(live[0].output_ids)))
             self.emit([self._out(live[0])])
             self._release_finished()
             return
@@ -268,8 +265,7 @@ class Scheduler:
         """Append each request's new token, decide who finished, emit TokenOuts."""
         outs = []
         failed = set(result.failed_rows) if result.failed_rows else ()
-        ids = result.next_token_ids
-        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        ids = result.next_token_ids.tolist()
         with_logprobs = result.output_logprobs is not None or result.input_logprobs is not None
         for i, (req, token) in enumerate(zip(batch.reqs, ids)):
             req.num_inflight -= 1
@@ -277,19 +273,17 @@ class Scheduler:
                 req.dropped_ids.append(token)
                 continue
             if i in failed:  # its own parameters left nothing to sample: it alone fails
-                req.finish_reason = FinishReason.abort(
+                self._end(req, FinishReason.abort(
                     "the sampling parameters leave no token to sample at output token "
                     f"{len(req.output_ids)} (every logit banned, or a bias or penalty overflowed)",
-                    status_code=400)
-                self._to_release.append(req)
+                    status_code=400))
                 outs.append(self._out(req))
                 continue
             if req.max_new_tokens == 0:  # a prefill-only request: no output token
-                req.finish_reason = FinishReason.length_limit(0)
+                self._end(req, FinishReason.length_limit(0))
                 req.dropped_ids.append(token)
                 token_out = self._out(req)
                 self._add_input_logprobs(token_out, req, result, i)
-                self._to_release.append(req)
                 outs.append(token_out)
                 continue
             req.output_ids.append(token)
@@ -315,6 +309,11 @@ class Scheduler:
             out.input_logprobs = result.input_logprobs[i]
             out.input_logprob_ids = req.origin_input_ids[req.logprob.logprob_start_len:]
             req.input_logprobs_done = True
+
+    def _end(self, req: Req, reason: FinishReason) -> None:
+        """An admitted request ends: it is released once no step in flight holds it."""
+        req.finish_reason = reason
+        self._to_release.append(req)
 
     def _release_finished(self) -> None:
         """Return the KV of finished requests that no step in flight holds: cached for normal

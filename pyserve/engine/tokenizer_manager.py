@@ -198,25 +198,15 @@ class TokenizerManager:
         treq = tokenized or await self.tokenize(req)
         if req.rid in self.states:
             raise InvalidRequestError(f"a request with rid {req.rid!r} is already running", param="rid")
-        state = ReqState()
-        self.states[req.rid] = state
-        sp = req.sampling_params
-        self.detokenizer.register(req.rid, sp.stop_strs, sp.skip_special_tokens, treq.logprob,
-                                  prompt_ids=treq.input_ids, no_stop_trim=sp.no_stop_trim,
-                                  stream=req.stream, stream_interval=sp.stream_interval or self.stream_interval)
-        self.scheduler.add_request(treq)
+        state = self._begin(req, treq, ReqState())
         try:
             while True:
                 out = await state.get()
                 if out.finished:
                     state.finished = True
-                    reason = out.finish_reason
-                    status = (reason.status_code if reason is not None else None) or 0
-                    if status >= 500:
-                        raise ModelStepError(reason.message or "the model step failed")  # type: ignore[union-attr]
-                    if status >= 400:  # the request's own parameters failed it mid-way
-                        raise InvalidRequestError(reason.message or "invalid request",  # type: ignore[union-attr]
-                                                  param="sampling_params")
+                    failure = failure_of(out)
+                    if failure is not None:
+                        raise failure
                     yield out
                     return
                 if req.stream:  # the detokenizer delivers every stream_interval tokens
@@ -235,12 +225,17 @@ class TokenizerManager:
         output. Raises InvalidRequestError if the rid is already running."""
         if req.rid in self.states:
             raise InvalidRequestError(f"a request with rid {req.rid!r} is already running", param="rid")
-        self.states[req.rid] = ReqState(sink)
+        self._begin(req, treq, ReqState(sink))
+
+    def _begin(self, req: SingleReq, treq: TokenizedGenerateReq, state: ReqState) -> ReqState:
+        """Track `state` for req's rid, register its text state, hand it to the scheduler."""
+        self.states[req.rid] = state
         sp = req.sampling_params
         self.detokenizer.register(req.rid, sp.stop_strs, sp.skip_special_tokens, treq.logprob,
                                   prompt_ids=treq.input_ids, no_stop_trim=sp.no_stop_trim,
                                   stream=req.stream, stream_interval=sp.stream_interval or self.stream_interval)
         self.scheduler.add_request(treq)
+        return state
 
     def abort_request(self, rid: str) -> None:
         """Stop a request and free what it holds; its consumer gets no more output."""
@@ -267,6 +262,18 @@ class TokenizerManager:
             state.finished = True
             del self.states[out.rid]
         state.sink(out)
+
+
+def failure_of(out: GenerateOutput) -> InvalidRequestError | ModelStepError | None:
+    """The error a final output stands for, or None: a failed model step (status 500 in its
+    finish reason) or the request's own parameters failing it mid-way (400)."""
+    reason = out.finish_reason
+    status = (reason.status_code if reason is not None else None) or 0
+    if status >= 500:
+        return ModelStepError(reason.message or "the model step failed")  # type: ignore[union-attr]
+    if status >= 400:
+        return InvalidRequestError(reason.message or "invalid request", param="sampling_params")  # type: ignore[union-attr]
+    return None
 
 
 def _encodes_like_backend(tokenizer: Any) -> bool:

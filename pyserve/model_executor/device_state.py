@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pyserve.forward_batch_info import ForwardBatch, ForwardMode, StepPlan
+from pyserve.forward_batch_info import ForwardBatch, ForwardMode, StepPlan, kv_indptr_of
 from pyserve.model_executor.sampling_rows import SamplingRows
 
 
@@ -52,8 +52,7 @@ class DeviceState:
         kv_indptr: torch.Tensor | None = None
         kv_indices: torch.Tensor | None = None
         if extend:
-            kv_indptr = torch.zeros(batch_size + 1, dtype=torch.int64, device=seq_lens.device)
-            torch.cumsum(seq_lens, 0, out=kv_indptr[1:])
+            kv_indptr = kv_indptr_of(seq_lens)
             assert plan.input_ids is not None and plan.row_slots is not None
             if plan.row_slots.shape[0] != int(plan.seq_lens.sum()):
                 raise ValueError("row_slots does not hold seq_lens slots")

@@ -34,14 +34,13 @@ class SamplingRows:
         self.num_rows = num_rows
         self.vocab_size = vocab_size
         self.device = device
-        f32 = dict(dtype=torch.float32, device=device)
-        self.temperatures = torch.zeros(num_rows, **f32)
-        self.top_ps = torch.ones(num_rows, **f32)
+        def f32(value: float) -> torch.Tensor:
+            return torch.full((num_rows,), value, dtype=torch.float32, device=device)
+
+        self.temperatures, self.top_ps, self.min_ps = f32(0.0), f32(1.0), f32(0.0)
         self.top_ks = torch.full((num_rows,), ALL_TOKENS, dtype=torch.int64, device=device)
-        self.min_ps = torch.zeros(num_rows, **f32)
-        self.frequency_penalties = torch.zeros(num_rows, **f32)
-        self.presence_penalties = torch.zeros(num_rows, **f32)
-        self.repetition_penalties = torch.ones(num_rows, **f32)
+        self.frequency_penalties, self.presence_penalties = f32(0.0), f32(0.0)
+        self.repetition_penalties = f32(1.0)
         self.live = np.zeros(num_rows, dtype=bool)
         self.uses_min_p = np.zeros(num_rows, dtype=bool)
         self.uses_counts = np.zeros(num_rows, dtype=bool)  # frequency or presence penalty

@@ -98,10 +98,6 @@ class SimulatedRunner:
 
         return wait
 
-    def synchronize(self) -> None:
-        """Wait until every launched step has ended."""
-        self.step_done_waiter()()
-
     def sample_next(self, logits: None, batch: ForwardBatch) -> tuple[torch.Tensor, list[int]]:
         """[B] int64 seeded ids, never EOS; no failed rows."""
         ids = self._ids[self._rng.integers(0, len(self._ids), size=batch.batch_size)]

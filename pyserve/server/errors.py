@@ -94,9 +94,18 @@ def _lone_surrogate_path(obj: Any) -> str | None:
     return None
 
 
+def exception_response(exc: InvalidRequestError | ModelStepError) -> JSONResponse:
+    """The error response of a request that failed before anything was sent: the request's
+    own fault (its status) or a failed model step (500)."""
+    if isinstance(exc, InvalidRequestError):
+        return error_response(exc.status, str(exc), param=exc.param, code=exc.code)
+    # the worker has logged the failed step with its traceback
+    return error_response(500, str(exc), type_="internal_server_error", code=500)
+
+
 async def handle_invalid_request(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, InvalidRequestError)
-    return error_response(exc.status, str(exc), param=exc.param, code=exc.code)
+    return exception_response(exc)
 
 
 async def handle_validation_error(request: Request, exc: Exception) -> JSONResponse:
@@ -112,8 +121,8 @@ async def handle_http_exception(request: Request, exc: Exception) -> JSONRespons
 
 
 async def handle_model_step_error(request: Request, exc: Exception) -> JSONResponse:
-    # the worker has logged the failed step with its traceback
-    return error_response(500, str(exc), type_="internal_server_error", code=500)
+    assert isinstance(exc, ModelStepError)
+    return exception_response(exc)
 
 
 async def handle_client_disconnect(request: Request, exc: Exception) -> JSONResponse:

@@ -30,7 +30,7 @@ def engine_of(request: Request) -> EngineCore:
     return request.app.state.engine
 
 
-async def generate(request: Request) -> Response:
+async def generate(request: Request) -> Response | HubSSEResponse:
     """POST /generate: text or input_ids, single or a list; SSE when stream is true."""
     obj = GenerateReqInput.model_validate(await parse_json(request))
     engine = engine_of(request)

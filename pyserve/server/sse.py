@@ -43,6 +43,20 @@ class SSEResponse(StreamingResponse):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
+def error_event(exc: Exception) -> bytes:
+    """The SSE event that ends a stream which failed after its 200 was sent: an OpenAI-style
+    error object for the request's own fault (InvalidRequestError, its status as code), a
+    failed model step (ModelStepError, logged by the worker: 500), or a pyserve bug (logged
+    here: 500)."""
+    if isinstance(exc, InvalidRequestError):
+        return sse_event(error_body(exc.message, param=exc.param, code=exc.code or exc.status))
+    if isinstance(exc, ModelStepError):
+        return sse_event(error_body(str(exc), type_="internal_server_error", code=500))
+    logger.error("stream failed", exc_info=exc)
+    return sse_event(error_body(f"internal server error: {type(exc).__name__}: {exc}",
+                                type_="internal_server_error", code=500))
+
+
 def sse_response(events: AsyncIterator[Any], first: Any = None,
                  convert: Callable[[Any], Any] | None = None) -> StreamingResponse:
     """Stream `events` as SSE, ending with `data: [DONE]`; with `convert`, `first` (if not
@@ -62,14 +76,8 @@ def sse_response(events: AsyncIterator[Any], first: Any = None,
                     yield sse_event(convert(first))
                     async for obj in events:
                         yield sse_event(convert(obj))
-            except InvalidRequestError as exc:
-                yield sse_event(error_body(exc.message, param=exc.param, code=exc.code or exc.status))
-            except ModelStepError as exc:  # the worker has logged the failed step
-                yield sse_event(error_body(str(exc), type_="internal_server_error", code=500))
-            except Exception as exc:  # a pyserve bug: say so, keep the server and the stream sane
-                logger.error("stream failed", exc_info=exc)
-                yield sse_event(error_body(f"internal server error: {type(exc).__name__}: {exc}",
-                                           type_="internal_server_error", code=500))
+            except Exception as exc:
+                yield error_event(exc)
             yield DONE_EVENT
         finally:
             aclose = getattr(events, "aclose", None)

@@ -16,10 +16,11 @@ import asyncio
 import logging
 from typing import Any, Callable
 
-from pyserve.errors import InvalidRequestError, ModelStepError
+from pyserve.engine.tokenizer_manager import failure_of
 from pyserve.io_struct import GenerateOutput
-from pyserve.server.render import SafeJSONResponse, error_body, sse_event
-from pyserve.server.sse import DONE_EVENT, RAW_SEND_KEY
+from pyserve.server.errors import exception_response
+from pyserve.server.render import sse_event
+from pyserve.server.sse import DONE_EVENT, RAW_SEND_KEY, error_event
 
 logger = logging.getLogger(__name__)
 
@@ -56,26 +57,17 @@ class SSEStream:
         try:
             data = self._event(out)
         except Exception as exc:  # a pyserve bug: say so in the stream, keep the server sane
-            logger.error("stream output failed", exc_info=exc)
-            data = sse_event(error_body(f"internal server error: {type(exc).__name__}: {exc}",
-                                        type_="internal_server_error", code=500)) + DONE_EVENT
-            self._write(data, final=True)
+            self._write(error_event(exc) + DONE_EVENT, final=True)
             return
         self._write(data, final=out.finished)
 
     def _event(self, out: GenerateOutput) -> bytes:
-        reason = out.finish_reason
-        status = (reason.status_code if reason is not None else None) or 0
-        if status >= 400:
-            message = reason.message or "request failed"  # type: ignore[union-attr]
-            exc: Exception = (ModelStepError(message) if status >= 500
-                              else InvalidRequestError(message, param="sampling_params"))
+        failure = failure_of(out) if out.finished else None
+        if failure is not None:
             if not self.first.done():
-                self.first.set_result(exc)
+                self.first.set_result(failure)
                 return b""
-            if isinstance(exc, ModelStepError):
-                return sse_event(error_body(message, type_="internal_server_error", code=500)) + DONE_EVENT
-            return sse_event(error_body(message, param="sampling_params", code=400)) + DONE_EVENT
+            return error_event(failure) + DONE_EVENT
         data = sse_event(self.convert(out))
         return data + DONE_EVENT if out.finished else data
 
@@ -218,11 +210,7 @@ class HubSSEResponse:
             failure = stream.first.result()
             if failure is not None:
                 finished = True
-                status = 500 if isinstance(failure, ModelStepError) else 400
-                body = error_body(str(failure) if status == 500 else failure.message,
-                                  type_="internal_server_error" if status == 500 else "invalid_request_error",
-                                  param=None if status == 500 else "sampling_params", code=status)
-                await SafeJSONResponse(body, status_code=status)(scope, receive, send)
+                await exception_response(failure)(scope, receive, send)
                 return
             await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
             raw = scope.get(RAW_SEND_KEY) or send
