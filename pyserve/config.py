@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
-ATTENTION_BACKENDS = ("auto", "torch_native", "cpu")
+ATTENTION_BACKENDS = ("auto", "torch_native", "cpu", "triton")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -48,6 +48,9 @@ class ServerArgs:
     stats_interval_s: float = 10.0
     disable_overlap_schedule: bool = False
     stream_interval: int = 1
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None
+    cuda_graph_bs: list[int] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -86,6 +89,10 @@ class ServerArgs:
             raise bad("stats_interval_s", f"got {self.stats_interval_s}; must be > 0 seconds")
         if self.stream_interval <= 0:
             raise bad("stream_interval", f"got {self.stream_interval}; must be >= 1 token")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs <= 0:
+            raise bad("cuda_graph_max_bs", f"got {self.cuda_graph_max_bs}; must be >= 1")
+        if self.cuda_graph_bs is not None and (not self.cuda_graph_bs or min(self.cuda_graph_bs) <= 0):
+            raise bad("cuda_graph_bs", f"got {self.cuda_graph_bs}; must be batch sizes >= 1")
 
     @property
     def resolved_device(self) -> str:
@@ -111,8 +118,9 @@ class ServerArgs:
         a("--load-format", type=str, default="auto", choices=LOAD_FORMATS,
           help="auto: the checkpoint's weights; dummy: random weights from its config (benchmarks)")
         a("--attention-backend", type=str, default="auto", choices=ATTENTION_BACKENDS,
-          help="auto: cpu where it applies (float32 on CPU), else torch_native; cpu: native CPU "
-               "decode-attention kernel; torch_native: the torch SDPA reference")
+          help="auto: triton on CUDA, cpu where it applies (float32 on CPU), else torch_native; "
+               "cpu: native CPU decode-attention kernel; triton: the Triton kernels (CUDA); "
+               "torch_native: the torch SDPA reference")
         a("--device", type=str, default="auto", choices=("auto", "cpu", "cuda"))
         a("--context-length", type=int, default=None, help="max tokens of prompt + output; default: the model's")
         a("--max-total-tokens", type=int, default=None,
@@ -135,6 +143,12 @@ class ServerArgs:
                "the device runs step N)")
         a("--stream-interval", type=int, default=d["stream_interval"].default,
           help="tokens per streamed chunk (a request's own stream_interval overrides it)")
+        a("--disable-cuda-graph", action="store_true", help="run decode steps eagerly on CUDA")
+        a("--cuda-graph-max-bs", type=int, default=None,
+          help="largest decode batch captured in a CUDA graph (default 256; sizes 1, 2, 4, 8, "
+               "then multiples of 8)")
+        a("--cuda-graph-bs", type=int, nargs="+", default=None,
+          help="exactly these decode batch sizes are captured")
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":

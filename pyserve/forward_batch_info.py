@@ -163,6 +163,9 @@ class SamplingBatchInfo:
     min_ps:       [batch] float32 in [0, 1] or None (all 0).
     all_greedy:   True/False when the caller knows (host data: no device sync), None to
                   compute it from temperatures.
+    greedy_rows:  [batch] numpy bool, host: which rows are greedy (temperature 0), when the
+                  caller knows (the worker's sampling rows do), so sampling needs no device
+                  read; None to compute it from temperatures.
     The optional logit adjustments below are None when no request of the batch uses them:
     frequency_penalties, presence_penalties: [batch] float32 (OpenAI semantics, over the
                   tokens generated so far).
@@ -182,6 +185,7 @@ class SamplingBatchInfo:
     generators: list = field(default_factory=list)
     min_ps: torch.Tensor | None = None
     all_greedy: bool | None = None
+    greedy_rows: np.ndarray | None = None
     frequency_penalties: torch.Tensor | None = None
     presence_penalties: torch.Tensor | None = None
     output_token_counts: torch.Tensor | None = None
@@ -273,6 +277,8 @@ class ForwardBatch:
                      attention backend asks (`ensure_kv_indices` gathers them from
                      req_to_token rows req_pool_indices).
       req_to_token:  [num_rows, row_width] int32 the worker's table of request rows, or None
+      max_extend_len: host int (EXTEND) the longest extend_seq_lens entry, from the plan, so
+                     kernels size their grids without reading the device
     All tensors are on the model device.
     """
 
@@ -295,6 +301,7 @@ class ForwardBatch:
     # [B] int64: each request's row in the worker's tables (None for hand-built batches)
     req_pool_indices: torch.Tensor | None = None
     req_to_token: torch.Tensor | None = None
+    max_extend_len: int | None = None
 
     def ensure_kv_indices(self) -> None:
         """Set kv_indptr / kv_indices from req_to_token when they were left None (O(B x

@@ -11,6 +11,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without CUDA, Triton kernels run in Triton's interpreter (numpy, small shapes). It must be
+# set before any kernel module is imported: @triton.jit reads it when a kernel is defined.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("PYSERVE_SHARED", REPO.parent / "shared"))

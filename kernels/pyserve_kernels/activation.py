@@ -1,5 +1,5 @@
-"""SwiGLU's silu(gate) * up: the native CPU kernel for float32 CPU tensors, else the torch
-reference."""
+"""SwiGLU's silu(gate) * up: the Triton kernel on CUDA, the native CPU kernel for float32 CPU
+tensors, else the torch reference."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import torch
 
 from pyserve_kernels import reference
 from pyserve_kernels._native import _cpu, native_applies
+from pyserve_kernels._triton import triton_applies
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -15,6 +16,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     x: [..., 2 * intermediate]. Returns a new [..., intermediate] tensor in x.dtype.
     Raises ValueError if the last dim is odd.
     """
+    if x.shape[-1] % 2 == 0 and triton_applies(x):
+        from pyserve_kernels.triton_ops.activation import silu_and_mul as triton_silu_and_mul
+
+        return triton_silu_and_mul(x)
     if x.shape[-1] % 2 or not native_applies(x) or x.numel() == 0:
         return reference.silu_and_mul(x)
     out = x.new_empty(*x.shape[:-1], x.shape[-1] // 2)

@@ -144,3 +144,53 @@ def decode_attention(
         scores = torch.einsum("hd,nhd->hn", q[b].float(), keys) * scaling
         out[b] = torch.einsum("hn,nhd->hd", torch.softmax(scores, dim=-1), values)
     return out.to(q.dtype)
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    scaling: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Paged extend attention, one request at a time: causal softmax(q k^T * scaling) v over
+    each request's cached prefix and its new tokens.
+
+    Algorithm: causal scaled dot-product attention (Vaswani et al., "Attention Is All You
+    Need", 2017) with grouped-query heads (Ainslie et al., "GQA", 2023).
+
+    q:          [num_tokens, num_heads, head_dim]; request b's new tokens are the next
+                extend_lens[b] rows (requests in batch order) and sit at positions
+                prefix_lens[b] .. prefix_lens[b] + extend_lens[b] - 1
+    k_buffer, v_buffer: [num_slots, num_kv_heads, head_dim], holding the new tokens' K/V too;
+                query head h reads KV head h // (num_heads // num_kv_heads)
+    req_to_token: [num_rows, max_context]; position j of request b is slot
+                req_to_token[req_pool_indices[b], j]
+    prefix_lens, extend_lens, req_pool_indices: [batch] integer
+    sliding_window: None, or W: the query at position p sees keys p - W + 1 .. p only
+    Returns [num_tokens, num_heads, head_dim] in q.dtype.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    group = num_heads // k_buffer.shape[1]
+    out = torch.zeros(num_tokens, num_heads, head_dim, dtype=torch.float32, device=q.device)
+    row_start = 0
+    for b in range(req_pool_indices.shape[0]):
+        prefix, extend = int(prefix_lens[b]), int(extend_lens[b])
+        slots = req_to_token[int(req_pool_indices[b]), : prefix + extend].long()
+        keys = k_buffer[slots].float().repeat_interleave(group, dim=1)      # [n, H, D]
+        values = v_buffer[slots].float().repeat_interleave(group, dim=1)
+        rows = slice(row_start, row_start + extend)
+        scores = torch.einsum("thd,nhd->htn", q[rows].float(), keys) * scaling
+        q_pos = torch.arange(prefix, prefix + extend, device=q.device)[:, None]
+        k_pos = torch.arange(prefix + extend, device=q.device)[None, :]
+        allowed = k_pos <= q_pos
+        if sliding_window is not None:
+            allowed &= k_pos > q_pos - sliding_window
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        out[rows] = torch.einsum("htn,nhd->thd", torch.softmax(scores, dim=-1), values)
+        row_start += extend
+    return out.to(q.dtype)

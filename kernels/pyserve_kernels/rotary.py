@@ -1,5 +1,6 @@
 """Rotary position embedding applied in place to the q and k heads of a fused q|k|v row: the
-native CPU kernel for float32 CPU tensors, else the torch reference."""
+Triton kernel on CUDA, the native CPU kernel for float32 CPU tensors, else the torch
+reference."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 
 from pyserve_kernels import reference
 from pyserve_kernels._native import _cpu, native_applies
+from pyserve_kernels._triton import triton_applies
 
 
 def rotary_embedding_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
@@ -23,6 +25,10 @@ def rotary_embedding_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num
             or cos.shape != (x.shape[0], head_dim) or sin.shape != cos.shape):
         raise ValueError(f"rotary_embedding_: x {tuple(x.shape)}, cos {tuple(cos.shape)}, "
                          f"sin {tuple(sin.shape)}, {num_heads} heads of {head_dim}")
+    if triton_applies(x, cos, sin):
+        from pyserve_kernels.triton_ops.rotary import rotary_embedding_ as triton_rotary
+
+        return triton_rotary(x, cos, sin, num_heads, head_dim)
     if native_applies(x, cos, sin):
         _cpu.rotary_embedding(x.numpy(), cos.numpy(), sin.numpy(), num_heads, head_dim,
                               torch.get_num_threads())

@@ -61,8 +61,9 @@ class EngineCore:
                                 self.context_len, disable_radix_cache=args.disable_radix_cache,
                                 page_size=args.page_size)
         mc = runner.model_config
-        self.worker = ModelWorker(runner, self.kv_cache.num_rows, self.kv_cache.max_context_len,
-                                  mc.vocab_size)
+        # on CUDA the worker captures the decode graphs before it is ready: not on the loop
+        self.worker = await loop.run_in_executor(
+            None, ModelWorker, runner, self.kv_cache.num_rows, self.kv_cache.max_context_len, mc.vocab_size)
         self.scheduler = Scheduler(self.kv_cache, self.worker, self.context_len,
                                    args.max_running_requests, args.max_prefill_tokens,
                                    emit=self._emit, stats_interval_s=args.stats_interval_s,
@@ -113,7 +114,9 @@ class EngineCore:
             context_length=args.context_length, max_total_tokens=args.max_total_tokens,
             mem_fraction_static=args.mem_fraction_static, random_seed=args.random_seed,
             page_size=args.page_size, load_format=args.load_format,
-            attention_backend=args.attention_backend)
+            attention_backend=args.attention_backend, disable_cuda_graph=args.disable_cuda_graph,
+            cuda_graph_max_bs=args.cuda_graph_max_bs, cuda_graph_bs=args.cuda_graph_bs,
+            max_running_requests=args.max_running_requests)
         self._describe_model()
 
     def _describe_model(self) -> None:

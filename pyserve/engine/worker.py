@@ -8,10 +8,12 @@ host and resolves the future on the loop with `call_soon_threadsafe`. Because th
 order, the loop may submit step N+1 before step N's future resolved (overlap scheduling). The
 worker never awaits the loop, and the loop never blocks on the device (DESIGN.md section 1).
 
-A runner whose launches are asynchronous (it has `step_done_waiter`, as the simulated device
-does and a CUDA runner with copy-done events will) does not make the worker wait: a second
-thread, the completer, waits for each step's end in order and resolves its future, while the
-worker already builds and launches the next step, so its host work overlaps the device's.
+A runner whose launches are asynchronous does not make the worker wait: a second thread, the
+completer, waits for each step's end in order and resolves its future, while the worker
+already builds and launches the next step, so its host work overlaps the device's. On CUDA
+the step's ids and failed-row mask are copied into pinned host memory without blocking and
+the completer waits on an event recorded after the copy; the simulated device gives its own
+`step_done_waiter`. A CPU runner computes synchronously: the worker resolves each step itself.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import queue
 import threading
 from typing import Any
 
+import numpy as np
 import torch
 
 from pyserve.forward_batch_info import StepOutput, StepPlan
@@ -43,10 +46,16 @@ class ModelWorker:
         self.model_runner = model_runner
         self.state = DeviceState(num_rows, row_width, vocab_size, model_runner.device)
         self._queue: queue.Queue = queue.Queue()
-        self._async = hasattr(model_runner, "step_done_waiter")
+        self._cuda = str(model_runner.device).startswith("cuda")
+        self._async = self._cuda or hasattr(model_runner, "step_done_waiter")
         self._done: queue.Queue = queue.Queue()
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="pyserve-worker", daemon=True)
         self._thread.start()
+        self._ready.wait()  # CUDA graphs are captured on the worker's thread and stream first
+        if self._start_error is not None:
+            raise self._start_error
         if self._async:
             threading.Thread(target=self._complete, name="pyserve-completer", daemon=True).start()
 
@@ -86,6 +95,15 @@ class ModelWorker:
     def _run(self) -> None:
         runner = self.model_runner
         stream = torch.cuda.Stream() if runner.device.startswith("cuda") else None
+        try:
+            init_graphs = getattr(runner, "init_cuda_graphs", None)
+            if stream is not None and init_graphs is not None:
+                init_graphs(self.state.req_to_token, stream)
+        except BaseException as exc:  # the constructor raises it on the caller's thread
+            self._start_error = exc
+            return
+        finally:
+            self._ready.set()
         while True:
             item = self._queue.get()
             if item is _STOP:
@@ -97,9 +115,9 @@ class ModelWorker:
             try:
                 if stream is not None:
                     with torch.cuda.stream(stream):
-                        result: Any = self._step(plan)
+                        result, wait = self._step(plan)
                 else:
-                    result = self._step(plan)
+                    result, wait = self._step(plan)
                 ok = True
             # A failed step fails its requests, not the server. BaseException: a panic in a
             # native kernel arrives as pyo3's PanicException, which is not an Exception, and
@@ -110,20 +128,38 @@ class ModelWorker:
                 result = exc if isinstance(exc, Exception) else RuntimeError(f"{type(exc).__name__}: {exc}")
                 ok = False
             if self._async:  # resolved, in order, once the device has run the step
-                self._done.put((runner.step_done_waiter() if ok else None, loop, future, ok, result))
+                self._done.put((wait if ok else None, loop, future, ok, result))
             else:
                 loop.call_soon_threadsafe(_resolve, future, ok, result)
 
-    def _step(self, plan: StepPlan) -> StepOutput:
+    def _step(self, plan: StepPlan) -> tuple[StepOutput, Any]:
+        """Run one step; returns its output and, for an asynchronous runner, the function that
+        waits until the output is on the host (None for a CPU runner: it already is)."""
         runner = self.model_runner
         with torch.inference_mode():
             batch = self.state.forward_batch(plan)
             logits = runner.forward(batch)
-            next_ids, failed_rows = runner.sample_next(logits, batch)
+            next_ids, failed = runner.sample_next(logits, batch)
             self.state.record_sampled(plan, batch, next_ids)
-            out = StepOutput(next_token_ids=next_ids.to(torch.int32).cpu().numpy(), failed_rows=failed_rows)
+            if not self._cuda:
+                out = StepOutput(next_token_ids=next_ids.to(torch.int32).numpy(),
+                                 failed_rows=np.flatnonzero(failed.numpy()).tolist())
+                runner.add_logprobs(out, logits, batch, next_ids)
+                return out, (runner.step_done_waiter() if self._async else None)
+            ids_host = torch.empty(next_ids.shape, dtype=torch.int32, pin_memory=True)
+            ids_host.copy_(next_ids, non_blocking=True)
+            failed_host = torch.empty(failed.shape, dtype=torch.bool, pin_memory=True)
+            failed_host.copy_(failed, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            out = StepOutput(next_token_ids=ids_host.numpy())
             runner.add_logprobs(out, logits, batch, next_ids)
-        return out
+
+        def wait() -> None:  # completer thread: the copies landed, then the failed rows
+            done.synchronize()
+            out.failed_rows = np.flatnonzero(failed_host.numpy()).tolist()
+
+        return out, wait
 
 
 def _resolve(future: asyncio.Future, ok: bool, result: Any) -> None:

@@ -71,6 +71,15 @@ class RotaryEmbedding(torch.nn.Module):
             self.original_max_position = int(self.rope["max_position_embeddings"])
         self.inv_freq = compute_inv_freq(head_dim, self.rope).to(device)
         self._build_cache(max(1, int(max_position)))
+        self.bounded = False  # set by `reserve`: positions never pass the cache, no check
+
+    def reserve(self, context_len: int) -> None:
+        """Promise that positions stay below `context_len` (the runner's context length):
+        the cache is built that far once, and `get_cos_sin` of a non-dynamic rope then never
+        reads positions on the host, so a forward can be captured in a CUDA graph."""
+        if context_len > self.cos_cache.shape[0]:
+            self._build_cache(int(context_len))
+        self.bounded = True
 
     def _build_cache(self, max_position: int) -> None:
         t = torch.arange(max_position, device=self.inv_freq.device, dtype=torch.int64).float()
@@ -82,7 +91,7 @@ class RotaryEmbedding(torch.nn.Module):
     def get_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, head_dim] float32 for positions [T] int64 (computed once per forward
         and shared by all layers). Grows the cache if a position is beyond it; that check
-        reads positions.max() on the host.
+        reads positions.max() on the host, unless `reserve` made it needless.
 
         Dynamic rope: when the batch's longest sequence (max position + 1) exceeds
         max_position_embeddings, cos/sin are computed from that length's frequencies for the
@@ -94,7 +103,7 @@ class RotaryEmbedding(torch.nn.Module):
                 freqs = positions.float()[:, None] * inv_freq[None, :]
                 emb = torch.cat((freqs, freqs), dim=-1)
                 return emb.cos(), emb.sin()
-        if positions.numel() and int(positions.max()) >= self.cos_cache.shape[0]:
+        if not self.bounded and positions.numel() and int(positions.max()) >= self.cos_cache.shape[0]:
             self._build_cache(2 * int(positions.max()) + 1)
         return self.cos_cache[positions], self.sin_cache[positions]
 

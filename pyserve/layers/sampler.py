@@ -83,8 +83,8 @@ def unsampleable_rows(logits: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(logits.amax(dim=-1))
 
 
-def sample_checked(logits: torch.Tensor, sampling_info: SamplingBatchInfo) -> tuple[torch.Tensor, list[int]]:
-    """Next token ids [B] int64 on logits.device.
+def sample_checked(logits: torch.Tensor, sampling_info: SamplingBatchInfo) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next token ids [B] int64 on logits.device, and the failed-row mask [B] bool there.
 
     logits: [B, vocab] float32 (not mutated), the model's raw logits; the adjustments of
     `apply_logit_adjustments` are applied first.
@@ -93,9 +93,12 @@ def sample_checked(logits: torch.Tensor, sampling_info: SamplingBatchInfo) -> tu
     using the row's generator from `sampling_info.generators` when one is given (a seeded
     request then draws the same tokens whatever else is in the batch; a generator on another
     device than logits draws on its own device), else the global torch RNG of logits.device.
-    Returns (ids, failed rows): a row whose parameters leave no token to draw
-    (`unsampleable_rows`) is listed and sampled from uniform logits instead, so one such
-    request does not fail the batch; its id must be dropped.
+    A row whose parameters leave no token to draw (`unsampleable_rows`) is True in the mask
+    and sampled from uniform logits instead, so one such request does not fail the batch;
+    its id must be dropped. Which rows are greedy is read from `sampling_info.greedy_rows`
+    (host) when given; on CUDA nothing else reads the device on the host, so the step's
+    launches are not held up (a CPU "sync" is free and skips the uniform fix-up when no row
+    needs it).
     Raises ValueError if the sampling tensors do not have B rows.
     """
     batch = logits.shape[0]
@@ -103,14 +106,15 @@ def sample_checked(logits: torch.Tensor, sampling_info: SamplingBatchInfo) -> tu
     if temps.shape[0] != batch or sampling_info.top_ks.shape[0] != batch or sampling_info.top_ps.shape[0] != batch:
         raise ValueError(f"sampling info rows do not match batch size {batch}")
     logits = apply_logit_adjustments(logits, sampling_info)
-    failed: list[int] = []
     bad = unsampleable_rows(logits)
-    if bool(bad.any()):  # a host sync on [B] bools; the fix-up below is rare work
-        failed = bad.nonzero().squeeze(1).tolist()
+    if not logits.is_cpu or bool(bad.any()):
         logits = torch.where(bad[:, None], torch.zeros_like(logits), logits)
     greedy_ids = torch.argmax(logits, dim=-1)
     if sampling_info.is_all_greedy:
-        return greedy_ids, failed
+        return greedy_ids, bad
+    greedy_host = sampling_info.greedy_rows
+    if greedy_host is None:
+        greedy_host = (temps == 0).cpu().numpy()
     greedy = temps == 0
     safe_temps = torch.where(greedy, torch.ones_like(temps), temps).to(torch.float32)
     probs = torch.softmax(logits.float() / safe_temps[:, None], dim=-1)
@@ -121,15 +125,15 @@ def sample_checked(logits: torch.Tensor, sampling_info: SamplingBatchInfo) -> tu
     generators = list(sampling_info.generators or [])
     generators += [None] * (batch - len(generators))
     choice = torch.zeros(batch, dtype=torch.int64, device=logits.device)
-    unseeded = [i for i, g in enumerate(generators) if g is None and not bool(greedy[i])]
+    unseeded = [i for i, g in enumerate(generators) if g is None and not greedy_host[i]]
     if unseeded:
         rows = torch.tensor(unseeded, device=logits.device)
         choice[rows] = torch.multinomial(sorted_probs[rows], 1).squeeze(1)
     for i, gen in enumerate(generators):
-        if gen is not None and not bool(greedy[i]):
+        if gen is not None and not greedy_host[i]:
             # A generator draws only on its own device; a CPU generator with CUDA logits
             # samples that row on the host (seeded requests stay reproducible either way).
             row = sorted_probs[i] if gen.device == logits.device else sorted_probs[i].cpu()
             choice[i] = torch.multinomial(row, 1, generator=gen)[0].to(logits.device)
     sampled = sorted_ids.gather(1, choice[:, None]).squeeze(1)
-    return torch.where(greedy, greedy_ids, sampled), failed
+    return torch.where(greedy, greedy_ids, sampled), bad

@@ -33,10 +33,13 @@ class DeviceState:
         self.sampling = SamplingRows(num_rows, vocab_size, device)
 
     def _tensor(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        """The plan array on the device as `dtype`. On CUDA it is staged in pinned memory and
+        copied without blocking on the worker's stream: a copy from pageable memory would
+        make the host wait for the device."""
         t = torch.from_numpy(array)
         if self.device == "cpu":
             return t.to(dtype)
-        return t.to(self.device, non_blocking=True).to(dtype)
+        return t.pin_memory().to(self.device, non_blocking=True).to(dtype)
 
     def forward_batch(self, plan: StepPlan) -> ForwardBatch:
         """Apply `plan` to the tables (row releases and starts, new slots) and return the
@@ -63,7 +66,9 @@ class DeviceState:
                 kv_indptr[:-1], seq_lens)
             self.req_to_token[row_of, col] = kv_indices
             input_ids = self._tensor(plan.input_ids, torch.int64)
+            max_extend_len = int(plan.extend_lens.max()) if plan.extend_lens is not None and batch_size else 0
         else:
+            max_extend_len = None
             self.req_to_token[rows, positions] = out_cache_loc.to(torch.int32)
             input_ids = self.token_table[rows]  # kv_indices: gathered if a backend asks
         return ForwardBatch(
@@ -74,6 +79,7 @@ class DeviceState:
             extend_seq_lens=self._tensor(plan.extend_lens, torch.int64) if extend else None,
             sampling_info=self.sampling.batch_info(plan.req_pool_indices, rows, plan.all_greedy),
             logprob_info=plan.logprob_info, req_pool_indices=rows, req_to_token=self.req_to_token,
+            max_extend_len=max_extend_len,
         )
 
     def record_sampled(self, plan: StepPlan, batch: ForwardBatch, next_ids: torch.Tensor) -> None:

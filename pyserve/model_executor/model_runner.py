@@ -12,8 +12,10 @@ import os
 
 import torch
 
-from pyserve.layers.attention.cpu_backend import CpuAttnBackend
-from pyserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from pyserve.layers.attention.base import AttentionBackend
+from pyserve.layers.attention.registry import create_attention_backend
+from pyserve.layers.rotary_embedding import RotaryEmbedding
+from pyserve.model_executor.cuda_graph_runner import CudaGraphRunner, capture_batch_sizes
 from pyserve.layers.logprobs import logprobs_of_rows
 from pyserve.layers.sampler import sample as sample_tokens
 from pyserve.layers.sampler import sample_checked
@@ -57,9 +59,14 @@ class ModelRunner:
     load_progress: show tqdm bars while loading weights.
     load_format: "auto" (the checkpoint's weights) or "dummy" (random weights from the
       config, no weight file read: for benchmarks).
-    attention_backend: "torch_native" (TorchNativeAttnBackend, the SDPA reference), "cpu"
-      (CpuAttnBackend: native decode kernel; float32 on CPU only) or "auto" (cpu where it
-      applies, else torch_native).
+    attention_backend: a name of `layers/attention/registry.py`: "torch_native" (the SDPA
+      reference), "cpu" (native decode kernel; float32 on CPU only), "triton" (the Triton
+      kernels; CUDA, or CPU under TRITON_INTERPRET=1) or "auto" (triton on CUDA, cpu on CPU
+      where it applies, else torch_native).
+    disable_cuda_graph / cuda_graph_max_bs / cuda_graph_bs / max_running_requests: decode
+      steps on CUDA replay CUDA graphs captured by `init_cuda_graphs` (see
+      cuda_graph_runner.py) unless disabled, the backend cannot be captured or the rope is
+      dynamic; their memory is set aside before the KV pool is sized.
 
     Attributes: model_config, model, device (str: "cpu", "cuda", "cuda:1"), dtype
     (torch.dtype), kv_pool (MHATokenToKVPool), max_total_num_tokens (real slots
@@ -84,6 +91,10 @@ class ModelRunner:
         page_size: int = 1,
         load_format: str = "auto",
         attention_backend: str = "auto",
+        disable_cuda_graph: bool = False,
+        cuda_graph_max_bs: int | None = None,
+        cuda_graph_bs: list[int] | None = None,
+        max_running_requests: int = 256,
     ) -> None:
         if not 0.0 < mem_fraction_static <= 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1], got {mem_fraction_static}")
@@ -103,34 +114,44 @@ class ModelRunner:
         self.weight_bytes: int = self.packed_weight_bytes + sum(
             p.numel() * p.element_size() for p in self.model.parameters())
         self.page_size = int(page_size)
+        cfg = self.model_config
+        for module in self.model.modules():  # positions stay below the context: no host check
+            if isinstance(module, RotaryEmbedding):
+                module.reserve(cfg.context_len)
+        self.graph_sizes: list[int] = []
+        if torch_device.type == "cuda" and not disable_cuda_graph:
+            self.graph_sizes = capture_batch_sizes(max_running_requests, cuda_graph_max_bs, cuda_graph_bs)
+        self.graph_runner: CudaGraphRunner | None = None
         pool = self._kv_pool_size(torch_device, max_total_tokens, mem_fraction_static)
         self.max_total_num_tokens = pool - pool % self.page_size
         if self.max_total_num_tokens <= 0:
             raise ValueError(f"a KV pool of {pool} tokens holds no page of {self.page_size}")
-        cfg = self.model_config
         self.kv_pool = MHATokenToKVPool(
             self.max_total_num_tokens, cfg.num_hidden_layers, cfg.num_key_value_heads,
             cfg.head_dim, self.dtype, torch_device, page_size=self.page_size,
         )
         self.kv_cache_bytes = self.kv_pool.total_bytes
-        self.attn_backend = self._attention_backend(attention_backend)
+        self.attn_backend: AttentionBackend = create_attention_backend(attention_backend, self.kv_pool)
         self._input_groups: list | None = None  # prompt-logprob plan of the last forward
-        self.attention_backend_name = "cpu" if isinstance(self.attn_backend, CpuAttnBackend) else "torch_native"
+        self.attention_backend_name = self.attn_backend.name
+        if self.graph_sizes and not self.attn_backend.supports_cuda_graph:
+            logger.info("CUDA graphs off: attention backend %s cannot be captured", self.attention_backend_name)
+            self.graph_sizes = []
+        if self.graph_sizes and any(isinstance(m, RotaryEmbedding) and m.is_dynamic for m in self.model.modules()):
+            logger.info("CUDA graphs off: dynamic rope reads positions on the host")
+            self.graph_sizes = []
         logger.info(
             "KV cache: %d tokens, %.1f MiB (%s, %s); attention backend %s", self.max_total_num_tokens,
             self.kv_cache_bytes / 2**20, self.dtype, self.device, self.attention_backend_name,
         )
 
-    def _attention_backend(self, name: str) -> TorchNativeAttnBackend:
-        cpu_ok = CpuAttnBackend.supported(self.kv_pool)
-        if name == "cpu" and not cpu_ok:
-            raise ValueError("attention backend 'cpu' needs float32 on CPU and the native "
-                             "pyserve_kernels._cpu module")
-        if name == "cpu" or (name == "auto" and cpu_ok):
-            return CpuAttnBackend(self.kv_pool)
-        if name in ("auto", "torch_native"):
-            return TorchNativeAttnBackend(self.kv_pool)
-        raise ValueError(f"attention backend {name!r} is not supported; supported: auto, cpu, torch_native")
+    def init_cuda_graphs(self, req_to_token: torch.Tensor, stream: "torch.cuda.Stream") -> None:
+        """Capture the decode graphs over the worker's req_to_token table on its stream (the
+        worker thread, before its first step). No-op when graphs are off."""
+        if self.graph_sizes:
+            self.graph_runner = CudaGraphRunner(
+                lambda batch: self.model(batch, self.attn_backend), self.attn_backend,
+                req_to_token, self.graph_sizes, stream)
 
     def _kv_pool_size(self, device: torch.device, max_total_tokens: int | None,
                       mem_fraction_static: float) -> int:
@@ -145,8 +166,9 @@ class ModelRunner:
         free = available_memory_bytes(device)
         weight_bytes = self.weight_bytes
         if device.type == "cuda":
-            # mem_get_info already excludes the loaded weights.
-            budget = int(free * mem_fraction_static)
+            # mem_get_info already excludes the loaded weights; the decode graphs' pool is
+            # set aside first (an estimate: a padded batch's logits and activations)
+            budget = int(free * mem_fraction_static) - self._cuda_graph_reserve_bytes()
         else:
             budget = int(free * mem_fraction_static) - weight_bytes
         num_tokens = budget // per_token
@@ -165,6 +187,19 @@ class ModelRunner:
             raise ValueError(f"not enough memory for a KV cache: {derivation}")
         return int(num_tokens)
 
+    def _cuda_graph_reserve_bytes(self) -> int:
+        """Memory kept out of the KV pool for the captured graphs' shared pool: the largest
+        padded batch's float32 logits plus its activations (hidden, q|k|v, gate|up, with a
+        factor for intermediates), and a fixed 256 MiB for workspaces and the allocator."""
+        if not self.graph_sizes:
+            return 0
+        cfg = self.model_config
+        bs, size = self.graph_sizes[-1], torch.tensor([], dtype=self.dtype).element_size()
+        hf = cfg.hf_config
+        inter = int(getattr(hf, "intermediate_size", 4 * cfg.hidden_size))
+        per_row = 4 * cfg.vocab_size + 8 * size * (3 * cfg.hidden_size + 2 * inter)
+        return bs * per_row + (256 << 20)
+
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Compute the new tokens of `batch` (EXTEND or DECODE) under torch.inference_mode().
 
@@ -173,8 +208,10 @@ class ModelRunner:
         Worker thread only. Raises ValueError for inconsistent batch lengths.
         """
         with torch.inference_mode():
-            self.attn_backend.init_forward_metadata(batch)
             self._input_groups = self._plan_input_logprobs(batch)
+            if self.graph_runner is not None and self.graph_runner.can_run(batch):
+                return self.graph_runner.replay(batch)
+            self.attn_backend.init_forward_metadata(batch)
             return self.model(batch, self.attn_backend)
 
     @staticmethod
@@ -201,18 +238,19 @@ class ModelRunner:
         batch.input_logits_rows = torch.tensor(rows, dtype=torch.int64, device=batch.input_ids.device)
         return groups
 
-    def sample_next(self, logits: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, list[int]]:
+    def sample_next(self, logits: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Next token ids [B] int64 on the device of `batch` (after `forward(batch)`) and the
-        rows whose own parameters left nothing to sample (see sample_checked). Worker
-        thread only."""
+        mask [B] bool of rows whose own parameters left nothing to sample (see
+        sample_checked), both on the device. Worker thread only."""
         with torch.inference_mode():
             return sample_checked(logits, batch.sampling_info)
 
     def step_output(self, logits: torch.Tensor, batch: ForwardBatch) -> StepOutput:
         """Sample the next tokens of `batch` (after `forward(batch)`) and gather the logprobs
         its logprob_info asks for. Worker thread only."""
-        next_ids, failed_rows = self.sample_next(logits, batch)
-        out = StepOutput(next_token_ids=next_ids.to(torch.int32).cpu().numpy(), failed_rows=failed_rows)
+        next_ids, failed = self.sample_next(logits, batch)
+        out = StepOutput(next_token_ids=next_ids.to(torch.int32).cpu().numpy(),
+                         failed_rows=failed.nonzero().squeeze(1).tolist())
         self.add_logprobs(out, logits, batch, next_ids)
         return out
 

@@ -42,6 +42,7 @@ class SamplingRows:
         self.frequency_penalties, self.presence_penalties = f32(0.0), f32(0.0)
         self.repetition_penalties = f32(1.0)
         self.live = np.zeros(num_rows, dtype=bool)
+        self.greedy = np.ones(num_rows, dtype=bool)  # host mirror of temperatures == 0
         self.uses_min_p = np.zeros(num_rows, dtype=bool)
         self.uses_counts = np.zeros(num_rows, dtype=bool)  # frequency or presence penalty
         self.uses_seen = np.zeros(num_rows, dtype=bool)  # repetition penalty
@@ -87,6 +88,7 @@ class SamplingRows:
         self.top_ks[rows_t] = torch.tensor([min(p.top_k, ALL_TOKENS) if p.top_k > 0 else ALL_TOKENS
                                             for p in params], dtype=torch.int64).to(self.device)
         self.uses_min_p[rows] = [p.min_p > 0 for p in params]
+        self.greedy[rows] = [p.is_greedy for p in params]
         # a batch gathers every row's penalties once any row uses them: a reused row must
         # not keep its previous request's values (0, 0 and 1 are no penalty)
         self.frequency_penalties[rows_t] = 0.0
@@ -140,7 +142,7 @@ class SamplingRows:
         int32 [B]; `rows`: the same as an int64 tensor on the device)."""
         info = SamplingBatchInfo(
             temperatures=self.temperatures[rows], top_ps=self.top_ps[rows], top_ks=self.top_ks[rows],
-            all_greedy=all_greedy,
+            all_greedy=all_greedy, greedy_rows=self.greedy[rows_np],
         )
         if self.generators:
             info.generators = [self.generators.get(int(r)) for r in rows_np]

@@ -98,10 +98,10 @@ class SimulatedRunner:
 
         return wait
 
-    def sample_next(self, logits: None, batch: ForwardBatch) -> tuple[torch.Tensor, list[int]]:
-        """[B] int64 seeded ids, never EOS; no failed rows."""
+    def sample_next(self, logits: None, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B] int64 seeded ids, never EOS; the failed-row mask [B] bool (all False)."""
         ids = self._ids[self._rng.integers(0, len(self._ids), size=batch.batch_size)]
-        return torch.from_numpy(ids), []
+        return torch.from_numpy(ids), torch.zeros(batch.batch_size, dtype=torch.bool)
 
     def add_logprobs(self, out: StepOutput, logits: None, batch: ForwardBatch, next_ids: torch.Tensor) -> None:
         """Logprobs are not simulated."""

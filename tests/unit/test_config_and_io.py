@@ -18,7 +18,7 @@ from pyserve.io_struct import GenerateReqInput
     ({"context_length": -5}, "--context-length: got -5; must be a positive number of tokens"),
     ({"max_running_requests": 0}, "--max-running-requests: got 0; must be >= 1"),
     ({"attention_backend": "flashinfer"},
-     "--attention-backend: got 'flashinfer'; choose one of auto, torch_native, cpu"),
+     "--attention-backend: got 'flashinfer'; choose one of auto, torch_native, cpu, triton"),
 ])
 def test_server_args_validation(kwargs, message):
     with pytest.raises(ServerArgsError) as exc:

@@ -95,7 +95,8 @@ def test_inconsistent_batch_raises() -> None:
         backend.init_forward_metadata(batch)
 
 
-def test_attention_backend_choice(stories_path) -> None:
+def test_attention_backend_choice(stories_path, monkeypatch) -> None:
+    """One registry turns --attention-backend into a backend; "auto" picks by device."""
     def backend(name: str, dtype: str = "float32") -> type:
         return type(ModelRunner(str(stories_path), max_total_tokens=64, load_progress=False,
                                 dtype=dtype, attention_backend=name).attn_backend)
@@ -105,10 +106,20 @@ def test_attention_backend_choice(stories_path) -> None:
     assert backend("cpu") is CpuAttnBackend
     assert backend("torch_native") is TorchNativeAttnBackend
     assert backend("auto", "bfloat16") is TorchNativeAttnBackend
-    with pytest.raises(ValueError, match="attention backend 'cpu' needs float32 on CPU"):
+    with pytest.raises(ValueError, match="attention backend 'cpu' cannot serve this KV pool: "
+                                         "float32 KV buffers on CPU"):
         backend("cpu", "bfloat16")
-    with pytest.raises(ValueError, match="attention backend 'triton' is not supported"):
+    with pytest.raises(ValueError, match="attention backend 'flashinfer' is not supported; "
+                                         "supported: auto, torch_native, cpu, triton"):
+        backend("flashinfer")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="attention backend 'triton' cannot serve this KV pool: "
+                                         "triton, and a CUDA KV pool"):
         backend("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the Triton kernels interpreted on CPU
+    from pyserve.layers.attention.triton_backend import TritonAttnBackend
+    assert backend("triton") is TritonAttnBackend
+    assert backend("auto") is CpuAttnBackend  # auto never interprets on CPU
 
 
 def test_cpu_backend_decode_matches_torch_native(stories_path) -> None:

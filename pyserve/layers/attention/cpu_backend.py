@@ -30,6 +30,9 @@ class CpuAttnBackend(TorchNativeAttnBackend):
     `pyserve_kernels.decode_attention` / `store_kv`, which compute the same).
     """
 
+    name = "cpu"
+    requirement = "float32 KV buffers on CPU and the native pyserve_kernels._cpu module"
+
     def __init__(self, kv_pool) -> None:
         super().__init__(kv_pool)
         if not self.supported(kv_pool):
@@ -37,8 +40,8 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         self._k_views = [kv_pool.get_key_buffer(i).numpy() for i in range(kv_pool.num_layers)]
         self._v_views = [kv_pool.get_value_buffer(i).numpy() for i in range(kv_pool.num_layers)]
 
-    @staticmethod
-    def supported(kv_pool) -> bool:
+    @classmethod
+    def supported(cls, kv_pool) -> bool:
         """Whether the pool's buffers are float32 on CPU and the native kernel is built."""
         k = kv_pool.get_key_buffer(0)
         return k.device.type == "cpu" and k.dtype == torch.float32 and native_available()

@@ -16,12 +16,13 @@ import torch
 import torch.nn.functional as F
 
 from pyserve.forward_batch_info import ForwardBatch, ForwardMode
+from pyserve.layers.attention.base import AttentionBackend
 
 if TYPE_CHECKING:
     from pyserve.mem_cache.memory_pool import MHATokenToKVPool
 
 
-class TorchNativeAttnBackend:
+class TorchNativeAttnBackend(AttentionBackend):
     """Paged attention over an `MHATokenToKVPool` using batched torch SDPA.
 
     Call `init_forward_metadata(forward_batch)` once per batch (it reads the batch's lengths
@@ -34,8 +35,11 @@ class TorchNativeAttnBackend:
       query_rows: [T] int64     row b * Q + j of the padded query grid for each batch token
     """
 
+    name = "torch_native"
+    requirement = "any device and dtype"
+
     def __init__(self, kv_pool: "MHATokenToKVPool") -> None:
-        self.kv_pool = kv_pool
+        super().__init__(kv_pool)
         self._masks: dict[tuple[int, int | None, torch.dtype], torch.Tensor] = {}
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:

@@ -1,0 +1,65 @@
+"""The CUDA graph runner's batch-size choice and padding (pure host logic, run on CPU), and a
+real capture/replay on CUDA (GPU-marked)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from pyserve.model_executor.cuda_graph_runner import capture_batch_sizes, pad_rows, padded_batch_size
+
+
+def test_default_sizes_follow_sglangs_rule_up_to_what_the_server_runs() -> None:
+    assert capture_batch_sizes(256) == [1, 2, 4, 8] + list(range(16, 257, 8))
+    # sizes above max_running_requests are dropped, keeping the smallest that covers it
+    assert capture_batch_sizes(20) == [1, 2, 4, 8, 16, 24]
+    assert capture_batch_sizes(16) == [1, 2, 4, 8, 16]
+    assert capture_batch_sizes(3) == [1, 2, 4]
+    # more requests than the largest graph: batches beyond it run eagerly
+    assert capture_batch_sizes(1024, cuda_graph_max_bs=32) == [1, 2, 4, 8, 16, 24, 32]
+    assert capture_batch_sizes(64, cuda_graph_max_bs=6) == [1, 2, 4]
+
+
+def test_explicit_sizes_are_sorted_and_deduplicated() -> None:
+    assert capture_batch_sizes(256, cuda_graph_bs=[64, 1, 8, 8, 3]) == [1, 3, 8, 64]
+    assert capture_batch_sizes(5, cuda_graph_bs=[64, 1, 8, 3]) == [1, 3, 8]
+    with pytest.raises(ValueError, match="must be >= 1"):
+        capture_batch_sizes(8, cuda_graph_bs=[0, 4])
+
+
+def test_a_batch_pads_to_the_smallest_size_holding_it() -> None:
+    sizes = [1, 2, 4, 8, 16, 24]
+    assert [padded_batch_size(sizes, b) for b in (1, 2, 3, 4, 5, 8, 9, 17, 24)] == [1, 2, 4, 4, 8, 8, 16, 24, 24]
+    assert padded_batch_size(sizes, 25) is None  # eager
+
+
+def test_padding_rows_decode_token_0_into_the_padding_slot() -> None:
+    n = 8
+    bufs = types.SimpleNamespace(
+        input_ids=torch.arange(10, 10 + n), positions=torch.arange(20, 20 + n),
+        out_cache_loc=torch.arange(30, 30 + n), seq_lens=torch.arange(40, 40 + n),
+        req_pool_indices=torch.arange(50, 50 + n))
+    pad_rows(bufs, 3, 6)
+    assert bufs.input_ids.tolist() == [10, 11, 12, 0, 0, 0, 16, 17]
+    assert bufs.positions.tolist() == [20, 21, 22, 0, 0, 0, 26, 27]
+    assert bufs.out_cache_loc.tolist() == [30, 31, 32, 0, 0, 0, 36, 37]
+    assert bufs.seq_lens.tolist() == [40, 41, 42, 1, 1, 1, 46, 47]
+    assert bufs.req_pool_indices.tolist() == [50, 51, 52, 0, 0, 0, 56, 57]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_replayed_decode_equals_eager(stories_path) -> None:
+    """stories260k on CUDA, triton backend: greedy tokens with graphs equal those without."""
+    from pyserve import Engine
+
+    prompts = [[1, 2, 3, 4], [1, 9, 8], [5] * 11]
+    params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    outs = []
+    for disable in (False, True):
+        with Engine(model_path=str(stories_path), dtype="float32", max_total_tokens=4096,
+                    attention_backend="triton", disable_cuda_graph=disable, log_level="warning") as eng:
+            outs.append([o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)])
+    assert outs[0] == outs[1]
