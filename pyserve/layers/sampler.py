@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from pyserve.device_copy import to_device
 from pyserve.forward_batch_info import SamplingBatchInfo
 
 
@@ -127,7 +128,7 @@ def sample_checked(logits: torch.Tensor, sampling_info: SamplingBatchInfo) -> tu
     choice = torch.zeros(batch, dtype=torch.int64, device=logits.device)
     unseeded = [i for i, g in enumerate(generators) if g is None and not greedy_host[i]]
     if unseeded:
-        rows = torch.tensor(unseeded, device=logits.device)
+        rows = to_device(unseeded, torch.int64, logits.device)
         choice[rows] = torch.multinomial(sorted_probs[rows], 1).squeeze(1)
     for i, gen in enumerate(generators):
         if gen is not None and not greedy_host[i]:

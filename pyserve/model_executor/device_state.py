@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pyserve.device_copy import to_device
 from pyserve.forward_batch_info import ForwardBatch, ForwardMode, StepPlan, kv_indptr_of
 from pyserve.model_executor.sampling_rows import SamplingRows
 
@@ -33,13 +34,9 @@ class DeviceState:
         self.sampling = SamplingRows(num_rows, vocab_size, device)
 
     def _tensor(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        """The plan array on the device as `dtype`. On CUDA it is staged in pinned memory and
-        copied without blocking on the worker's stream: a copy from pageable memory would
-        make the host wait for the device."""
-        t = torch.from_numpy(array)
-        if self.device == "cpu":
-            return t.to(dtype)
-        return t.pin_memory().to(self.device, non_blocking=True).to(dtype)
+        """The plan array on the device as `dtype` (on CUDA through pinned memory, queued on
+        the worker's stream: see device_copy)."""
+        return to_device(array, dtype, self.device)
 
     def forward_batch(self, plan: StepPlan) -> ForwardBatch:
         """Apply `plan` to the tables (row releases and starts, new slots) and return the

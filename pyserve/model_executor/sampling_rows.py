@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pyserve.device_copy import to_device
 from pyserve.forward_batch_info import SamplingBatchInfo, SamplingRow
 
 # top_k at or above the vocabulary size keeps every token
@@ -79,14 +80,14 @@ class SamplingRows:
         self.live[rows] = True
         self.num_live += len(rows)
         params = [item.params for item in new_rows]
-        rows_t = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        dense = torch.tensor([[0.0 if p.is_greedy else p.temperature, p.top_p, p.min_p] for p in params],
-                             dtype=torch.float32).to(self.device)
+        rows_t = to_device(rows, torch.int64, self.device)
+        dense = to_device([[0.0 if p.is_greedy else p.temperature, p.top_p, p.min_p] for p in params],
+                          torch.float32, self.device)
         self.temperatures[rows_t] = dense[:, 0]
         self.top_ps[rows_t] = dense[:, 1]
         self.min_ps[rows_t] = dense[:, 2]
-        self.top_ks[rows_t] = torch.tensor([min(p.top_k, ALL_TOKENS) if p.top_k > 0 else ALL_TOKENS
-                                            for p in params], dtype=torch.int64).to(self.device)
+        self.top_ks[rows_t] = to_device([min(p.top_k, ALL_TOKENS) if p.top_k > 0 else ALL_TOKENS
+                                         for p in params], torch.int64, self.device)
         self.uses_min_p[rows] = [p.min_p > 0 for p in params]
         self.greedy[rows] = [p.is_greedy for p in params]
         # a batch gathers every row's penalties once any row uses them: a reused row must
@@ -99,14 +100,13 @@ class SamplingRows:
         for item in new_rows:
             row, p = item.req_pool_idx, item.params
             if p.min_new_tokens > item.num_sampled and item.stop_token_ids:
-                self.banned[row] = torch.tensor(sorted(item.stop_token_ids), dtype=torch.int64,
-                                                device=self.device)
+                self.banned[row] = to_device(sorted(item.stop_token_ids), torch.int64, self.device)
             if item.generator is not None:
                 self.generators[row] = item.generator
             if p.logit_bias:
                 ids, values = zip(*p.logit_bias_items)
-                self.logit_bias[row] = (torch.tensor(ids, dtype=torch.int64, device=self.device),
-                                        torch.tensor(values, dtype=torch.float32, device=self.device))
+                self.logit_bias[row] = (to_device(list(ids), torch.int64, self.device),
+                                        to_device(list(values), torch.float32, self.device))
             if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
                 self.uses_counts[row] = True
                 self.frequency_penalties[row] = p.frequency_penalty
@@ -114,7 +114,7 @@ class SamplingRows:
                 counts = self._counts()
                 counts[row].zero_()
                 if item.output_ids is not None and len(item.output_ids):
-                    ids_t = torch.as_tensor(item.output_ids, dtype=torch.int64).to(self.device)
+                    ids_t = to_device(np.asarray(item.output_ids), torch.int64, self.device)
                     counts[row].index_add_(0, ids_t, torch.ones(ids_t.shape[0], device=self.device))
             if p.repetition_penalty != 1.0:
                 self.uses_seen[row] = True
@@ -122,7 +122,7 @@ class SamplingRows:
                 seen = self._seen()
                 seen[row].zero_()
                 if item.seen_ids is not None and len(item.seen_ids):
-                    seen[row, torch.as_tensor(item.seen_ids, dtype=torch.int64).to(self.device)] = True
+                    seen[row, to_device(np.asarray(item.seen_ids), torch.int64, self.device)] = True
 
     def _counts(self) -> torch.Tensor:
         if self.output_counts is None:
@@ -182,11 +182,11 @@ class SamplingRows:
             use_counts = self.uses_counts[rows_np]
             use_seen = self.uses_seen[rows_np]
             if use_counts.any():
-                sel = torch.from_numpy(np.flatnonzero(use_counts)).to(self.device)
+                sel = to_device(np.flatnonzero(use_counts), torch.int64, self.device)
                 self._counts().index_put_((rows[sel], next_ids[sel]),
                                           torch.ones(sel.shape[0], device=self.device), accumulate=True)
             if use_seen.any():
-                sel = torch.from_numpy(np.flatnonzero(use_seen)).to(self.device)
+                sel = to_device(np.flatnonzero(use_seen), torch.int64, self.device)
                 self._seen()[rows[sel], next_ids[sel]] = True
         if self.banned:
             for r in rows_np:
