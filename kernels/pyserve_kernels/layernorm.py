@@ -19,7 +19,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.shape[-1:] == weight.shape and triton_applies(x, weight):
         from pyserve_kernels.triton_ops import norm
 
-        return norm.rms_norm(x, weight, eps)
+        # per-head q/k norms (Qwen3) pass strided views of the fused q|k|v row: the kernel
+        # takes rows, so such a view is copied (the result is a new tensor anyway)
+        return norm.rms_norm(x if x.is_contiguous() else x.contiguous(), weight, eps)
     if x.shape[-1:] != weight.shape or not native_applies(x, weight) or x.numel() == 0:
         return reference.rms_norm(x, weight, eps)
     out = torch.empty_like(x)

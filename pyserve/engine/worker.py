@@ -89,12 +89,23 @@ class ModelWorker:
                 return
             wait, loop, future, ok, result = item
             if wait is not None:
-                wait()
+                try:
+                    wait()
+                except BaseException as exc:  # an asynchronous device fault surfaces here
+                    logger.exception("forward step failed on the device")
+                    ok, result = False, exc if isinstance(exc, Exception) else RuntimeError(str(exc))
             loop.call_soon_threadsafe(_resolve, future, ok, result)
 
     def _run(self) -> None:
         runner = self.model_runner
-        stream = torch.cuda.Stream() if runner.device.startswith("cuda") else None
+        stream = None
+        if runner.device.startswith("cuda"):
+            device = torch.device(runner.device)
+            torch.cuda.set_device(device)
+            stream = torch.cuda.Stream(device=device)
+            # the pool, tables and graph buffers were made on the default stream: finish
+            # that before the worker's stream touches them
+            torch.cuda.synchronize(device)
         try:
             init_graphs = getattr(runner, "init_cuda_graphs", None)
             if stream is not None and init_graphs is not None:
@@ -150,7 +161,7 @@ class ModelWorker:
             ids_host.copy_(next_ids, non_blocking=True)
             failed_host = torch.empty(failed.shape, dtype=torch.bool, pin_memory=True)
             failed_host.copy_(failed, non_blocking=True)
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(blocking=True)  # the completer sleeps, not spins, on it
             done.record()
             out = StepOutput(next_token_ids=ids_host.numpy())
             runner.add_logprobs(out, logits, batch, next_ids)

@@ -118,7 +118,14 @@ def sample_checked(logits: torch.Tensor, sampling_info: SamplingBatchInfo) -> tu
         greedy_host = (temps == 0).cpu().numpy()
     greedy = temps == 0
     safe_temps = torch.where(greedy, torch.ones_like(temps), temps).to(torch.float32)
-    probs = torch.softmax(logits.float() / safe_temps[:, None], dim=-1)
+    scaled = logits.float() / safe_temps[:, None]
+    # a finite logit can still overflow once divided by a small temperature (a huge bias):
+    # that row fails alone too, before softmax turns it into NaN for the whole draw
+    overflow = unsampleable_rows(scaled) & ~greedy
+    if not logits.is_cpu or bool(overflow.any()):
+        scaled = torch.where(overflow[:, None], torch.zeros_like(scaled), scaled)
+        bad = bad | overflow
+    probs = torch.softmax(scaled, dim=-1)
     sorted_probs, sorted_ids = top_k_top_p_probs(
         probs, sampling_info.top_ks.to(torch.int64), sampling_info.top_ps.to(torch.float32),
         sampling_info.min_ps,

@@ -10,7 +10,7 @@ kernel is run once before its capture (Triton compiles on first launch). Batches
 the largest captured size, EXTEND batches and batches asking for prompt logits run eagerly.
 
 Batch sizes: SGLang's rule: 1, 2, 4, 8, then every multiple of 8 up to `--cuda-graph-max-bs`
-(default 256), or exactly `--cuda-graph-bs`; sizes above what the server can run
+(default 256; itself included), or exactly `--cuda-graph-bs`; sizes above what the server can run
 (`--max-running-requests`) are dropped, keeping the smallest one that covers it.
 Worker thread only.
 """
@@ -40,6 +40,8 @@ def capture_batch_sizes(max_running_requests: int, cuda_graph_max_bs: int | None
     else:
         max_bs = DEFAULT_CUDA_GRAPH_MAX_BS if cuda_graph_max_bs is None else int(cuda_graph_max_bs)
         sizes = [b for b in (1, 2, 4, 8) if b <= max_bs] + list(range(16, max_bs + 1, 8))
+        if max_bs not in sizes:
+            sizes.append(max_bs)
     if not sizes or sizes[0] <= 0:
         raise ValueError(f"CUDA graph batch sizes must be >= 1, got {sizes}")
     needed = [b for b in sizes if b < max_running_requests]
@@ -76,7 +78,7 @@ class CudaGraphRunner:
         self.seq_lens = torch.ones(self.max_bs, dtype=torch.int64, device=device)
         self.req_pool_indices = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.logits: torch.Tensor | None = None  # [max_bs, vocab] float32: every graph's output
         self.pool: Any = None
         attn_backend.init_cuda_graph_state(self.max_bs)
         self._capture_all(stream)
@@ -95,16 +97,20 @@ class CudaGraphRunner:
                 batch = self._batch(bs)
                 for _ in range(2):  # warm up: every kernel compiled and autotuned before capture
                     self.attn_backend.init_forward_metadata_capture(batch)
-                    self.forward(batch)
+                    warm = self.forward(batch)
+                if self.logits is None:
+                    self.logits = torch.empty(self.max_bs, warm.shape[1], dtype=warm.dtype, device=warm.device)
+                del warm
                 stream.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 self.attn_backend.init_forward_metadata_capture(batch)
                 with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                    out = self.forward(batch)
+                    # into the one shared buffer: no graph keeps its own logits alive, so the
+                    # pool holds only the largest graph's transient activations
+                    self.logits[:bs].copy_(self.forward(batch))
                 if self.pool is None:
                     self.pool = graph.pool()
                 self.graphs[bs] = graph
-                self.outputs[bs] = out
         logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
 
     def can_run(self, batch: ForwardBatch) -> bool:
@@ -130,7 +136,8 @@ class CudaGraphRunner:
             pad_rows(self, bs, padded)
         self.attn_backend.init_forward_metadata_replay(self._batch(padded))
         self.graphs[padded].replay()
-        return self.outputs[padded][:bs]
+        assert self.logits is not None
+        return self.logits[:bs]  # valid until the next replay (the worker samples before it)
 
 
 def pad_rows(buffers: Any, start: int, end: int) -> None:

@@ -58,9 +58,10 @@ class DeviceState:
                 raise ValueError("row_slots does not hold seq_lens slots")
             kv_indices = self._tensor(plan.row_slots, torch.int32)
             # row and column of every entry of the batch's rows, written in one scatter
-            row_of = torch.repeat_interleave(rows, seq_lens)
-            col = torch.arange(kv_indices.shape[0], device=rows.device) - torch.repeat_interleave(
-                kv_indptr[:-1], seq_lens)
+            total = int(plan.row_slots.shape[0])  # host: no device read for the output size
+            row_of = torch.repeat_interleave(rows, seq_lens, output_size=total)
+            col = torch.arange(total, device=rows.device) - torch.repeat_interleave(
+                kv_indptr[:-1], seq_lens, output_size=total)
             self.req_to_token[row_of, col] = kv_indices
             input_ids = self._tensor(plan.input_ids, torch.int64)
             max_extend_len = int(plan.extend_lens.max()) if plan.extend_lens is not None and batch_size else 0

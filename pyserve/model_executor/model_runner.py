@@ -13,7 +13,7 @@ import os
 import torch
 
 from pyserve.layers.attention.base import AttentionBackend
-from pyserve.layers.attention.registry import create_attention_backend
+from pyserve.layers.attention.registry import capturable_backend, create_attention_backend
 from pyserve.layers.rotary_embedding import RotaryEmbedding
 from pyserve.model_executor.cuda_graph_runner import CudaGraphRunner, capture_batch_sizes
 from pyserve.layers.logprobs import logprobs_of_rows
@@ -120,7 +120,12 @@ class ModelRunner:
                 module.reserve(cfg.context_len)
         self.graph_sizes: list[int] = []
         if torch_device.type == "cuda" and not disable_cuda_graph:
-            self.graph_sizes = capture_batch_sizes(max_running_requests, cuda_graph_max_bs, cuda_graph_bs)
+            if not capturable_backend(attention_backend, torch_device.type):
+                logger.info("CUDA graphs off: attention backend %s cannot be captured", attention_backend)
+            elif any(isinstance(m, RotaryEmbedding) and m.is_dynamic for m in self.model.modules()):
+                logger.info("CUDA graphs off: dynamic rope reads positions on the host")
+            else:
+                self.graph_sizes = capture_batch_sizes(max_running_requests, cuda_graph_max_bs, cuda_graph_bs)
         self.graph_runner: CudaGraphRunner | None = None
         pool = self._kv_pool_size(torch_device, max_total_tokens, mem_fraction_static)
         self.max_total_num_tokens = pool - pool % self.page_size
@@ -134,11 +139,8 @@ class ModelRunner:
         self.attn_backend: AttentionBackend = create_attention_backend(attention_backend, self.kv_pool)
         self._input_groups: list | None = None  # prompt-logprob plan of the last forward
         self.attention_backend_name = self.attn_backend.name
-        if self.graph_sizes and not self.attn_backend.supports_cuda_graph:
+        if self.graph_sizes and not self.attn_backend.supports_cuda_graph:  # "auto" fell back
             logger.info("CUDA graphs off: attention backend %s cannot be captured", self.attention_backend_name)
-            self.graph_sizes = []
-        if self.graph_sizes and any(isinstance(m, RotaryEmbedding) and m.is_dynamic for m in self.model.modules()):
-            logger.info("CUDA graphs off: dynamic rope reads positions on the host")
             self.graph_sizes = []
         logger.info(
             "KV cache: %d tokens, %.1f MiB (%s, %s); attention backend %s", self.max_total_num_tokens,
@@ -188,16 +190,17 @@ class ModelRunner:
         return int(num_tokens)
 
     def _cuda_graph_reserve_bytes(self) -> int:
-        """Memory kept out of the KV pool for the captured graphs' shared pool: the largest
-        padded batch's float32 logits plus its activations (hidden, q|k|v, gate|up, with a
-        factor for intermediates), and a fixed 256 MiB for workspaces and the allocator."""
+        """Memory kept out of the KV pool for the decode graphs (an estimate, per row of the
+        largest padded batch): the shared float32 logits output (4 B x vocab), the largest
+        graph's transient logits (LM-head output and its float32 copy, 6 B x vocab) and
+        activations (hidden, q|k|v, gate|up, x8 for intermediates); plus 256 MiB for
+        workspaces and the allocator. Every graph shares one memory pool and one output."""
         if not self.graph_sizes:
             return 0
         cfg = self.model_config
         bs, size = self.graph_sizes[-1], torch.tensor([], dtype=self.dtype).element_size()
-        hf = cfg.hf_config
-        inter = int(getattr(hf, "intermediate_size", 4 * cfg.hidden_size))
-        per_row = 4 * cfg.vocab_size + 8 * size * (3 * cfg.hidden_size + 2 * inter)
+        inter = int(getattr(cfg.hf_config, "intermediate_size", 4 * cfg.hidden_size))
+        per_row = 10 * cfg.vocab_size + 8 * size * (3 * cfg.hidden_size + 2 * inter)
         return bs * per_row + (256 << 20)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

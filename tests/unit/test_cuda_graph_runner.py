@@ -19,7 +19,8 @@ def test_default_sizes_follow_sglangs_rule_up_to_what_the_server_runs() -> None:
     assert capture_batch_sizes(3) == [1, 2, 4]
     # more requests than the largest graph: batches beyond it run eagerly
     assert capture_batch_sizes(1024, cuda_graph_max_bs=32) == [1, 2, 4, 8, 16, 24, 32]
-    assert capture_batch_sizes(64, cuda_graph_max_bs=6) == [1, 2, 4]
+    assert capture_batch_sizes(64, cuda_graph_max_bs=6) == [1, 2, 4, 6]
+    assert capture_batch_sizes(64, cuda_graph_max_bs=12) == [1, 2, 4, 8, 12]
 
 
 def test_explicit_sizes_are_sorted_and_deduplicated() -> None:

@@ -156,3 +156,21 @@ def test_rows_with_nothing_to_sample_are_reported_not_raised(greedy) -> None:
     assert failed.tolist() == [False, True, True, True]
     alone, none_failed = sample_checked(logits[:1], _info([temp], [1.0], [16], [torch.Generator().manual_seed(0)]))
     assert none_failed.tolist() == [False] and ids[0].item() == alone[0].item()
+
+
+def test_a_logit_that_overflows_at_its_temperature_fails_only_its_row() -> None:
+    """bias 1e38 is finite, but divided by temperature 0.01 it is +inf: that row fails alone,
+    and the other rows draw what they draw without it (seeded)."""
+    from pyserve.layers.sampler import sample_checked
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 16)
+    logits[1, 4] = 1e38
+    gens = lambda: [torch.Generator().manual_seed(s) for s in range(3)]  # noqa: E731
+    ids, failed = sample_checked(logits, _info([0.7, 0.01, 0.0], [1.0] * 3, [16] * 3, gens()))
+    assert failed.tolist() == [False, True, False]
+    clean = logits.clone()
+    clean[1, 4] = 0.0
+    ref, ref_failed = sample_checked(clean, _info([0.7, 0.01, 0.0], [1.0] * 3, [16] * 3, gens()))
+    assert ref_failed.tolist() == [False, False, False]
+    assert ids[0].item() == ref[0].item() and ids[2].item() == ref[2].item() == int(logits[2].argmax())

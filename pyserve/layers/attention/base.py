@@ -42,6 +42,11 @@ class AttentionBackend(abc.ABC):
         self.kv_pool = kv_pool
 
     @classmethod
+    def available(cls) -> bool:
+        """Whether what the backend needs is installed here (whatever the pool)."""
+        return True
+
+    @classmethod
     def supported(cls, kv_pool: "MHATokenToKVPool") -> bool:
         """Whether this backend can serve `kv_pool` (its device and dtype) here."""
         return True

@@ -48,3 +48,13 @@ def create_attention_backend(name: str, kv_pool: "MHATokenToKVPool") -> "Attenti
     if not cls.supported(kv_pool):
         raise ValueError(f"attention backend {name!r} cannot serve this KV pool: {cls.requirement}")
     return cls(kv_pool)
+
+
+def capturable_backend(name: str, device_type: str) -> bool:
+    """Whether the backend `name` would choose on `device_type` supports CUDA graphs ("auto":
+    its first choice there, if that one is available); decided before the KV pool exists."""
+    if name == "auto":
+        order = AUTO_ORDER.get(device_type, ("torch_native",))
+        cls = backend_class(order[0])
+        return cls.supports_cuda_graph and cls.available()
+    return backend_class(name).supports_cuda_graph

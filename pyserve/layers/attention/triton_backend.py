@@ -16,6 +16,7 @@ import os
 from typing import TYPE_CHECKING
 
 import torch
+from pyserve_kernels._triton import triton_available
 
 from pyserve.forward_batch_info import ForwardBatch, ForwardMode
 from pyserve.layers.attention.base import AttentionBackend
@@ -26,14 +27,6 @@ if TYPE_CHECKING:
 # KV splits of a decode step: fixed, so a captured step needs no host decision (a request
 # shorter than the splits leaves some of them empty).
 NUM_KV_SPLITS = 8
-
-
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 class TritonAttnBackend(AttentionBackend):
@@ -56,6 +49,10 @@ class TritonAttnBackend(AttentionBackend):
         self._extend = extend_attention.extend_attention_fwd
         self._store = kv_store.store_kv
         self.decode = False
+
+    @classmethod
+    def available(cls) -> bool:
+        return triton_available()
 
     @classmethod
     def supported(cls, kv_pool: "MHATokenToKVPool") -> bool:
