@@ -1,0 +1,168 @@
+#!/usr/bin/env bash
+# The GPU device check, run THERE from the repository root after `bash benches/gpu/pack.sh`
+# HERE (the device call carries ".gpu"):
+#
+#   bash benches/gpu/run.sh             # on the GPU machine: install, then (a) (b) (c)
+#   bash benches/gpu/run.sh --dry-run   # here, on CPU: everything but the GPU work
+#
+# Install: the wheels of .gpu/wheels go into /tmp/site with pip --no-index --no-deps (the
+# machine has no network), PYTHONPATH=/tmp/site. The tree's own Python sources are then laid
+# over the installed pyserve and pyserve_kernels (so edits made after pack.sh count), and the
+# native modules (_rs, _cpu: git-ignored, so they never travel) are copied into the tree's
+# copy on that machine, where pytest imports pyserve from; run.sh warns when the Rust sources
+# changed since pack.sh built them.
+#
+# Steps, each under its own `timeout`, all of them within TOTAL_S (default 460 s, so the
+# script ends inside 8 minutes):
+#   (a) pytest -q -m gpu tests/            the GPU-marked tests          (cap PYTEST_S=90)
+#   (b) benches/gpu/check_greedy.py        backends agree on greedy ids  (cap GREEDY_S=100)
+#   (c) benches/gpu/bench_decode.py        kernels, decode, throughput   (cap BENCH_S=270)
+# Logs and results go under ${OUT:-/tmp/out} (at most 8 files: what the device tool returns);
+# the summary table is printed last.
+#
+# --dry-run: installs into a temporary --target (all wheels for CPython 3.12, as there, and
+# separately those this interpreter can load, which pyserve is then imported from), collects
+# the GPU tests without running them, and runs (b) and (c) with --device cpu --tiny.
+set -uo pipefail
+
+cd "$(dirname "$0")/../.."
+REPO=$PWD
+DRY=0
+case "${1:-}" in
+    --dry-run) DRY=1 ;;
+    "") ;;
+    *) echo "usage: bash benches/gpu/run.sh [--dry-run]" >&2; exit 2 ;;
+esac
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export OUT PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+TOTAL_S=${TOTAL_S:-460}
+start_s=$SECONDS
+SUMMARY=$OUT/summary.txt
+: > "$SUMMARY"
+say() { echo "$*" | tee -a "$SUMMARY"; }
+die() { say "run.sh: $*"; exit 1; }
+
+[[ -d .gpu/wheels ]] || die "no .gpu/wheels: run 'bash benches/gpu/pack.sh' here first and carry .gpu"
+say "== pyserve GPU check ($([[ $DRY == 1 ]] && echo dry run || echo device run)), $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+if command -v nvidia-smi >/dev/null; then
+    say "$(nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader 2>&1)"
+fi
+packed=$(awk '/^rust_sources_sha256/ {print $2}' .gpu/manifest.txt 2>/dev/null || true)
+if [[ $packed != "$(bash benches/gpu/rust_hash.sh)" ]]; then
+    say "WARNING: the Rust sources differ from those .gpu/wheels was built from: re-run pack.sh"
+fi
+
+# ---------------------------------------------------------------- install
+pip_install() {  # pip_install TARGET WHEEL... [extra pip flags via PIP_EXTRA]
+    local target=$1; shift
+    # shellcheck disable=SC2086
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$target" ${PIP_EXTRA:-} "$@" >>"$OUT/install.log" 2>&1
+}
+: > "$OUT/install.log"
+overlay_sources() {  # overlay_sources SITE: the tree's Python files over the installed packages
+    local site=$1 pkg
+    for pkg in pyserve kernels/pyserve_kernels; do
+        tar -C "$pkg" --exclude='*.so' --exclude=__pycache__ -cf - . \
+            | tar -C "$site/$(basename "$pkg")" -xf - || return 1
+    done
+}
+if [[ $DRY == 1 ]]; then
+    SITE=$(mktemp -d /tmp/pyserve-gpu-site.XXXXXX)
+    trap 'rm -rf "$SITE"' EXIT
+    # the whole set, for the device's CPython 3.12: the install there must not refuse it
+    PIP_EXTRA="--python-version 3.12 --implementation cp --platform manylinux_2_34_x86_64 \
+--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+--platform manylinux1_x86_64 --platform manylinux_2_5_x86_64 --only-binary=:all:" \
+        pip_install "$SITE/py312" .gpu/wheels/*.whl || die "the wheels do not install for CPython 3.12 (see $OUT/install.log)"
+    # what this interpreter can load (the cp312-only ones come from its own environment)
+    loadable=()
+    for w in .gpu/wheels/*.whl; do [[ $w == *-cp312-cp312-* ]] || loadable+=("$w"); done
+    pip_install "$SITE/site" "${loadable[@]}" || die "install failed (see $OUT/install.log)"
+    overlay_sources "$SITE/site" || die "could not lay the tree's sources over the wheels"
+    export PYTHONPATH=$SITE/site
+    where=$(cd /tmp && "$PY" -c "import pyserve, pyserve_kernels, pyserve._rs, pyserve_kernels._cpu; print(pyserve.__file__)")
+    [[ $where == "$SITE/site/"* ]] || die "pyserve imported from $where, not from the wheels"
+    say "installed ${#loadable[@]} of $(ls .gpu/wheels/*.whl | wc -l) wheels into $SITE/site; pyserve from there"
+else
+    SITE=/tmp/site
+    pip_install "$SITE" .gpu/wheels/*.whl || die "install failed (see $OUT/install.log)"
+    # The tree's Python over the wheels' copies (for the scripts), and the wheels' native
+    # modules into the tree (pytest imports pyserve from the repository root).
+    overlay_sources "$SITE" && cp "$SITE"/pyserve/_rs*.so pyserve/ \
+        && cp "$SITE"/pyserve_kernels/_cpu*.so kernels/pyserve_kernels/ \
+        || die "could not lay the tree's sources over the wheels"
+    export PYTHONPATH=$SITE
+    say "installed $(ls .gpu/wheels/*.whl | wc -l) wheels into $SITE; the tree's sources run with their native modules"
+fi
+export PYSERVE_SHARED=$REPO/.gpu/shared
+say "$("$PY" -c 'import sys, torch, triton, transformers; print(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}, cuda {torch.cuda.is_available()}")' 2>&1)"
+
+# ---------------------------------------------------------------- steps
+declare -a NAMES RCS SECS STATES
+run_step() {  # run_step NAME CAP_S LOG CMD...
+    local name=$1 cap=$2 log=$3; shift 3
+    local left=$(( TOTAL_S - (SECONDS - start_s) ))
+    local limit=$(( cap < left ? cap : left ))
+    if (( limit < 10 )); then
+        NAMES+=("$name"); RCS+=("-"); SECS+=(0); STATES+=("not run: out of time"); return
+    fi
+    echo "== $name (timeout ${limit}s) -> $log"
+    local t0=$SECONDS
+    timeout --kill-after=10 "$limit" "$@" >"$log" 2>&1
+    local rc=$?
+    local state=passed
+    case $rc in
+        0) ;;
+        5) [[ $name == pytest* ]] && state="no test selected" || state=failed ;;
+        124|137) state="TIMED OUT after ${limit}s" ;;
+        *) state=FAILED ;;
+    esac
+    [[ $name == pytest* ]] && state="$state ($(tail -n 1 "$log" | tr -s ' =' ' ' | cut -c1-70))"
+    NAMES+=("$name"); RCS+=("$rc"); SECS+=($(( SECONDS - t0 ))); STATES+=("$state")
+    grep -v -e '^nanobind' -e '^ - ' -e '^See https://nanobind' "$log" | tail -n 2
+}
+
+if [[ $DRY == 1 ]]; then
+    run_step "pytest -m gpu (collect only)" "${PYTEST_S:-90}" "$OUT/pytest.log" \
+        "$PY" -m pytest -q -m gpu --collect-only -p no:cacheprovider tests/
+    run_step "check_greedy --device cpu --tiny" "${GREEDY_S:-100}" "$OUT/check_greedy.log" \
+        "$PY" benches/gpu/check_greedy.py --device cpu --tiny
+    run_step "bench_decode --device cpu --tiny" "${BENCH_S:-270}" "$OUT/bench_decode.log" \
+        "$PY" benches/gpu/bench_decode.py --device cpu --tiny
+else
+    run_step "pytest -m gpu" "${PYTEST_S:-90}" "$OUT/pytest.log" \
+        "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/
+    run_step "check_greedy" "${GREEDY_S:-100}" "$OUT/check_greedy.log" \
+        "$PY" benches/gpu/check_greedy.py
+    run_step "bench_decode" "${BENCH_S:-270}" "$OUT/bench_decode.log" \
+        "$PY" benches/gpu/bench_decode.py
+fi
+
+# ---------------------------------------------------------------- summary
+table_of() {  # table_of LOG TITLE: the table a script printed last, or its progress lines
+    local log=$1 title=$2
+    if grep -q "^== $title" "$log" 2>/dev/null; then
+        sed -n "/^== $title/,\$p" "$log" | grep -v -e '^nanobind' -e '^ - ' -e '^See https://nanobind'
+    elif [[ -f $log ]]; then
+        echo "== $title: no table (cut short?); its last progress lines:"
+        grep '^  ' "$log" | tail -n 25
+    fi
+}
+{
+    echo
+    table_of "$OUT/check_greedy.log" "check_greedy on"
+    echo
+    table_of "$OUT/bench_decode.log" "bench_decode on"
+    echo
+    echo "== summary ($(( SECONDS - start_s )) s in all; logs in $OUT)"
+    printf '%-36s | %-4s | %-6s | %s\n' step rc time status
+    for i in "${!NAMES[@]}"; do
+        printf '%-36s | %-4s | %5ss | %s\n' "${NAMES[$i]}" "${RCS[$i]}" "${SECS[$i]}" "${STATES[$i]}"
+    done
+} | tee -a "$SUMMARY"
+for s in "${STATES[@]}"; do
+    [[ $s == passed* || $s == "no test selected"* ]] || exit 1
+done
