@@ -83,7 +83,8 @@ class SamplingRow:
     retraction) for repetition_penalty, or None; output_ids: [m] int32 the output so far for
     frequency/presence penalties when resuming, or None. num_sampled: tokens the request
     sampled before this admission (min_new_tokens counts them). generator: the request's
-    seeded CPU torch.Generator or None (made by the loop once; only the worker draws from it).
+    seeded torch.Generator on the model's device, or None (made by the loop once; only the
+    worker draws from it).
     """
 
     req_pool_idx: int

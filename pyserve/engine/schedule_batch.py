@@ -41,13 +41,14 @@ class Req:
         one step late); their inputs' KV was stored, so the radix cache may keep it.
     logprob: what logprobs it wants; input_logprobs_done once its prompt logprobs were sent.
     num_emitted / quiet: see TokenizedGenerateReq.quiet and Scheduler._out.
-    generator: the seeded torch.Generator (created here, used only by the worker), so a
-        retracted request continues the same random stream.
+    generator: the seeded torch.Generator (created here on `generator_device`, the model's:
+        creating one launches nothing; used only by the worker, which then draws on the
+        device without a host round trip), so a retracted request continues the same stream.
     """
 
     def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams,
                  max_new_tokens: int, stop_token_ids: frozenset[int],
-                 logprob: LogprobParams | None = None) -> None:
+                 logprob: LogprobParams | None = None, generator_device: str = "cpu") -> None:
         self.rid = rid
         self.origin_input_ids = input_ids
         self.sampling_params = sampling_params
@@ -70,7 +71,7 @@ class Req:
         self.input_logprobs_done = False
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(sampling_params.seed)
+            self.generator = torch.Generator(device=generator_device).manual_seed(sampling_params.seed)
 
     @property
     def finished(self) -> bool:

@@ -72,6 +72,8 @@ class Scheduler:
         self.emit = emit
         self.stats_interval_s = stats_interval_s
         self.overlap = overlap
+        # seeded requests draw from a generator on the model's device
+        self.generator_device = str(getattr(getattr(worker, "model_runner", None), "device", "cpu"))
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.reqs: dict[str, Req] = {}
@@ -92,7 +94,8 @@ class Scheduler:
         # A request must fit alone in both the context and the KV pool.
         room = min(self.context_len, self.kv_cache.max_total_tokens) - len(treq.input_ids)
         max_new = room if sp.max_new_tokens is None else min(sp.max_new_tokens, room)
-        req = Req(treq.rid, treq.input_ids, sp, max_new, treq.stop_token_ids, treq.logprob)
+        req = Req(treq.rid, treq.input_ids, sp, max_new, treq.stop_token_ids, treq.logprob,
+                  generator_device=self.generator_device)
         req.quiet = treq.quiet
         self.reqs[req.rid] = req
         # max_new_tokens 0 still prefills, as in SGLang: the prompt's KV enters the radix

@@ -80,16 +80,17 @@ class TritonAttnBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 scaling: float, forward_batch: ForwardBatch,
                 sliding_window: int | None = None) -> torch.Tensor:
-        """As `AttentionBackend.forward`: stores k, v, then attends; [T, H, D] in q.dtype."""
+        """As `AttentionBackend.forward`: stores k, v, then attends; [T, H, D] in q.dtype (q
+        may be a strided view of the fused q|k|v row: the kernels take its strides)."""
         k_buf = self.kv_pool.get_key_buffer(layer_id)
         v_buf = self.kv_pool.get_value_buffer(layer_id)
         self._store(k_buf, v_buf, forward_batch.out_cache_loc, k, v)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         if self.decode:
-            return self._decode(q.contiguous(), k_buf, v_buf, forward_batch.req_to_token,
+            return self._decode(q, k_buf, v_buf, forward_batch.req_to_token,
                                 forward_batch.req_pool_indices, forward_batch.seq_lens, scaling,
                                 sliding_window=sliding_window, num_kv_splits=NUM_KV_SPLITS, out=out)
-        return self._extend(q.contiguous(), k_buf, v_buf, forward_batch.req_to_token,
+        return self._extend(q, k_buf, v_buf, forward_batch.req_to_token,
                             forward_batch.req_pool_indices, forward_batch.extend_prefix_lens,
                             forward_batch.extend_seq_lens, self.qo_indptr,
                             forward_batch.max_extend_len, scaling, sliding_window=sliding_window,
