@@ -64,3 +64,82 @@ def test_replayed_decode_equals_eager(stories_path) -> None:
                     attention_backend="triton", disable_cuda_graph=disable, log_level="warning") as eng:
             outs.append([o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)])
     assert outs[0] == outs[1]
+
+
+class _FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph on CPU: 'replay' re-runs what was captured, over
+    the same static buffers, so any input that bypasses them (or a wrong pad / slice) shows."""
+
+    replays = 0
+
+    def __init__(self) -> None:
+        self.body = None
+
+    def pool(self) -> str:
+        return "pool"
+
+    def replay(self) -> None:
+        _FakeGraph.replays += 1
+        self.body()
+
+
+def test_replay_through_static_buffers_equals_eager_on_cpu(stories_path, monkeypatch) -> None:
+    """The runner's capture / pad / replay logic on stories260k: a batch of 3 requests replays
+    the graph of size 4 (padded), 5 requests run eagerly; greedy tokens equal those of the
+    same engine without graphs. (The reference backend stands in for a capturable one: on
+    CPU nothing is captured, the fake graph re-runs the forward over the static buffers.)"""
+    import contextlib
+
+    import pyserve.model_executor.cuda_graph_runner as cgr
+    from pyserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    from tests.conftest import make_stories_engine
+
+    class Capturable(TorchNativeAttnBackend):
+        supports_cuda_graph = True
+
+        def init_cuda_graph_state(self, max_bs: int) -> None:
+            pass
+
+        def init_forward_metadata_capture(self, forward_batch) -> None:
+            self.init_forward_metadata(forward_batch)
+
+        def init_forward_metadata_replay(self, forward_batch) -> None:
+            self.init_forward_metadata(forward_batch)
+
+    captured: list = []
+
+    @contextlib.contextmanager
+    def graph(g, pool=None, stream=None):
+        captured.append(g)
+        yield
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    original = cgr.CudaGraphRunner._capture_all
+
+    def capture_all(self, stream):
+        original(self, stream)
+        for bs, g in self.graphs.items():  # what the capture body ran, replayed on demand
+            g.body = lambda bs=bs: self.logits[:bs].copy_(self.forward(self._batch(bs)))
+
+    monkeypatch.setattr(cgr.CudaGraphRunner, "_capture_all", capture_all)
+    prompts = [[1, 2, 3, 4], [1, 9, 8], [5] * 11, [1, 300, 301, 302, 7], [1, 44]]
+    params = {"temperature": 0, "max_new_tokens": 3, "ignore_eos": True}
+    eng = make_stories_engine(stories_path, 1024, attention_backend="torch_native")
+    try:
+        runner = eng.core.model_runner
+        runner.attn_backend = Capturable(runner.kv_pool)
+        eager = [[o["output_ids"] for o in eng.generate(input_ids=p, sampling_params=params)]
+                 for p in (prompts, prompts[:3])]
+        runner.graph_sizes = [1, 2, 4]
+        runner.init_cuda_graphs(eng.core.worker.state.req_to_token, types.SimpleNamespace(synchronize=lambda: None))
+        assert len(captured) == 3 and runner.graph_runner.sizes == [1, 2, 4]
+        _FakeGraph.replays = 0
+        graphed = [[o["output_ids"] for o in eng.generate(input_ids=p, sampling_params=params)]
+                   for p in (prompts, prompts[:3])]
+    finally:
+        eng.shutdown()
+    assert graphed == eager
+    # 5 requests: eager; 3 (padded to 4): both decode steps replayed
+    assert _FakeGraph.replays == 2
