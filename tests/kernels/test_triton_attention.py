@@ -284,6 +284,7 @@ def test_extend_argument_errors(change: dict, message: str) -> None:
     assert str(err.value).startswith("extend_attention_fwd: ")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("group", [1, 4, 8])
 def test_large_bfloat16_on_cuda(group: int) -> None:
