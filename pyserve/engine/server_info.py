@@ -84,7 +84,7 @@ def _internal_state(core: "EngineCore") -> dict[str, Any]:
             "weight": round(runner.weight_bytes / 2**30, 2),
             "kvcache": round(runner.kv_cache_bytes / 2**30, 2),
             "token_capacity": kv.max_total_tokens,
-            "graph": 0.0,
+            "graph": round(getattr(runner, "cuda_graph_bytes", 0) / 2**30, 2),
         },
         "load": sched.load(),
     }

@@ -127,6 +127,7 @@ class ModelRunner:
             else:
                 self.graph_sizes = capture_batch_sizes(max_running_requests, cuda_graph_max_bs, cuda_graph_bs)
         self.graph_runner: CudaGraphRunner | None = None
+        self.cuda_graph_bytes = self._cuda_graph_reserve_bytes()  # set aside for the graphs
         pool = self._kv_pool_size(torch_device, max_total_tokens, mem_fraction_static)
         self.max_total_num_tokens = pool - pool % self.page_size
         if self.max_total_num_tokens <= 0:
@@ -170,7 +171,7 @@ class ModelRunner:
         if device.type == "cuda":
             # mem_get_info already excludes the loaded weights; the decode graphs' pool is
             # set aside first (an estimate: a padded batch's logits and activations)
-            budget = int(free * mem_fraction_static) - self._cuda_graph_reserve_bytes()
+            budget = int(free * mem_fraction_static) - self.cuda_graph_bytes
         else:
             budget = int(free * mem_fraction_static) - weight_bytes
         num_tokens = budget // per_token
