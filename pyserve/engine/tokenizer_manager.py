@@ -164,6 +164,21 @@ class TokenizerManager:
                 f"the prompt has {len(ids)} tokens but the KV pool holds {self.max_total_tokens}",
                 param="prompt", code="context_length_exceeded")
         sp = req.sampling_params
+        # asked for explicitly: refused when it cannot fit, as SGLang, vLLM and OpenAI do (the
+        # default, 128, is cut to the room left, as SGLang does)
+        if sp.max_new_tokens is not None and "max_new_tokens" in sp.model_fields_set:
+            total = len(ids) + sp.max_new_tokens
+            if total > self.context_len:
+                raise InvalidRequestError(
+                    f"requested {total} tokens ({len(ids)} of prompt + {sp.max_new_tokens} "
+                    f"max_new_tokens); this model's context length is {self.context_len}: "
+                    "shorten the prompt or lower max_new_tokens",
+                    param="max_new_tokens", code="context_length_exceeded")
+            if total > self.max_total_tokens:
+                raise InvalidRequestError(
+                    f"requested {total} tokens ({len(ids)} of prompt + {sp.max_new_tokens} "
+                    f"max_new_tokens) but the KV pool holds {self.max_total_tokens}: it could "
+                    "never run", param="max_new_tokens", code="context_length_exceeded")
         stop_ids = set(sp.stop_token_ids or ())
         if not sp.ignore_eos:
             stop_ids |= self.eos_token_ids

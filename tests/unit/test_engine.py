@@ -119,6 +119,22 @@ def test_invalid_request_raises_typed_error(engine):
     assert engine.generate("Hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
 
 
+def test_prompt_plus_max_new_tokens_beyond_the_context_is_refused(engine):
+    """An explicit max_new_tokens that cannot fit is refused before the request is queued (as
+    SGLang, vLLM and OpenAI do), not silently cut short; the default (128) is cut to the room
+    left, as SGLang does."""
+    ctx = engine.core.context_len
+    prompt = [1] + [7] * (ctx - 11)  # ctx - 10 tokens
+    with pytest.raises(InvalidRequestError) as exc:
+        engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 11})
+    assert exc.value.code == "context_length_exceeded" and exc.value.param == "max_new_tokens"
+    assert str(exc.value).startswith(f"requested {ctx + 1} tokens ({ctx - 10} of prompt + 11 max_new_tokens)")
+    out = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 10, "ignore_eos": True})
+    assert out["meta_info"]["completion_tokens"] == 10  # exactly the context: allowed
+    # without max_new_tokens: the default is cut to the room left
+    assert engine.generate(input_ids=prompt, sampling_params={"ignore_eos": True})["meta_info"]["completion_tokens"] == 10
+
+
 def test_abort_frees_kv_and_idle_accounting(engine):
     async def stream_then_drop():
         agen = await engine.async_generate("Tim", {"max_new_tokens": 300, "ignore_eos": True}, stream=True)

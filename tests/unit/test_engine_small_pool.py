@@ -1,4 +1,5 @@
-"""A KV pool smaller than the context: requests are clipped to what the pool holds, never
+"""A KV pool smaller than the context: requests that can never fit are refused (an explicit
+max_new_tokens) or clipped to what the pool holds (none), never
 wait forever, and requests that do not fit together take turns (retraction) with exact
 outputs."""
 
@@ -18,14 +19,20 @@ def engine(stories_path):
     eng.shutdown()
 
 
-def test_request_longer_than_pool_is_clipped_not_stuck(engine):
+def test_request_that_can_never_fit_the_pool_is_refused_or_clipped(engine):
+    """An explicit max_new_tokens beyond the pool is refused before it is queued (400, it
+    could never run); with none the request fills what the pool holds and finishes."""
+    from pyserve import InvalidRequestError
+
     prompt = "Once upon a time"
-    out = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True})
-    prompt_len = out["meta_info"]["prompt_tokens"]
-    assert out["meta_info"]["completion_tokens"] == POOL - prompt_len
-    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": POOL - prompt_len}
+    with pytest.raises(InvalidRequestError) as exc:
+        engine.generate(prompt, {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True})
+    assert exc.value.code == "context_length_exceeded" and exc.value.param == "max_new_tokens"
+    assert f"but the KV pool holds {POOL}: it could never run" in str(exc.value)
     none = engine.generate(prompt, {"temperature": 0, "max_new_tokens": None, "ignore_eos": True})
-    assert none["output_ids"] == out["output_ids"]
+    prompt_len = none["meta_info"]["prompt_tokens"]
+    assert none["meta_info"]["completion_tokens"] == POOL - prompt_len
+    assert none["meta_info"]["finish_reason"] == {"type": "length", "length": POOL - prompt_len}
 
 
 def test_requests_that_do_not_fit_together_all_finish_exactly(engine, stories_reference):
