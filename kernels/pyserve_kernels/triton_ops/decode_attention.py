@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pyserve_kernels.triton_ops.paged_kv import load_kv_tile, online_softmax_step, tile_scores
+
 DEFAULT_NUM_KV_SPLITS = 8
 _BLOCK_N = 32
 
@@ -60,28 +62,10 @@ def _decode_stage1_kernel(
     for start in range(split_start, split_end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         n_mask = pos < split_end
-        slots = tl.load(req_to_token_ptr + row * stride_row + pos, mask=n_mask, other=0).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + slots[:, None] * stride_kn + kvh * stride_kh + d_offs[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + slots[:, None] * stride_vn + kvh * stride_vh + d_offs[None, :],
-                    mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(n_mask[None, :], s * scaling, float("-inf"))
-        # Every block holds at least one valid key, so m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DOT_FP32:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        k, v = load_kv_tile(k_ptr, v_ptr, req_to_token_ptr, row, stride_row, pos, n_mask, kvh,
+                            stride_kn, stride_kh, stride_vn, stride_vh, d_offs, d_mask)
+        s = tl.where(n_mask[None, :], tile_scores(q, k, DOT_FP32) * scaling, float("-inf"))
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_FP32)
 
     # An empty split stores output 0 and lse -inf: it then weighs nothing in stage 2.
     nonempty = l_i > 0

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from pyserve_kernels.triton_ops.decode_attention import (check_out, check_paged_kv,
                                                         is_host_int)
+from pyserve_kernels.triton_ops.paged_kv import load_kv_tile, online_softmax_step, tile_scores
 
 
 @triton.jit
@@ -63,32 +64,15 @@ def _extend_kernel(
     for start in range(kv_start, kv_end, BLOCK_N):
         k_pos = start + tl.arange(0, BLOCK_N)
         n_mask = k_pos < kv_end
-        slots = tl.load(req_to_token_ptr + row * stride_row + k_pos, mask=n_mask, other=0).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + slots[:, None] * stride_kn + kvh * stride_kh + d_offs[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + slots[:, None] * stride_vn + kvh * stride_vh + d_offs[None, :],
-                    mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
+        k, v = load_kv_tile(k_ptr, v_ptr, req_to_token_ptr, row, stride_row, k_pos, n_mask, kvh,
+                            stride_kn, stride_kh, stride_vn, stride_vh, d_offs, d_mask)
+        s = tile_scores(q, k, DOT_FP32)
         allowed = n_mask[None, :] & (k_pos[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
             allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
         s = tl.where(allowed, s * scaling, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row may have seen no allowed key yet (sliding window): keep exp() free of inf - inf.
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_use)
-        p = tl.exp(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DOT_FP32:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        # a row may have seen no allowed key yet (sliding window): the step keeps it finite
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_FP32)
 
     res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + h * stride_oh + d_offs[None, :],
