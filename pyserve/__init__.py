@@ -5,7 +5,7 @@ Public API: `Engine` (in-process generation), `ServerArgs` (configuration), `Sam
 """
 
 from pyserve.config import ServerArgs, ServerArgsError
-from pyserve.errors import InvalidRequestError, ModelStepError
+from pyserve.errors import InvalidRequestError, ModelStepError, QueueFullError
 from pyserve.sampling_params import SamplingParams
 
 
@@ -22,4 +22,4 @@ def __getattr__(name: str):  # lazy: importing pyserve must not import torch
 
 
 __all__ = ["Engine", "ServerArgs", "ServerArgsError", "SamplingParams", "create_app",
-           "InvalidRequestError", "ModelStepError"]
+           "InvalidRequestError", "ModelStepError", "QueueFullError"]

@@ -48,6 +48,7 @@ class ServerArgs:
     stats_interval_s: float = 10.0
     disable_overlap_schedule: bool = False
     stream_interval: int = 1
+    max_queued_requests: int | None = None
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
     cuda_graph_bs: list[int] | None = None
@@ -89,6 +90,8 @@ class ServerArgs:
             raise bad("stats_interval_s", f"got {self.stats_interval_s}; must be > 0 seconds")
         if self.stream_interval <= 0:
             raise bad("stream_interval", f"got {self.stream_interval}; must be >= 1 token")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise bad("max_queued_requests", f"got {self.max_queued_requests}; must be >= 0")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs <= 0:
             raise bad("cuda_graph_max_bs", f"got {self.cuda_graph_max_bs}; must be >= 1")
         if self.cuda_graph_bs is not None and (not self.cuda_graph_bs or min(self.cuda_graph_bs) <= 0):
@@ -143,6 +146,8 @@ class ServerArgs:
                "the device runs step N)")
         a("--stream-interval", type=int, default=d["stream_interval"].default,
           help="tokens per streamed chunk (a request's own stream_interval overrides it)")
+        a("--max-queued-requests", type=int, default=None,
+          help="refuse new requests with 503 while this many wait for admission (default: no limit)")
         a("--disable-cuda-graph", action="store_true", help="run decode steps eagerly on CUDA")
         a("--cuda-graph-max-bs", type=int, default=None,
           help="largest decode batch captured in a CUDA graph (default 256; sizes 1, 2, 4, 8, "

@@ -2,6 +2,7 @@
 
 * `PyserveError`: base of the errors raised by pyserve's Python code.
   * `InvalidRequestError`: the client sent a request pyserve cannot serve (HTTP 400).
+    * `QueueFullError`: the waiting queue is full (`--max-queued-requests`; HTTP 503).
   * `ModelStepError`: a model step failed while the request ran (HTTP 500 or an SSE error
     event); the server and the other requests carry on.
 * `CoreError` (from the Rust core, `pyserve._rs`): a caller broke a contract of the KV
@@ -45,6 +46,14 @@ class InvalidRequestError(PyserveError, ValueError):
         self.status = status
 
 
+class QueueFullError(InvalidRequestError):
+    """The waiting queue already holds `--max-queued-requests` requests: this one is refused
+    (HTTP 503, code "queue_full"); retrying later may succeed."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="queue_full", status=503)
+
+
 class ModelStepError(PyserveError, RuntimeError):
     """A model step failed (a pyserve or device fault, not the client's) while the request
     ran; the request was ended and its KV freed."""
@@ -53,6 +62,7 @@ class ModelStepError(PyserveError, RuntimeError):
 __all__ = [
     "PyserveError",
     "InvalidRequestError",
+    "QueueFullError",
     "ModelStepError",
     "CoreError",
     "UnknownRequestError",

@@ -71,7 +71,7 @@ class EngineCore:
         self.tokenizer_manager = TokenizerManager(
             self.tokenizer, self.scheduler, self.context_len, runner.max_total_num_tokens,
             vocab_size=mc.vocab_size, eos_token_ids=frozenset(mc.eos_token_ids),
-            stream_interval=args.stream_interval)
+            stream_interval=args.stream_interval, max_queued_requests=args.max_queued_requests)
         self._tasks = [
             asyncio.create_task(self.scheduler.run(), name="pyserve-scheduler"),
             asyncio.create_task(self.tokenizer_manager.detokenizer.run(), name="pyserve-detokenizer"),

@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator, Callable
 
 from pyserve.engine.detokenizer import Detokenizer
 from pyserve.engine.scheduler import Scheduler
-from pyserve.errors import InvalidRequestError, ModelStepError
+from pyserve.errors import InvalidRequestError, ModelStepError, QueueFullError
 from pyserve.forward_batch_info import FinishReason
 from pyserve.io_struct import GenerateOutput, SingleReq, TokenizedGenerateReq
 
@@ -54,11 +54,13 @@ class TokenizerManager:
 
     def __init__(self, tokenizer: Any, scheduler: Scheduler, context_len: int,
                  max_total_tokens: int, vocab_size: int, eos_token_ids: frozenset[int],
-                 stream_interval: int = 1) -> None:
+                 stream_interval: int = 1, max_queued_requests: int | None = None) -> None:
         """stream_interval: the server's default tokens per streamed chunk (a request's own
-        stream_interval overrides it)."""
+        stream_interval overrides it). max_queued_requests: refuse new requests (503) while
+        that many wait for admission; None: no limit."""
         self.tokenizer = tokenizer
         self.stream_interval = stream_interval
+        self.max_queued_requests = max_queued_requests
         self.scheduler = scheduler
         self.context_len = context_len
         self.max_total_tokens = max_total_tokens
@@ -211,8 +213,7 @@ class TokenizerManager:
         Closing the iterator before the end aborts the request and frees its KV.
         """
         treq = tokenized or await self.tokenize(req)
-        if req.rid in self.states:
-            raise InvalidRequestError(f"a request with rid {req.rid!r} is already running", param="rid")
+        self.check_can_start(req)
         state = self._begin(req, treq, ReqState())
         try:
             while True:
@@ -237,10 +238,18 @@ class TokenizerManager:
         synchronously on the loop (every chunk when req.stream, else the final output; a
         failure is the final output with its finish reason's status_code, not an exception).
         The caller must call `abort_request(rid)` if it stops listening before the final
-        output. Raises InvalidRequestError if the rid is already running."""
+        output. Raises what `check_can_start` raises."""
+        self.check_can_start(req)
+        self._begin(req, treq, ReqState(sink))
+
+    def check_can_start(self, req: SingleReq) -> None:
+        """Raise InvalidRequestError if req's rid is already running, QueueFullError (503) if
+        `max_queued_requests` requests already wait (SGLang's --max-queued-requests)."""
         if req.rid in self.states:
             raise InvalidRequestError(f"a request with rid {req.rid!r} is already running", param="rid")
-        self._begin(req, treq, ReqState(sink))
+        limit = self.max_queued_requests
+        if limit is not None and len(self.scheduler.waiting) >= limit:
+            raise QueueFullError(f"the request queue is full ({limit} requests waiting); retry later")
 
     def _begin(self, req: SingleReq, treq: TokenizedGenerateReq, state: ReqState) -> ReqState:
         """Track `state` for req's rid, register its text state, hand it to the scheduler."""

@@ -98,7 +98,8 @@ def exception_response(exc: InvalidRequestError | ModelStepError) -> JSONRespons
     """The error response of a request that failed before anything was sent: the request's
     own fault (its status) or a failed model step (500)."""
     if isinstance(exc, InvalidRequestError):
-        return error_response(exc.status, str(exc), param=exc.param, code=exc.code)
+        type_ = "server_error" if exc.status >= 500 else "invalid_request_error"
+        return error_response(exc.status, str(exc), type_=type_, param=exc.param, code=exc.code)
     # the worker has logged the failed step with its traceback
     return error_response(500, str(exc), type_="internal_server_error", code=500)
 

@@ -41,8 +41,7 @@ async def generate(request: Request) -> Response | HubSSEResponse:
         if req.sampling_params.n == 1:  # the fast path: written by the stream hub
             tm = engine.tokenizer_manager
             treq = await tm.tokenize(req)  # errors surface here, before the 200 is sent
-            if req.rid in tm.states:
-                raise InvalidRequestError(f"a request with rid {req.rid!r} is already running", param="rid")
+            tm.check_can_start(req)
             return HubSSEResponse(stream_hub_of(request), GenerateOutput.to_native,
                                   lambda sink: tm.start_stream(req, treq, sink),
                                   lambda: tm.abort_request(req.rid))

@@ -19,6 +19,9 @@ from pyserve.io_struct import GenerateReqInput
     ({"max_running_requests": 0}, "--max-running-requests: got 0; must be >= 1"),
     ({"attention_backend": "flashinfer"},
      "--attention-backend: got 'flashinfer'; choose one of auto, torch_native, cpu, triton"),
+    ({"max_queued_requests": -1}, "--max-queued-requests: got -1; must be >= 0"),
+    ({"cuda_graph_max_bs": 0}, "--cuda-graph-max-bs: got 0; must be >= 1"),
+    ({"cuda_graph_bs": [4, 0]}, "--cuda-graph-bs: got [4, 0]; must be batch sizes >= 1"),
 ])
 def test_server_args_validation(kwargs, message):
     with pytest.raises(ServerArgsError) as exc:
