@@ -11,7 +11,6 @@ attention backend asks (`ForwardBatch.ensure_kv_indices`). Worker thread only.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from pyserve.device_copy import to_device
@@ -33,20 +32,15 @@ class DeviceState:
         self.token_table = torch.zeros(num_rows, dtype=torch.int64, device=device)
         self.sampling = SamplingRows(num_rows, vocab_size, device)
 
-    def _tensor(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        """The plan array on the device as `dtype` (on CUDA through pinned memory, queued on
-        the worker's stream: see device_copy)."""
-        return to_device(array, dtype, self.device)
-
     def forward_batch(self, plan: StepPlan) -> ForwardBatch:
         """Apply `plan` to the tables (row releases and starts, new slots) and return the
         step's ForwardBatch. Raises ValueError when an EXTEND plan's arrays disagree."""
         self.sampling.release_rows(plan.released_rows)
         self.sampling.set_rows(plan.new_sampling_rows)
-        rows = self._tensor(plan.req_pool_indices, torch.int64)
-        seq_lens = self._tensor(plan.seq_lens, torch.int64)
-        positions = self._tensor(plan.positions, torch.int64)
-        out_cache_loc = self._tensor(plan.out_cache_loc, torch.int64)
+        rows = to_device(plan.req_pool_indices, torch.int64, self.device)
+        seq_lens = to_device(plan.seq_lens, torch.int64, self.device)
+        positions = to_device(plan.positions, torch.int64, self.device)
+        out_cache_loc = to_device(plan.out_cache_loc, torch.int64, self.device)
         batch_size = plan.batch_size
         extend = plan.forward_mode is ForwardMode.EXTEND
         kv_indptr: torch.Tensor | None = None
@@ -56,14 +50,14 @@ class DeviceState:
             assert plan.input_ids is not None and plan.row_slots is not None
             if plan.row_slots.shape[0] != int(plan.seq_lens.sum()):
                 raise ValueError("row_slots does not hold seq_lens slots")
-            kv_indices = self._tensor(plan.row_slots, torch.int32)
+            kv_indices = to_device(plan.row_slots, torch.int32, self.device)
             # row and column of every entry of the batch's rows, written in one scatter
             total = int(plan.row_slots.shape[0])  # host: no device read for the output size
             row_of = torch.repeat_interleave(rows, seq_lens, output_size=total)
             col = torch.arange(total, device=rows.device) - torch.repeat_interleave(
                 kv_indptr[:-1], seq_lens, output_size=total)
             self.req_to_token[row_of, col] = kv_indices
-            input_ids = self._tensor(plan.input_ids, torch.int64)
+            input_ids = to_device(plan.input_ids, torch.int64, self.device)
             max_extend_len = int(plan.extend_lens.max()) if plan.extend_lens is not None and batch_size else 0
         else:
             max_extend_len = None
@@ -73,8 +67,8 @@ class DeviceState:
             forward_mode=plan.forward_mode, batch_size=batch_size, input_ids=input_ids,
             positions=positions, out_cache_loc=out_cache_loc, seq_lens=seq_lens,
             kv_indptr=kv_indptr, kv_indices=kv_indices,
-            extend_prefix_lens=self._tensor(plan.prefix_lens, torch.int64) if extend else None,
-            extend_seq_lens=self._tensor(plan.extend_lens, torch.int64) if extend else None,
+            extend_prefix_lens=to_device(plan.prefix_lens, torch.int64, self.device) if extend else None,
+            extend_seq_lens=to_device(plan.extend_lens, torch.int64, self.device) if extend else None,
             sampling_info=self.sampling.batch_info(plan.req_pool_indices, rows, plan.all_greedy),
             logprob_info=plan.logprob_info, req_pool_indices=rows, req_to_token=self.req_to_token,
             max_extend_len=max_extend_len,

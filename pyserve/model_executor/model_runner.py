@@ -249,15 +249,6 @@ class ModelRunner:
         with torch.inference_mode():
             return sample_checked(logits, batch.sampling_info)
 
-    def step_output(self, logits: torch.Tensor, batch: ForwardBatch) -> StepOutput:
-        """Sample the next tokens of `batch` (after `forward(batch)`) and gather the logprobs
-        its logprob_info asks for. Worker thread only."""
-        next_ids, failed = self.sample_next(logits, batch)
-        out = StepOutput(next_token_ids=next_ids.to(torch.int32).cpu().numpy(),
-                         failed_rows=failed.nonzero().squeeze(1).tolist())
-        self.add_logprobs(out, logits, batch, next_ids)
-        return out
-
     def add_logprobs(self, out: StepOutput, logits: torch.Tensor, batch: ForwardBatch,
                      next_ids: torch.Tensor) -> None:
         """Fill out.output_logprobs / input_logprobs with what batch.logprob_info asks for

@@ -91,12 +91,11 @@ def test_replay_through_static_buffers_equals_eager_on_cpu(stories_path, monkeyp
     import contextlib
 
     import pyserve.model_executor.cuda_graph_runner as cgr
+    from pyserve.layers.attention.base import CapturableAttentionBackend
     from pyserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
     from tests.conftest import make_stories_engine
 
-    class Capturable(TorchNativeAttnBackend):
-        supports_cuda_graph = True
-
+    class Capturable(TorchNativeAttnBackend, CapturableAttentionBackend):
         def init_cuda_graph_state(self, max_bs: int) -> None:
             pass
 

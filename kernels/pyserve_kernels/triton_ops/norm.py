@@ -19,6 +19,18 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
+def _load_row(x_row, res_row, cols, mask, x_s1, res_s1, in_dtype, HAS_RESIDUAL: tl.constexpr):
+    """Columns `cols` of one row: x, or with a residual x + residual rounded to the input
+    dtype (as the reference's `total = x + residual`), which is stored back into residual."""
+    x = tl.load(x_row + cols * x_s1, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_row + cols * res_s1, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(in_dtype)
+        tl.store(res_row + cols * res_s1, x, mask=mask)
+    return x
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr,
     hidden, eps,
@@ -34,13 +46,7 @@ def _rms_norm_kernel(
     if NUM_CHUNKS == 1:
         cols = tl.arange(0, BLOCK)
         mask = cols < hidden
-        x = tl.load(x_row + cols * x_s1, mask=mask, other=0.0)
-        if HAS_RESIDUAL:
-            r = tl.load(res_row + cols * res_s1, mask=mask, other=0.0)
-            # Rounded to the input dtype, as the reference's `total = x + residual`.
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(in_dtype)
-            tl.store(res_row + cols * res_s1, x, mask=mask)
-        x32 = x.to(tl.float32)
+        x32 = _load_row(x_row, res_row, cols, mask, x_s1, res_s1, in_dtype, HAS_RESIDUAL).to(tl.float32)
         variance = tl.sum(x32 * x32, axis=0) / hidden
         rstd = tl.div_rn(1.0, tl.sqrt_rn(variance + eps))
         normed = (x32 * rstd).to(in_dtype).to(tl.float32)
@@ -51,12 +57,7 @@ def _rms_norm_kernel(
         for chunk in range(NUM_CHUNKS):
             cols = chunk * BLOCK + tl.arange(0, BLOCK)
             mask = cols < hidden
-            x = tl.load(x_row + cols * x_s1, mask=mask, other=0.0)
-            if HAS_RESIDUAL:
-                r = tl.load(res_row + cols * res_s1, mask=mask, other=0.0)
-                x = (x.to(tl.float32) + r.to(tl.float32)).to(in_dtype)
-                tl.store(res_row + cols * res_s1, x, mask=mask)
-            x32 = x.to(tl.float32)
+            x32 = _load_row(x_row, res_row, cols, mask, x_s1, res_s1, in_dtype, HAS_RESIDUAL).to(tl.float32)
             acc += x32 * x32
         variance = tl.sum(acc, axis=0) / hidden
         rstd = tl.div_rn(1.0, tl.sqrt_rn(variance + eps))

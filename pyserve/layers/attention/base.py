@@ -6,11 +6,9 @@ each layer calls `forward(...)`. Forward is pure and sync-free on backends that 
 graphs: it reads only the ForwardBatch and the metadata made for it, writes only the KV pool
 and its output, and never reads device data on the host.
 
-CUDA-graph hooks (only where `supports_cuda_graph` is True): `init_cuda_graph_state(max_bs)`
-allocates what captured decode steps need at fixed addresses (split-KV workspaces, ...), and
-`init_forward_metadata_capture(forward_batch)` / `init_forward_metadata_replay(forward_batch)`
-set the metadata of a padded DECODE batch whose tensors are the graph runner's static buffers.
-Only the worker thread calls a backend.
+Backends that can be captured derive from `CapturableAttentionBackend`, which adds the
+CUDA-graph hooks (`init_cuda_graph_state`, `init_forward_metadata_capture/replay`) and sets
+`supports_cuda_graph`. Only the worker thread calls a backend.
 """
 
 from __future__ import annotations
@@ -68,16 +66,26 @@ class AttentionBackend(abc.ABC):
         p - W + 1 .. p only. Returns [T, num_heads, head_dim] in q.dtype.
         """
 
-    # ---- CUDA graphs ---------------------------------------------------------------------
+
+class CapturableAttentionBackend(AttentionBackend):
+    """An AttentionBackend whose DECODE steps can be captured in CUDA graphs and replayed.
+
+    `init_cuda_graph_state(max_bs)` allocates what captured steps of up to max_bs requests
+    need at fixed addresses; `init_forward_metadata_capture` / `init_forward_metadata_replay`
+    set the metadata of a padded DECODE batch whose tensors are the graph runner's static
+    buffers (replay must not allocate or read device data on the host).
+    """
+
+    supports_cuda_graph: ClassVar[bool] = True
+
+    @abc.abstractmethod
     def init_cuda_graph_state(self, max_bs: int) -> None:
         """Allocate the fixed-address state of captured DECODE steps of up to max_bs requests."""
-        raise NotImplementedError(f"attention backend {self.name!r} does not support CUDA graphs")
 
+    @abc.abstractmethod
     def init_forward_metadata_capture(self, forward_batch: ForwardBatch) -> None:
         """Metadata of the DECODE batch about to be captured (its tensors are static buffers)."""
-        raise NotImplementedError(f"attention backend {self.name!r} does not support CUDA graphs")
 
+    @abc.abstractmethod
     def init_forward_metadata_replay(self, forward_batch: ForwardBatch) -> None:
-        """Metadata of a captured DECODE batch about to be replayed; must not allocate or
-        read device data on the host."""
-        raise NotImplementedError(f"attention backend {self.name!r} does not support CUDA graphs")
+        """Metadata of a captured DECODE batch about to be replayed."""

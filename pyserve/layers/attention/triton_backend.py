@@ -19,7 +19,7 @@ import torch
 from pyserve_kernels._triton import triton_available
 
 from pyserve.forward_batch_info import ForwardBatch, ForwardMode
-from pyserve.layers.attention.base import AttentionBackend
+from pyserve.layers.attention.base import CapturableAttentionBackend
 
 if TYPE_CHECKING:
     from pyserve.mem_cache.memory_pool import MHATokenToKVPool
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 NUM_KV_SPLITS = 8
 
 
-class TritonAttnBackend(AttentionBackend):
+class TritonAttnBackend(CapturableAttentionBackend):
     """Paged attention through `pyserve_kernels.triton_ops` over an `MHATokenToKVPool`.
 
     Per batch: EXTEND keeps qo_indptr ([B + 1] int64, the new tokens' CSR offsets, computed
@@ -38,7 +38,6 @@ class TritonAttnBackend(AttentionBackend):
     """
 
     name = "triton"
-    supports_cuda_graph = True
     requirement = "triton, and a CUDA KV pool (on CPU only with TRITON_INTERPRET=1)"
 
     def __init__(self, kv_pool: "MHATokenToKVPool") -> None:
