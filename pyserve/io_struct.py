@@ -7,9 +7,11 @@ consumer receives, once per streamed chunk or once at the end.
 
 from __future__ import annotations
 
+import itertools
 import uuid
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, overload
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -244,6 +246,47 @@ class TokenizedGenerateReq:
     quiet: bool = False
 
 
+class IdsPrefix(Sequence[int]):
+    """The first `length` items of an append-only list of token ids, without copying them: a
+    request's cumulative output ids in each of its chunks (a copy per chunk would make a long
+    stream O(tokens**2)). The owner only ever appends to `ids`, so the view never changes.
+    Equal to any sequence with the same items; slicing gives a list. Loop thread only."""
+
+    __slots__ = ("_ids", "_length")
+
+    def __init__(self, ids: list[int], length: int | None = None) -> None:
+        self._ids = ids
+        self._length = len(ids) if length is None else length
+
+    def __len__(self) -> int:
+        return self._length
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        if isinstance(index, slice):
+            return self._ids[:self._length][index]
+        if not -self._length <= index < self._length:
+            raise IndexError("IdsPrefix index out of range")
+        return self._ids[index % self._length]
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(self._ids, self._length)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
+            return NotImplemented
+        return len(other) == self._length and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]  # a list's stand-in: not hashable either
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+
 @dataclass(slots=True)
 class GenerateOutput:
     """One chunk of output for a request.
@@ -264,7 +307,7 @@ class GenerateOutput:
     rid: str
     text: str
     text_delta: str
-    output_ids: list[int]
+    output_ids: Sequence[int]  # a list, or an IdsPrefix view of the detokenizer's list
     ids_delta: list[int]
     prompt_tokens: int
     cached_tokens: int
@@ -281,17 +324,17 @@ class GenerateOutput:
     def to_native(self) -> dict[str, Any]:
         """SGLang's /generate response shape (with "index" for one of n > 1 samples)."""
         out: dict[str, Any] = {} if self.index is None else {"index": self.index}
-        return out | {
-            "text": self.text,
-            "output_ids": list(self.output_ids),
-            "meta_info": {
-                "id": self.rid,
-                "finish_reason": None if self.finish_reason is None else self.finish_reason.to_json(),
-                "prompt_tokens": self.prompt_tokens,
-                "completion_tokens": len(self.output_ids),
-                "cached_tokens": self.cached_tokens,
-                **(self.logprobs or {}),
-            },
+        return out | {"text": self.text, "output_ids": list(self.output_ids), "meta_info": self.native_meta()}
+
+    def native_meta(self) -> dict[str, Any]:
+        """The "meta_info" object of `to_native`."""
+        return {
+            "id": self.rid,
+            "finish_reason": None if self.finish_reason is None else self.finish_reason.to_json(),
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": len(self.output_ids),
+            "cached_tokens": self.cached_tokens,
+            **(self.logprobs or {}),
         }
 
 

@@ -14,12 +14,12 @@ token count. Turning that into token counts is pyserve.bench.serve's job, after 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, AsyncIterator
 
 import aiohttp
+import orjson
 
 BACKENDS = ("pyserve", "openai", "openai-chat")
 
@@ -138,6 +138,21 @@ class _StreamState:
             self.result.chunks.append(RawChunk(now, text, int(usage.get("completion_tokens", 0)) or None))
 
 
+async def _sse_data(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+    """The payloads of the `data:` lines of an SSE body, as they arrive (whatever chunks the
+    network cut it into; LF or CRLF line ends). Reads what is there at each wake-up rather than
+    a line at a time: the client shares the machine with the server it measures."""
+    pending = b""
+    async for piece in content.iter_any():
+        lines = (pending + piece).split(b"\n")
+        pending = lines.pop()
+        for line in lines:
+            if line.startswith(b"data:"):
+                yield line[5:].strip()
+    if pending.startswith(b"data:"):
+        yield pending[5:].strip()
+
+
 class _StreamError(Exception):
     """The server broke off or garbled a stream (counted as a `stream_error` failure)."""
 
@@ -157,23 +172,19 @@ async def send_request(session: aiohttp.ClientSession, backend: str, base_url: s
                 result.error_detail = (await resp.text())[:300]
                 return result
             if not spec.stream:  # one whole response: it arrives as one chunk
-                state.add_whole(json.loads(await resp.read()), time.perf_counter())
+                state.add_whole(orjson.loads(await resp.read()), time.perf_counter())
                 return result
             done = False
-            async for raw_line in resp.content:
-                line = raw_line.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
+            async for data in _sse_data(resp.content):
                 if data == b"[DONE]":
                     done = True
                     break
-                state.add(json.loads(data), time.perf_counter())
+                state.add(orjson.loads(data), time.perf_counter())
             if not done:
                 result.error, result.error_detail = "stream_error", "stream ended without [DONE]"
     except _StreamError as exc:
         result.error, result.error_detail = "stream_error", str(exc)[:300]
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         result.error, result.error_detail = "bad_response", f"{type(exc).__name__}: {exc}"[:300]
     except asyncio.TimeoutError:
         result.error, result.error_detail = "timeout", "request timed out"

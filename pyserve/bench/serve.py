@@ -24,6 +24,17 @@ from pyserve.bench.metrics import compute_metrics
 from pyserve.bench.report import format_table, plot_distributions, write_result
 
 
+def run_async(coro: Any) -> Any:
+    """Run `coro` on a fresh uvloop event loop (asyncio's own where uvloop is missing): the
+    client often shares its machine with the server it measures, so its loop should be cheap."""
+    try:
+        import uvloop
+    except ImportError:  # Windows
+        return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
+
+
 class BenchError(Exception):
     """A condition that ends the benchmark with one message and exit status 1."""
 
@@ -149,12 +160,12 @@ def run_serve(args: Any) -> dict[str, Any]:
     base_url = base_url_of(args)
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    models, info = asyncio.run(probe_server(base_url, headers))
+    models, info = run_async(probe_server(base_url, headers))
     model = pick_model(args, models)
     tokenizer_path = pick_tokenizer_path(args, models, info)
     tokenizer = load_tokenizer(tokenizer_path)
     rows = build_dataset(args, tokenizer)
-    results, start_s, _ = asyncio.run(run_requests(args, base_url, rows, model, headers))
+    results, start_s, _ = run_async(run_requests(args, base_url, rows, model, headers))
     source = resolve_count_source(args.token_count, results)
     try:
         records = [to_record(r, row.prompt_len, source, tokenizer) for r, row in zip(results, rows)]

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from pyserve.engine.scheduler import TokenOut
 from pyserve.forward_batch_info import FinishKind, FinishReason, TokenLogprobs
-from pyserve.io_struct import GenerateOutput, LogprobParams, json_safe_logprob
+from pyserve.io_struct import GenerateOutput, IdsPrefix, LogprobParams, json_safe_logprob
 
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens decoded ahead of the output (SGLang uses the same number).
@@ -214,7 +214,7 @@ class Detokenizer:
             state.sent_logprobs += num_logprobs_delta
         self.deliver(GenerateOutput(
             rid=out.rid, text=state.text[:state.sent_len], text_delta=delta,
-            output_ids=state.ids[:], ids_delta=ids_delta, prompt_tokens=out.prompt_tokens,
+            output_ids=IdsPrefix(state.ids), ids_delta=ids_delta, prompt_tokens=out.prompt_tokens,
             cached_tokens=out.cached_tokens, finish_reason=state.finish_reason,
             logprobs=logprobs, num_logprobs_delta=num_logprobs_delta,
         ))

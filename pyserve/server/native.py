@@ -12,7 +12,7 @@ from pyserve.engine.engine_core import EngineCore
 from pyserve.errors import InvalidRequestError
 from pyserve.io_struct import GenerateOutput, GenerateReqInput
 from pyserve.server.errors import parse_json
-from pyserve.server.render import SafeJSONResponse
+from pyserve.server.render import NativeStreamEncoder, SafeJSONResponse
 from pyserve.server.sse import sse_response, until_disconnect
 from pyserve.server.stream_hub import HubSSEResponse, StreamHub
 
@@ -42,7 +42,7 @@ async def generate(request: Request) -> Response | HubSSEResponse:
             tm = engine.tokenizer_manager
             treq = await tm.tokenize(req)  # errors surface here, before the 200 is sent
             tm.check_can_start(req)
-            return HubSSEResponse(stream_hub_of(request), GenerateOutput.to_native,
+            return HubSSEResponse(stream_hub_of(request), NativeStreamEncoder(),
                                   lambda sink: tm.start_stream(req, treq, sink),
                                   lambda: tm.abort_request(req.rid))
         stream = engine.generate(req)

@@ -69,3 +69,41 @@ class SafeJSONResponse(JSONResponse):
 def sse_event(obj: Any) -> bytes:
     """One server-sent event carrying `obj` as JSON."""
     return b"data: " + json_bytes(obj) + b"\n\n"
+
+
+class NativeStreamEncoder:
+    """The SSE events of one streamed native /generate request, in SGLang's cumulative shape
+    (each chunk carries all text and output ids so far, as `GenerateOutput.to_native`), built
+    in O(new tokens) per chunk: the JSON of the text and of the ids sent so far is kept and
+    only extended (JSON string escapes are per character, so escaping the pieces and joining
+    them equals escaping the whole). Each event's bytes equal `sse_event(out.to_native())`.
+    Chunks with logprobs or a sample index are encoded whole. Call with each of the request's
+    outputs in order; loop thread only."""
+
+    __slots__ = ("_text", "_text_len", "_ids", "_num_ids")
+
+    def __init__(self) -> None:
+        self._text = bytearray()  # the text so far as a JSON string body (no quotes)
+        self._text_len = 0  # its length in characters
+        self._ids = bytearray()  # the ids so far as JSON array items ("1,2,3")
+        self._num_ids = 0
+
+    def __call__(self, out: Any) -> bytes:
+        if out.logprobs is not None or out.index is not None:
+            return sse_event(out.to_native())
+        text, delta = out.text, out.text_delta
+        if len(text) != self._text_len + len(delta):  # not an extension (a stop string cut it)
+            self._text = bytearray(json_bytes(text)[1:-1])
+        elif delta:
+            self._text += json_bytes(delta)[1:-1]
+        self._text_len = len(text)
+        num_ids, new = len(out.output_ids), out.ids_delta
+        if num_ids != self._num_ids + len(new):
+            self._ids = bytearray(json_bytes(list(out.output_ids))[1:-1])
+        elif new:
+            if self._num_ids:
+                self._ids += b","
+            self._ids += json_bytes(new)[1:-1]
+        self._num_ids = num_ids
+        return b"".join((b'data: {"text":"', self._text, b'","output_ids":[', self._ids,
+                         b'],"meta_info":', json_bytes(out.native_meta()), b"}\n\n"))

@@ -19,7 +19,6 @@ from typing import Any, Callable
 from pyserve.engine.tokenizer_manager import failure_of
 from pyserve.io_struct import GenerateOutput
 from pyserve.server.errors import exception_response
-from pyserve.server.render import sse_event
 from pyserve.server.sse import DONE_EVENT, RAW_SEND_KEY, error_event
 
 logger = logging.getLogger(__name__)
@@ -29,15 +28,15 @@ SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-
 
 
 class SSEStream:
-    """One streamed response: outputs become SSE events (`convert(output)` as JSON); the last
-    one is followed by `data: [DONE]`. A failure the request's consumer would raise (its own
+    """One streamed response: outputs become SSE events (`encode(output)`, the event's bytes);
+    the last one is followed by `data: [DONE]`. A failure the request's consumer would raise (its own
     parameters at 400, a failed model step at 500) becomes an SSE error event instead, or,
     when it is the very first output, a plain error response (nothing was sent yet)."""
 
-    def __init__(self, hub: "StreamHub", convert: Callable[[GenerateOutput], Any]) -> None:
+    def __init__(self, hub: "StreamHub", encode: Callable[[GenerateOutput], bytes]) -> None:
         loop = asyncio.get_running_loop()
         self.hub = hub
-        self.convert = convert
+        self.encode = encode
         self.send: Any = None  # the ASGI server's send, once the response started
         self.buffered: list[bytes] = []  # events pushed before the response started
         self.first: asyncio.Future = loop.create_future()  # the first event (or error)
@@ -68,7 +67,7 @@ class SSEStream:
                 self.first.set_result(failure)
                 return b""
             return error_event(failure) + DONE_EVENT
-        data = sse_event(self.convert(out))
+        data = self.encode(out)
         return data + DONE_EVENT if out.finished else data
 
     def _write(self, data: bytes, final: bool) -> None:
@@ -190,16 +189,18 @@ async def _resume(coro: Any, waited: Any) -> None:
 class HubSSEResponse:
     """An ASGI response streaming one request through a StreamHub.
 
-    start(sink) starts the request with `sink` receiving its outputs; abort() stops it and
-    frees what it holds (client gone, server shutting down). The 200 is sent once the first
-    output came: a request failing at its first step gets a plain error response."""
+    encode(output) gives an output's SSE event bytes (one encoder per request: it may keep
+    state, as `NativeStreamEncoder` does). start(sink) starts the request with `sink` receiving
+    its outputs; abort() stops it and frees what it holds (client gone, server shutting down).
+    The 200 is sent once the first output came: a request failing at its first step gets a
+    plain error response."""
 
-    def __init__(self, hub: StreamHub, convert: Callable[[GenerateOutput], Any],
+    def __init__(self, hub: StreamHub, encode: Callable[[GenerateOutput], bytes],
                  start: Callable[[Callable[[GenerateOutput], None]], None], abort: Callable[[], None]) -> None:
-        self.hub, self.convert, self.start, self.abort = hub, convert, start, abort
+        self.hub, self.encode, self.start, self.abort = hub, encode, start, abort
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        stream = SSEStream(self.hub, self.convert)
+        stream = SSEStream(self.hub, self.encode)
         watcher = asyncio.ensure_future(_wait_disconnect(receive))
         finished = False
         try:
