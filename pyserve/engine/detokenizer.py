@@ -48,6 +48,23 @@ def batch_decoder(tokenizer: Any) -> Callable[[list[list[int]], list[bool]], lis
     return decode_batch
 
 
+def stream_backend(tokenizer: Any) -> Any:
+    """The `tokenizers.Tokenizer` whose `DecodeStream` may decode `tokenizer`'s output one step
+    at a time (the same windowed rule as `Detokenizer`, in Rust), or None: when the tokenizer
+    is not a transformers fast tokenizer whose decode is its backend's (see `batch_decoder`),
+    or the installed `tokenizers` has no DecodeStream with a prefill."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    try:
+        from tokenizers.decoders import DecodeStream
+
+        DecodeStream(ids=[], skip_special_tokens=True)
+    except (ImportError, TypeError):
+        return None
+    return backend
+
+
 def token_deltas(tokenizer: Any, ids: list[int], skip_special_tokens: bool = True) -> list[str]:
     """The text each of `ids` adds to the decode of the ones before it, by the same windowed
     incremental decoding as the Detokenizer (a character split over several byte tokens goes
@@ -74,7 +91,10 @@ class DecodeState:
     decode_ids: the tail of the prompt (context only) followed by the output ids whose text
     belongs in the output (a matched stop token is left out unless no_stop_trim);
     prefix_offset / read_offset index it. stream: chunks are wanted (else one output at the
-    end); stream_interval: a chunk every that many new tokens.
+    end); stream_interval: a chunk every that many new tokens. decode_stream: the `tokenizers`
+    DecodeStream that advances the text step by step (made at the first such step), fed with
+    decode_ids[:fed] (its window is always decode_ids[prefix_offset:fed]); False once it
+    refused a step.
     """
 
     def __init__(self, stop_strs: list[str], skip_special_tokens: bool,
@@ -97,16 +117,20 @@ class DecodeState:
         self.stream = stream
         self.stream_interval = max(1, stream_interval)
         self.finish_reason: FinishReason | None = None
+        self.decode_stream: Any = None
+        self.fed = 0
 
 
 class Detokenizer:
     """Consumes TokenOut lists from the scheduler; delivers GenerateOutput chunks.
 
     `deliver(output)` hands a chunk to the request's consumer; `finish(rid, reason)` tells the
-    scheduler a stop string ended the request. Each step's TokenOuts are decoded together: one
-    `decode_batch` call of the `tokenizers` library (Rust, GIL released) per step for every
-    request that needs text now: streamed ones (every stream_interval tokens) and those with
-    stop strings; a request that is neither is decoded once, when it finishes.
+    scheduler a stop string ended the request. Text is decoded for the requests that need it
+    now: streamed ones (every stream_interval tokens) and those with stop strings advance by
+    one `tokenizers` DecodeStream step each (Rust; O(new tokens)); a request's last text (which
+    is flushed even if it ends in an incomplete character), a request that is neither streamed
+    nor stopped by strings (decoded once, when it finishes) and tokenizers without
+    DecodeStream go through one `decode_batch` call per step (Rust, GIL released).
     """
 
     def __init__(self, tokenizer: Any, deliver: Callable[[GenerateOutput], None],
@@ -117,6 +141,7 @@ class Detokenizer:
         self.states: dict[str, DecodeState] = {}
         self.queue: asyncio.Queue[list[TokenOut]] = asyncio.Queue()
         self._decode_batch = batch_decoder(tokenizer)
+        self._stream_backend = stream_backend(tokenizer)
 
     def register(self, rid: str, stop_strs: list[str], skip_special_tokens: bool,
                  logprob: LogprobParams | None = None, prompt_ids: list[int] | None = None,
@@ -172,17 +197,62 @@ class Detokenizer:
         return state.stream and len(state.ids) - state.sent_ids >= state.stream_interval
 
     def _decode_states(self, states: list[DecodeState], flush: list[bool]) -> None:
-        """Advance the text of `states` by the prefix/read-offset rule, in one batched
-        decode per skip_special_tokens value."""
-        windows = [(s.decode_ids[s.prefix_offset:s.read_offset], s.decode_ids[s.prefix_offset:]) for s in states]
+        """Advance the text of `states` by the prefix/read-offset rule: a step of each one's
+        DecodeStream, or (flushing, or no DecodeStream) one batched decode of both windows
+        per skip_special_tokens value."""
+        backend = self._stream_backend
+        rest: list[DecodeState] = []
+        rest_flush: list[bool] = []
+        for state, last in zip(states, flush):
+            if last or backend is None or not self._stream_step(backend, state):
+                rest.append(state)
+                rest_flush.append(last)
+        if not rest:
+            return
+        windows = [(s.decode_ids[s.prefix_offset:s.read_offset], s.decode_ids[s.prefix_offset:]) for s in rest]
         texts = self._decode_batch([w for pair in windows for w in pair],
-                                   [s.skip_special_tokens for s in states for _ in (0, 1)])
-        for k, state in enumerate(states):
+                                   [s.skip_special_tokens for s in rest for _ in (0, 1)])
+        for k, state in enumerate(rest):
             prefix_text, new_text = texts[2 * k], texts[2 * k + 1]
-            if len(new_text) > len(prefix_text) and (flush[k] or not new_text.endswith(REPLACEMENT_CHAR)):
+            if len(new_text) > len(prefix_text) and (rest_flush[k] or not new_text.endswith(REPLACEMENT_CHAR)):
                 state.text += new_text[len(prefix_text):]
                 state.prefix_offset = state.read_offset
                 state.read_offset = len(state.decode_ids)
+
+    @staticmethod
+    def _stream_step(backend: Any, state: DecodeState) -> bool:
+        """Feed `state`'s new decode ids to its DecodeStream (made on first use, on the
+        current window); False if the stream cannot take them (the window ends inside a
+        character, or the decoder rewrote earlier text): the batched path takes this request
+        over for good."""
+        ids = state.decode_ids
+        stream = state.decode_stream
+        if stream is False:
+            return False
+        if stream is None:
+            from tokenizers.decoders import DecodeStream
+
+            window = ids[state.prefix_offset:state.read_offset]
+            if backend.decode(window, skip_special_tokens=state.skip_special_tokens).endswith(REPLACEMENT_CHAR):
+                # the context ends inside a character (a prompt given as ids, cut there): the
+                # stream would count that character's text as the output's
+                state.decode_stream = False
+                return False
+            stream = state.decode_stream = DecodeStream(ids=window, skip_special_tokens=state.skip_special_tokens)
+            state.fed = state.read_offset
+        if state.fed == len(ids):
+            return True
+        try:
+            chunk = stream.step(backend, ids[state.fed:])
+        except Exception:
+            state.decode_stream = False
+            return False
+        state.fed = len(ids)
+        if chunk is not None:
+            state.text += chunk
+            state.prefix_offset = state.read_offset
+            state.read_offset = state.fed
+        return True
 
     def _finish_chunk(self, out: TokenOut, state: DecodeState) -> None:
         finished = out.finish_reason is not None
