@@ -41,6 +41,7 @@ class ServerArgs:
     mem_fraction_static: float = 0.85
     max_running_requests: int = 64
     max_prefill_tokens: int = 8192
+    chunked_prefill_size: int | None = None
     disable_radix_cache: bool = False
     page_size: int = 1
     random_seed: int | None = None
@@ -86,6 +87,10 @@ class ServerArgs:
             raise bad("max_prefill_tokens", f"got {self.max_prefill_tokens}; must be >= 1")
         if self.page_size <= 0:
             raise bad("page_size", f"got {self.page_size}; must be >= 1 token")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1 \
+                and self.chunked_prefill_size < self.page_size:
+            raise bad("chunked_prefill_size", f"got {self.chunked_prefill_size}; must be -1 (off) or at "
+                      f"least one page ({self.page_size} tokens)")
         if self.stats_interval_s <= 0:
             raise bad("stats_interval_s", f"got {self.stats_interval_s}; must be > 0 seconds")
         if self.stream_interval <= 0:
@@ -96,6 +101,19 @@ class ServerArgs:
             raise bad("cuda_graph_max_bs", f"got {self.cuda_graph_max_bs}; must be >= 1")
         if self.cuda_graph_bs is not None and (not self.cuda_graph_bs or min(self.cuda_graph_bs) <= 0):
             raise bad("cuda_graph_bs", f"got {self.cuda_graph_bs}; must be batch sizes >= 1")
+
+    def resolved_chunked_prefill_size(self, device_memory_bytes: int | None) -> int | None:
+        """The chunk size in tokens, or None when chunked prefill is off (-1). The default
+        follows the device's memory in tiers like SGLang's (`device_memory_bytes` None: CPU)."""
+        size = self.chunked_prefill_size
+        if size == -1:
+            return None
+        if size is not None:
+            return size
+        if device_memory_bytes is None:
+            return 8192
+        gib = device_memory_bytes / (1 << 30)
+        return 2048 if gib < 35 else 4096 if gib < 60 else 8192 if gib < 160 else 16384
 
     @property
     def resolved_device(self) -> str:
@@ -133,6 +151,11 @@ class ServerArgs:
         a("--max-running-requests", type=int, default=d["max_running_requests"].default)
         a("--max-prefill-tokens", type=int, default=d["max_prefill_tokens"].default,
           help="token budget of one prefill batch")
+        a("--chunked-prefill-size", type=int, default=None,
+          help="new tokens one prefill step computes at most: longer prompts are prefilled in "
+               "chunks, taking turns with the running requests' decode steps; -1 disables; "
+               "default: by device memory (CUDA: 2048 below 35 GB, 4096 below 60 GB, 8192 below "
+               "160 GB, else 16384; CPU: 8192)")
         a("--disable-radix-cache", action="store_true", help="no prefix reuse between requests")
         a("--page-size", type=int, default=d["page_size"].default,
           help="tokens per KV page: the unit of allocation and of prefix reuse (cached prefixes "

@@ -67,7 +67,9 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv_cache, self.worker, self.context_len,
                                    args.max_running_requests, args.max_prefill_tokens,
                                    emit=self._emit, stats_interval_s=args.stats_interval_s,
-                                   overlap=not args.disable_overlap_schedule)
+                                   overlap=not args.disable_overlap_schedule,
+                                   chunked_prefill_size=args.resolved_chunked_prefill_size(
+                                       _device_memory_bytes(str(runner.device))))
         self.tokenizer_manager = TokenizerManager(
             self.tokenizer, self.scheduler, self.context_len, runner.max_total_num_tokens,
             vocab_size=mc.vocab_size, eos_token_ids=frozenset(mc.eos_token_ids),
@@ -356,3 +358,12 @@ def _default_name(model_path: str) -> str:
 def _log_task_death(task: asyncio.Task) -> None:
     if not task.cancelled() and task.exception() is not None:
         logger.error("engine task %s died", task.get_name(), exc_info=task.exception())
+
+
+def _device_memory_bytes(device: str) -> int | None:
+    """Total memory of a CUDA device (None for the CPU): what the default chunk size follows."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)

@@ -31,7 +31,11 @@ class Req:
     rid: the client's request id (a string, unique among running requests); req_id: the Rust
     core's integer handle while admitted (None while waiting).
     origin_input_ids: the prompt. output_ids: tokens generated so far (processed results).
-    prefix_len: tokens of the cached prefix reused at admission (whole pages).
+    prefix_len: tokens with stored KV before its next extend step: the cached prefix reused at
+        admission (whole pages), or, while its prompt is prefilled in chunks, what the
+        chunks so far stored (the Rust core's count).
+    extend_end: while its prompt is prefilled in chunks, where the chunk being planned ends
+        (an index into fill_ids); None: the extend covers the whole of fill_ids.
     max_new_tokens: already clipped so that prompt + output fits the context.
     num_planned: output tokens the steps launched so far will have produced (ahead of
         output_ids by the steps in flight); a request is not planned past max_new_tokens.
@@ -58,6 +62,7 @@ class Req:
         self.req_id: int | None = None
         self.req_pool_idx: int | None = None
         self.prefix_len = 0
+        self.extend_end: int | None = None
         self.cached_tokens = 0
         self.finish_reason: FinishReason | None = None
         self.num_retractions = 0
@@ -99,6 +104,11 @@ class Req:
         lp = self.logprob
         return (lp.return_logprob and lp.logprob_start_len is not None and not self.input_logprobs_done
                 and lp.logprob_start_len < len(self.origin_input_ids))
+
+    def can_chunk(self) -> bool:
+        """Whether its prefill may be split into chunks: not while prompt logprobs are wanted
+        (they are computed by one extend step)."""
+        return not self.wants_input_logprobs
 
     def max_prefix_len(self) -> int:
         """Longest cached prefix this request may reuse: all but the last token, and no token
@@ -142,6 +152,9 @@ class ScheduleBatch:
 
     reqs: list[Req]
     plan: StepPlan
+    # the request (at most one, the last) whose prompt this extend step leaves unfinished: its
+    # sampled token is dropped, its sampling row starts with its last chunk
+    partial: Req | None = None
 
     @property
     def forward_mode(self) -> ForwardMode:
@@ -149,9 +162,10 @@ class ScheduleBatch:
 
     @classmethod
     def extend(cls, reqs: list[Req], fill: list[list[int]], arrays: BatchArrays,
-               released_rows: list[int], step_id: int) -> "ScheduleBatch":
-        """An EXTEND step: `fill[i]` are request i's tokens; those after its prefix are new.
-        Every request of it starts its sampling row."""
+               released_rows: list[int], step_id: int, partial: Req | None = None) -> "ScheduleBatch":
+        """An EXTEND step: `fill[i]` are request i's tokens up to the end of this step; those
+        after its prefix are new. Every request of it but `partial` (a prompt chunk that is
+        not the last) starts its sampling row."""
         input_ids = np.fromiter((t for f, r in zip(fill, reqs) for t in f[r.prefix_len:]), dtype=np.int32)
         for r, row in zip(reqs, arrays.req_pool_indices.tolist()):
             r.req_pool_idx = row
@@ -160,10 +174,11 @@ class ScheduleBatch:
             seq_lens=arrays.seq_lens.astype(np.int32), positions=arrays.positions,
             out_cache_loc=arrays.out_cache_loc, input_ids=input_ids,
             prefix_lens=arrays.prefix_lens.astype(np.int32), extend_lens=arrays.extend_lens.astype(np.int32),
-            row_slots=arrays.kv_indices, new_sampling_rows=[r.sampling_row() for r in reqs],
-            released_rows=released_rows, all_greedy=all(r.sampling_params.is_greedy for r in reqs),
-            logprob_info=_logprob_info(reqs, extend=True), step_id=step_id)
-        return cls(reqs, plan)
+            row_slots=arrays.kv_indices, new_sampling_rows=[r.sampling_row() for r in reqs if r is not partial],
+            released_rows=released_rows,
+            all_greedy=all(r.sampling_params.is_greedy for r in reqs if r is not partial),
+            logprob_info=_logprob_info(reqs, extend=True, partial=partial), step_id=step_id)
+        return cls(reqs, plan, partial)
 
     @classmethod
     def decode(cls, reqs: list[Req], arrays: BatchArrays, released_rows: list[int],
@@ -179,17 +194,19 @@ class ScheduleBatch:
         return cls(reqs, plan)
 
 
-def _logprob_info(reqs: list[Req], extend: bool) -> LogprobBatchInfo | None:
-    if not any(r.logprob.return_logprob for r in reqs):
+def _logprob_info(reqs: list[Req], extend: bool, partial: Req | None = None) -> LogprobBatchInfo | None:
+    """What logprobs the step's requests want (a partial prompt chunk: none)."""
+    if not any(r.logprob.return_logprob for r in reqs if r is not partial):
         return None
     starts: list[int | None] = [None] * len(reqs)
     if extend:
         for i, r in enumerate(reqs):
             if r.wants_input_logprobs:
                 starts[i] = r.logprob.logprob_start_len - r.prefix_len  # type: ignore[operator]
+    wants = [r.logprob.return_logprob and r is not partial for r in reqs]
     return LogprobBatchInfo(
-        return_logprob=[r.logprob.return_logprob for r in reqs],
-        top_logprobs_nums=[r.logprob.top_logprobs_num if r.logprob.return_logprob else 0 for r in reqs],
-        token_ids_logprob=[r.logprob.token_ids_logprob if r.logprob.return_logprob else None for r in reqs],
+        return_logprob=wants,
+        top_logprobs_nums=[r.logprob.top_logprobs_num if w else 0 for r, w in zip(reqs, wants)],
+        token_ids_logprob=[r.logprob.token_ids_logprob if w else None for r, w in zip(reqs, wants)],
         input_logprob_starts=starts,
     )

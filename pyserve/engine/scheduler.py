@@ -63,7 +63,7 @@ class Scheduler:
     def __init__(self, kv_cache: KVCache, worker: ModelWorker, context_len: int,
                  max_running_requests: int, max_prefill_tokens: int,
                  emit: Callable[[list[TokenOut]], None], stats_interval_s: float = 10.0,
-                 overlap: bool = True) -> None:
+                 overlap: bool = True, chunked_prefill_size: int | None = None) -> None:
         self.kv_cache = kv_cache
         self.worker = worker
         self.context_len = context_len
@@ -72,6 +72,9 @@ class Scheduler:
         self.emit = emit
         self.stats_interval_s = stats_interval_s
         self.overlap = overlap
+        self.chunked_prefill_size = chunked_prefill_size  # None: prompts are never cut
+        self.chunked_req: Req | None = None  # admitted, its prompt partly prefilled
+        self._decode_turn = False  # while a prompt is chunked: a decode step goes next
         # seeded requests draw from a generator on the model's device
         self.generator_device = str(getattr(getattr(worker, "model_runner", None), "device", "cpu"))
         self.waiting: deque[Req] = deque()
@@ -129,7 +132,7 @@ class Scheduler:
         return True
 
     def is_idle(self) -> bool:
-        return not self.waiting and not self.running and not self.inflight
+        return not self.waiting and not self.running and not self.inflight and self.chunked_req is None
 
     def load(self) -> int:
         """SGLang's load figure: KV slots held by admitted requests (neither free nor
@@ -166,7 +169,8 @@ class Scheduler:
         while self.inflight:  # let the worker finish what it has before we go
             with contextlib.suppress(Exception):
                 await self.inflight.popleft().future
-        for req in list(self.waiting) + self.running:
+        chunked = [self.chunked_req] if self.chunked_req is not None else []
+        for req in list(self.waiting) + self.running + chunked:
             if not req.finished:
                 req.finish_reason = FinishReason.abort("server shutting down")
                 self.emit([self._out(req)])
@@ -176,7 +180,9 @@ class Scheduler:
             req.num_inflight += 1
             req.num_planned += 1
         if batch.forward_mode is ForwardMode.EXTEND:
-            self.running.extend(batch.reqs)
+            self.running.extend(r for r in batch.reqs if r is not batch.partial)
+        if batch.partial is not None:
+            batch.partial.num_planned -= 1  # a prompt chunk plans no output token
         self.num_steps += 1
         self.inflight.append(Launched(batch, self.worker.submit(batch.plan)))
 
@@ -199,10 +205,22 @@ class Scheduler:
         self._process_batch_result(batch, result)
 
     def _get_next_batch(self) -> ScheduleBatch | None:
-        if self.waiting:
+        chunked = self.chunked_req
+        if chunked is not None and chunked.finished:  # aborted mid-prefill: released as usual
+            self.chunked_req = chunked = None
+        if chunked is not None and self._decode_turn and self.running:
+            # a long prompt being chunked must not stop the running streams: its chunks and
+            # decode steps take turns
+            self._decode_turn = False
+            batch = self._decode_batch()
+            if batch is not None or self._need_drain:
+                return batch
+        if self.waiting or chunked is not None:
             adder = PrefillAdder(self.kv_cache, self.running, self.max_running_requests,
-                                 self.max_prefill_tokens)
+                                 self.max_prefill_tokens, self.chunked_prefill_size, chunked)
             admitted = adder.admit_from(self.waiting)
+            self.chunked_req = adder.chunked_req
+            self._decode_turn = self.chunked_req is not None
             if admitted:
                 batch = self._extend_batch(admitted)
                 if batch is not None:
@@ -216,15 +234,20 @@ class Scheduler:
         return rows
 
     def _extend_batch(self, reqs: list[Req]) -> ScheduleBatch | None:
+        """The EXTEND step of `reqs` (each up to its `extend_end`), or None, putting them back
+        to wait, when their pages do not fit after all."""
         fill = [r.fill_ids() for r in reqs]
+        fill = [f if r.extend_end is None else f[:r.extend_end] for f, r in zip(fill, reqs)]
         extend_lens = [len(f) - r.prefix_len for f, r in zip(fill, reqs)]
         arrays = self.kv_cache.prepare_extend([r.req_id for r in reqs], extend_lens)
         if arrays is None:  # admission raced with reservations: put them back
             for req in reversed(reqs):
                 self._unadmit(req)
                 self.waiting.appendleft(req)
+            self.chunked_req = None  # a chunked one resumes from its cached chunks
             return None
-        return ScheduleBatch.extend(reqs, fill, arrays, self._take_released_rows(), self.num_steps)
+        partial = self.chunked_req if self.chunked_req in reqs else None
+        return ScheduleBatch.extend(reqs, fill, arrays, self._take_released_rows(), self.num_steps, partial)
 
     def _decode_batch(self) -> ScheduleBatch | None:
         while True:
@@ -262,7 +285,7 @@ class Scheduler:
 
     def _unadmit(self, req: Req) -> None:
         self.kv_cache.abort_req(req.req_id)
-        req.req_id, req.prefix_len = None, 0
+        req.req_id, req.req_pool_idx, req.prefix_len, req.extend_end = None, None, 0, None
 
     def _process_batch_result(self, batch: ScheduleBatch, result: StepOutput) -> None:
         """Append each request's new token, decide who finished, emit TokenOuts."""
@@ -272,6 +295,8 @@ class Scheduler:
         with_logprobs = result.output_logprobs is not None or result.input_logprobs is not None
         for i, (req, token) in enumerate(zip(batch.reqs, ids)):
             req.num_inflight -= 1
+            if req is batch.partial:  # a prompt chunk: its token is not an output
+                continue
             if req.finished:  # ended while the step ran: drop the extra token
                 req.dropped_ids.append(token)
                 continue

@@ -88,6 +88,12 @@ class KVCache:
         out = self.core.add_req(np.asarray(key, dtype=np.int32))
         return None if out is None else AdmittedReq(*out)
 
+    def cache_unfinished_req(self, req_id: int, token_ids: list[int]) -> int:
+        """A prefill chunk ended and the request goes on: its stored KV (`token_ids`, exactly
+        the tokens with stored KV) enters the cache in whole pages, duplicate pages are freed
+        and the request re-locks the cached prefix. Returns the new cached prefix length."""
+        return self.core.cache_unfinished_req(req_id, np.asarray(token_ids, dtype=np.int32))
+
     def cache_finished_req(self, req_id: int, token_ids: list[int]) -> bool:
         """Hand the request's stored KV (`token_ids`, exactly the tokens with stored KV) to
         the cache and release it. False if it was released already."""

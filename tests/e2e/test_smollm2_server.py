@@ -140,6 +140,27 @@ def test_greedy_equals_hf_without_overlap_schedule():
     assert [o["output_ids"] for o in outs] == [c["output_ids"] for c in cases]
 
 
+def test_greedy_equals_hf_with_small_prefill_chunks():
+    """The same 10 prompts (5-15 tokens) with --chunked-prefill-size 3: every prompt is
+    prefilled in chunks (the two longest, 12 and 15 tokens, in 4 and 5), taking turns with
+    the others' decode steps; the stored HF greedy ids again."""
+    import json
+
+    from pyserve import Engine
+
+    cases = json.loads((Path(__file__).resolve().parents[1] / "data" / "smollm2_greedy_reference.json")
+                       .read_text())["cases"]
+    assert sorted(len(c["input_ids"]) for c in cases)[-2:] == [12, 15]  # 4x and 5x the chunk
+    engine = Engine(model_path=str(smollm2_gguf()), max_total_tokens=8192, chunked_prefill_size=3)
+    try:
+        assert engine.core.scheduler.chunked_prefill_size == 3
+        outs = engine.generate(input_ids=[c["input_ids"] for c in cases], sampling_params={
+            "temperature": 0, "max_new_tokens": 64, "ignore_eos": True})
+    finally:
+        engine.shutdown()
+    assert [o["output_ids"] for o in outs] == [c["output_ids"] for c in cases]
+
+
 def test_chat_logprobs_template_and_stream(server, client):
     from transformers import AutoTokenizer
 
