@@ -42,6 +42,7 @@ class ServerArgs:
     max_running_requests: int = 64
     max_prefill_tokens: int = 8192
     chunked_prefill_size: int | None = None
+    enable_mixed_chunk: bool = False
     disable_radix_cache: bool = False
     page_size: int = 1
     random_seed: int | None = None
@@ -156,6 +157,9 @@ class ServerArgs:
                "chunks, taking turns with the running requests' decode steps; -1 disables; "
                "default: by device memory (CUDA: 2048 below 35 GB, 4096 below 60 GB, 8192 below "
                "160 GB, else 16384; CPU: 8192)")
+        a("--enable-mixed-chunk", action="store_true",
+          help="run the running requests' decode tokens inside each prefill step (not with "
+               "logprobs), instead of prefill and decode steps taking turns")
         a("--disable-radix-cache", action="store_true", help="no prefix reuse between requests")
         a("--page-size", type=int, default=d["page_size"].default,
           help="tokens per KV page: the unit of allocation and of prefix reuse (cached prefixes "

@@ -106,8 +106,8 @@ class StepPlan:
       seq_lens:         [B] int32   tokens with KV after this step (prefix + new)
       positions:        [T] int64   position of each new token
       out_cache_loc:    [T] int64   KV slot receiving each new token's K/V
-      input_ids:        [T] int32 (EXTEND) the new tokens; None in DECODE: the worker reads
-                        each row's last sampled token from its token table
+      input_ids:        [T - num_decode_rows] int32 (EXTEND) the new tokens; None in DECODE:
+                        the worker reads each row's last sampled token from its token table
       prefix_lens, extend_lens: [B] int32 (EXTEND) cached and new tokens per request
       row_slots:        [sum(seq_lens)] int32 (EXTEND) the whole request row (cached prefix
                         and new slots) of each request, concatenated: written once into the
@@ -115,6 +115,9 @@ class StepPlan:
     new_sampling_rows: requests whose sampling row starts this step (their admission).
     released_rows: rows whose requests left since the last plan: the worker drops their
         sampling state first (a row may be reused by new_sampling_rows of the same plan).
+    num_decode_rows: (EXTEND) how many of the last rows are running requests decoding in this
+        extend step (a mixed chunk): one new token each, read from the token table, not
+        from input_ids.
     all_greedy: every request of the batch is greedy (the sampler needs no host check).
     logprob_info: what logprobs the batch wants, or None.
     step_id: a counter, for logs and tests.
@@ -129,6 +132,7 @@ class StepPlan:
     prefix_lens: np.ndarray | None = None
     extend_lens: np.ndarray | None = None
     row_slots: np.ndarray | None = None
+    num_decode_rows: int = 0
     new_sampling_rows: list[SamplingRow] = field(default_factory=list)
     released_rows: list[int] = field(default_factory=list)
     all_greedy: bool = True

@@ -69,7 +69,8 @@ class EngineCore:
                                    emit=self._emit, stats_interval_s=args.stats_interval_s,
                                    overlap=not args.disable_overlap_schedule,
                                    chunked_prefill_size=args.resolved_chunked_prefill_size(
-                                       _device_memory_bytes(str(runner.device))))
+                                       _device_memory_bytes(str(runner.device))),
+                                   enable_mixed_chunk=args.enable_mixed_chunk)
         self.tokenizer_manager = TokenizerManager(
             self.tokenizer, self.scheduler, self.context_len, runner.max_total_num_tokens,
             vocab_size=mc.vocab_size, eos_token_ids=frozenset(mc.eos_token_ids),

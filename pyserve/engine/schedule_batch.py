@@ -162,19 +162,24 @@ class ScheduleBatch:
 
     @classmethod
     def extend(cls, reqs: list[Req], fill: list[list[int]], arrays: BatchArrays,
-               released_rows: list[int], step_id: int, partial: Req | None = None) -> "ScheduleBatch":
+               released_rows: list[int], step_id: int, partial: Req | None = None,
+               decodes: list[Req] | None = None) -> "ScheduleBatch":
         """An EXTEND step: `fill[i]` are request i's tokens up to the end of this step; those
         after its prefix are new. Every request of it but `partial` (a prompt chunk that is
-        not the last) starts its sampling row."""
+        not the last) starts its sampling row. `decodes`: running requests that decode one
+        token each in the same step (a mixed chunk; rows after `reqs`, inputs on the worker)."""
+        decodes = decodes or []
         input_ids = np.fromiter((t for f, r in zip(fill, reqs) for t in f[r.prefix_len:]), dtype=np.int32)
         for r, row in zip(reqs, arrays.req_pool_indices.tolist()):
             r.req_pool_idx = row
+        prefills, reqs = reqs, reqs + decodes
         plan = StepPlan(
             ForwardMode.EXTEND, req_pool_indices=arrays.req_pool_indices.astype(np.int32),
             seq_lens=arrays.seq_lens.astype(np.int32), positions=arrays.positions,
             out_cache_loc=arrays.out_cache_loc, input_ids=input_ids,
             prefix_lens=arrays.prefix_lens.astype(np.int32), extend_lens=arrays.extend_lens.astype(np.int32),
-            row_slots=arrays.kv_indices, new_sampling_rows=[r.sampling_row() for r in reqs if r is not partial],
+            row_slots=arrays.kv_indices, num_decode_rows=len(decodes),
+            new_sampling_rows=[r.sampling_row() for r in prefills if r is not partial],
             released_rows=released_rows,
             all_greedy=all(r.sampling_params.is_greedy for r in reqs if r is not partial),
             logprob_info=_logprob_info(reqs, extend=True, partial=partial), step_id=step_id)

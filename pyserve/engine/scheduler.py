@@ -63,7 +63,8 @@ class Scheduler:
     def __init__(self, kv_cache: KVCache, worker: ModelWorker, context_len: int,
                  max_running_requests: int, max_prefill_tokens: int,
                  emit: Callable[[list[TokenOut]], None], stats_interval_s: float = 10.0,
-                 overlap: bool = True, chunked_prefill_size: int | None = None) -> None:
+                 overlap: bool = True, chunked_prefill_size: int | None = None,
+                 enable_mixed_chunk: bool = False) -> None:
         self.kv_cache = kv_cache
         self.worker = worker
         self.context_len = context_len
@@ -75,6 +76,8 @@ class Scheduler:
         self.chunked_prefill_size = chunked_prefill_size  # None: prompts are never cut
         self.chunked_req: Req | None = None  # admitted, its prompt partly prefilled
         self._decode_turn = False  # while a prompt is chunked: a decode step goes next
+        # prefill steps carry the running requests' decode tokens too (SGLang's mixed chunk)
+        self.enable_mixed_chunk = enable_mixed_chunk
         # seeded requests draw from a generator on the model's device
         self.generator_device = str(getattr(getattr(worker, "model_runner", None), "device", "cpu"))
         self.waiting: deque[Req] = deque()
@@ -179,8 +182,9 @@ class Scheduler:
         for req in batch.reqs:
             req.num_inflight += 1
             req.num_planned += 1
-        if batch.forward_mode is ForwardMode.EXTEND:
-            self.running.extend(r for r in batch.reqs if r is not batch.partial)
+        if batch.forward_mode is ForwardMode.EXTEND:  # its prefills join (decode rows are in)
+            prefills = batch.reqs[:len(batch.reqs) - batch.plan.num_decode_rows]
+            self.running.extend(r for r in prefills if r is not batch.partial)
         if batch.partial is not None:
             batch.partial.num_planned -= 1  # a prompt chunk plans no output token
         self.num_steps += 1
@@ -208,7 +212,7 @@ class Scheduler:
         chunked = self.chunked_req
         if chunked is not None and chunked.finished:  # aborted mid-prefill: released as usual
             self.chunked_req = chunked = None
-        if chunked is not None and self._decode_turn and self.running:
+        if chunked is not None and self._decode_turn and self.running and not self.enable_mixed_chunk:
             # a long prompt being chunked must not stop the running streams: its chunks and
             # decode steps take turns
             self._decode_turn = False
@@ -222,7 +226,7 @@ class Scheduler:
             self.chunked_req = adder.chunked_req
             self._decode_turn = self.chunked_req is not None
             if admitted:
-                batch = self._extend_batch(admitted)
+                batch = self._extend_batch(admitted, self._mixed_decodes(admitted))
                 if batch is not None:
                     return batch
         if self.running:
@@ -233,13 +237,29 @@ class Scheduler:
         rows, self._released_rows = self._released_rows, []
         return rows
 
-    def _extend_batch(self, reqs: list[Req]) -> ScheduleBatch | None:
-        """The EXTEND step of `reqs` (each up to its `extend_end`), or None, putting them back
-        to wait, when their pages do not fit after all."""
+    def _mixed_decodes(self, admitted: list[Req]) -> list[Req]:
+        """The running requests that decode inside this prefill step (mixed chunk): all that
+        can, unless logprobs are wanted by any (as SGLang, which does not mix them)."""
+        if not self.enable_mixed_chunk or not self.running:
+            return []
+        decodes = [r for r in self.running if r.decodable]
+        if any(r.logprob.return_logprob for r in decodes) or any(r.logprob.return_logprob for r in admitted):
+            return []
+        return decodes
+
+    def _extend_batch(self, reqs: list[Req], decodes: list[Req] | None = None) -> ScheduleBatch | None:
+        """The EXTEND step of `reqs` (each up to its `extend_end`) with `decodes` decoding one
+        token each in it, or None, putting `reqs` back to wait, when their pages do not fit
+        after all (without `decodes` first)."""
+        decodes = decodes or []
         fill = [r.fill_ids() for r in reqs]
         fill = [f if r.extend_end is None else f[:r.extend_end] for f, r in zip(fill, reqs)]
         extend_lens = [len(f) - r.prefix_len for f, r in zip(fill, reqs)]
-        arrays = self.kv_cache.prepare_extend([r.req_id for r in reqs], extend_lens)
+        ids = [r.req_id for r in reqs]
+        arrays = self.kv_cache.prepare_extend(ids + [r.req_id for r in decodes], extend_lens + [1] * len(decodes))
+        if arrays is None and decodes:
+            decodes = []
+            arrays = self.kv_cache.prepare_extend(ids, extend_lens)
         if arrays is None:  # admission raced with reservations: put them back
             for req in reversed(reqs):
                 self._unadmit(req)
@@ -247,7 +267,8 @@ class Scheduler:
             self.chunked_req = None  # a chunked one resumes from its cached chunks
             return None
         partial = self.chunked_req if self.chunked_req in reqs else None
-        return ScheduleBatch.extend(reqs, fill, arrays, self._take_released_rows(), self.num_steps, partial)
+        return ScheduleBatch.extend(reqs, fill, arrays, self._take_released_rows(), self.num_steps,
+                                    partial, decodes)
 
     def _decode_batch(self) -> ScheduleBatch | None:
         while True:

@@ -58,6 +58,8 @@ class DeviceState:
                 kv_indptr[:-1], seq_lens, output_size=total)
             self.req_to_token[row_of, col] = kv_indices
             input_ids = to_device(plan.input_ids, torch.int64, self.device)
+            if plan.num_decode_rows:  # a mixed chunk: the decoding rows' inputs are on the device
+                input_ids = torch.cat([input_ids, self.token_table[rows[batch_size - plan.num_decode_rows:]]])
             max_extend_len = int(plan.extend_lens.max()) if plan.extend_lens is not None and batch_size else 0
         else:
             max_extend_len = None

@@ -50,7 +50,9 @@ def test_the_excess_gets_503_and_the_rest_succeed(server) -> None:
     refused = [r for r in results if r[1] == 503]
     served = [r for r in results if r[1] == 200]
     assert len(refused) + len(served) == 32
-    assert refused and len(served) >= 6  # at least the 2 running and the 4 waiting
+    # at least the 4 allowed to wait (6 when the scheduler admits 2 before the burst ends;
+    # when every request arrives before it runs, exactly 4 were queued)
+    assert refused and len(served) >= 4
     for _, _, body in refused:
         assert body == QUEUE_FULL
     for kind, _, body in served:

@@ -140,10 +140,12 @@ def test_greedy_equals_hf_without_overlap_schedule():
     assert [o["output_ids"] for o in outs] == [c["output_ids"] for c in cases]
 
 
-def test_greedy_equals_hf_with_small_prefill_chunks():
+@pytest.mark.parametrize("mixed", [False, True], ids=["turns", "mixed"])
+def test_greedy_equals_hf_with_small_prefill_chunks(mixed):
     """The same 10 prompts (5-15 tokens) with --chunked-prefill-size 3: every prompt is
     prefilled in chunks (the two longest, 12 and 15 tokens, in 4 and 5), taking turns with
-    the others' decode steps; the stored HF greedy ids again."""
+    the others' decode steps, or (--enable-mixed-chunk) carrying them; the stored HF greedy
+    ids again."""
     import json
 
     from pyserve import Engine
@@ -151,7 +153,8 @@ def test_greedy_equals_hf_with_small_prefill_chunks():
     cases = json.loads((Path(__file__).resolve().parents[1] / "data" / "smollm2_greedy_reference.json")
                        .read_text())["cases"]
     assert sorted(len(c["input_ids"]) for c in cases)[-2:] == [12, 15]  # 4x and 5x the chunk
-    engine = Engine(model_path=str(smollm2_gguf()), max_total_tokens=8192, chunked_prefill_size=3)
+    engine = Engine(model_path=str(smollm2_gguf()), max_total_tokens=8192, chunked_prefill_size=3,
+                    enable_mixed_chunk=mixed)
     try:
         assert engine.core.scheduler.chunked_prefill_size == 3
         outs = engine.generate(input_ids=[c["input_ids"] for c in cases], sampling_params={

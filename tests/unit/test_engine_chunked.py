@@ -1,6 +1,7 @@
 """Chunked prefill on stories260k: prompts of 4x-8x the chunk size give HF's greedy tokens
 (a greedy continuation of a prefix of HF's greedy output is the rest of that output), alone
-and batched with short requests, with pages of 1 and 16 and without overlap; the engine's
+and batched with short requests, with pages of 1 and 16, without overlap and with mixed
+chunks (the running requests' decode tokens inside the prefill steps); the engine's
 default follows the device (CPU: 8192); no KV leak."""
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ from tests.conftest import make_stories_engine
 POOL = 2048
 
 
-@pytest.fixture(scope="module", params=[(1, 16, False), (16, 32, False), (1, 16, True)],
-                ids=lambda p: f"page{p[0]}-chunk{p[1]}" + ("-no-overlap" if p[2] else ""))
+@pytest.fixture(scope="module", params=[(1, 16, False, False), (16, 32, False, False), (1, 16, True, False),
+                                        (1, 16, False, True), (16, 32, True, True)],
+                ids=lambda p: f"page{p[0]}-chunk{p[1]}" + ("-no-overlap" if p[2] else "") + ("-mixed" if p[3] else ""))
 def engine(request, stories_path):
-    page_size, chunk, no_overlap = request.param
+    page_size, chunk, no_overlap, mixed = request.param
     eng = make_stories_engine(stories_path, POOL, page_size=page_size, chunked_prefill_size=chunk,
-                              disable_overlap_schedule=no_overlap)
+                              disable_overlap_schedule=no_overlap, enable_mixed_chunk=mixed)
     eng.chunk = chunk
     yield eng
     eng.shutdown()
@@ -50,8 +52,10 @@ def test_long_prompts_give_the_reference_tokens(engine, stories_reference, monke
         assert res["meta_info"]["prompt_tokens"] == 1 + k
     for c, res in zip(stories_reference[1:], results[2:]):
         assert res["output_ids"] == c["output_ids"][:40]
-    # every extend step computed at most one chunk, and the long prompts took several
-    assert max(extends) == engine.chunk and len(extends) >= 1 + cuts[1] // engine.chunk
+    # every extend step computed at most one chunk (plus, mixed, one token per decoding
+    # request), and the long prompts took several
+    most = engine.chunk + (len(prompts) if engine.core.scheduler.enable_mixed_chunk else 0)
+    assert engine.chunk <= max(extends) <= most and len(extends) >= 1 + cuts[1] // engine.chunk
     # once more: the chunks' pages were cached, so the long prompts are mostly reused
     again = engine.generate(input_ids=prompts[0], sampling_params={
         "temperature": 0, "max_new_tokens": 40, "ignore_eos": True})

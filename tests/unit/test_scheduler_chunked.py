@@ -172,3 +172,41 @@ def test_page_aligned_chunks():
         assert h.kv.num_reqs() == 0 and h.worker.num_live_sampling_rows == 0
         await h.stop()
     run(body())
+
+
+class MixedHarness(ChunkHarness):
+    def __init__(self, overlap: bool = False) -> None:
+        super().__init__(overlap=overlap)
+        self.sched.enable_mixed_chunk = True
+
+
+def test_mixed_chunk_carries_the_decodes_in_each_prefill_step():
+    async def body():
+        h = MixedHarness()
+        h.sched.add_request(treq("r", [1, 2, 3], max_new_tokens=5))
+        await h.start()
+        await h.step([10])  # r's prefill
+        h.sched.add_request(treq("long", LONG, max_new_tokens=2))
+        await h.step([11])  # r's first decode (planned before long came)
+        plans = h.worker.plans
+        r_row = plans[0].req_pool_indices.tolist()[0]
+        # long's chunks with r's decode token in each: rows [long, r], r's input from the table
+        assert shape(plans[2])[:3] == ("EXTEND", [8, 5], list(range(8)) + [4])
+        assert plans[2].input_ids.tolist() == LONG[:8] and plans[2].num_decode_rows == 1
+        assert plans[2].req_pool_indices.tolist()[1] == r_row and plans[2].extend_lens.tolist() == [8, 1]
+        assert plans[2].new_sampling_rows == []  # long's row starts with its last chunk
+        await h.step([99, 12])
+        assert h.worker.inputs[2] == LONG[:8] + [11]
+        assert shape(plans[3])[:3] == ("EXTEND", [16, 6], list(range(8, 16)) + [5])
+        await h.step([98, 13])
+        assert shape(plans[4])[:3] == ("EXTEND", [20, 7], list(range(16, 20)) + [6])
+        assert [s.req_pool_idx for s in plans[4].new_sampling_rows] == plans[4].req_pool_indices.tolist()[:1]
+        await h.step([50, 14])
+        assert shape(plans[5])[:2] == ("DECODE", [21])  # r is done (5 tokens); long decodes
+        await h.step([51])
+        assert [t for o in h.outs_of("r") for t in o.ids_delta] == [10, 11, 12, 13, 14]
+        assert [t for o in h.outs_of("long") for t in o.ids_delta] == [50, 51]
+        await settle()
+        h.assert_no_leak()
+        await h.stop()
+    run(body())
