@@ -138,6 +138,28 @@ def test_cpu_backend_decode_matches_torch_native(stories_path) -> None:
     torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=0)
 
 
+def test_cpu_backend_mixed_extend_matches_torch_native(stories_path) -> None:
+    """A mixed EXTEND batch (a 4-token chunk on a cached prefix, a new 3-token prompt, and two
+    one-token rows: a decode, a 1-token prompt) through both backends: the cpu backend runs the
+    one-token rows through its decode kernel; equal logits within float32 rounding."""
+    t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+    logits = []
+    for name in ("torch_native", "cpu"):
+        runner = ModelRunner(str(stories_path), max_total_tokens=64, load_progress=False,
+                             attention_backend=name)
+        runner.forward(ForwardBatch(ForwardMode.EXTEND, 2, t([1, 403, 407, 1, 22]), t([0, 1, 2, 0, 1]),
+                                    t([1, 2, 3, 4, 5]), t([3, 2]), t([0, 3, 5]), t([1, 2, 3, 4, 5]),
+                                    extend_prefix_lens=t([0, 0]), extend_seq_lens=t([3, 2])))
+        mixed = ForwardBatch(
+            ForwardMode.EXTEND, 4, t([261, 378, 274, 287, 1, 500, 20, 9, 1]), t([3, 4, 5, 6, 0, 1, 2, 2, 0]),
+            t([6, 7, 8, 9, 10, 11, 12, 13, 14]), t([7, 3, 3, 1]), t([0, 7, 10, 13, 14]),
+            t([1, 2, 3, 6, 7, 8, 9, 10, 11, 12, 4, 5, 13, 14]),
+            extend_prefix_lens=t([3, 0, 2, 0]), extend_seq_lens=t([4, 3, 1, 1]))
+        logits.append(runner.forward(mixed))
+        assert name == "torch_native" or runner.attn_backend.split is not None
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=0)
+
+
 def test_cpu_backend_rejects_inconsistent_decode_batch() -> None:
     backend = CpuAttnBackend(MHATokenToKVPool(8, 1, 1, 2, torch.float32, "cpu"))
     t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731

@@ -1,6 +1,10 @@
 """CPU attention backend (float32): DECODE batches run the native paged decode-attention
 kernel of `pyserve_kernels`, which reads each request's K/V rows in place from the KV pool;
-EXTEND batches run the torch reference (`TorchNativeAttnBackend`, one batched SDPA call).
+EXTEND batches run the torch reference (`TorchNativeAttnBackend`, one batched SDPA call),
+except their one-token rows when longer rows share the batch (a mixed chunk: running
+requests decoding inside a prefill step), which run the decode kernel: the reference pads
+every row to the longest extend, so four decode rows beside a 256-token chunk would cost
+five chunks' attention.
 
 Why: in a decode step the reference gathers every request's cached K/V into a padded copy and
 SDPA then reads that copy again; on the 2-core test machine that took ~2.4 ms per layer for 64
@@ -14,8 +18,10 @@ import torch
 from pyserve_kernels import native_available
 from pyserve_kernels._native import _cpu
 
+import dataclasses
+
 from pyserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
-from pyserve.forward_batch_info import ForwardBatch, ForwardMode
+from pyserve.forward_batch_info import ForwardBatch, ForwardMode, kv_indptr_of
 
 
 class CpuAttnBackend(TorchNativeAttnBackend):
@@ -51,9 +57,47 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         (int32) for the kernel. Raises ValueError if a DECODE batch's kv_indptr does not span
         its seq_lens."""
         self.decode = forward_batch.forward_mode == ForwardMode.DECODE
+        self.split = None
         if not self.decode:
-            super().init_forward_metadata(forward_batch)
+            extend_lens = forward_batch.extend_seq_lens
+            single = None if extend_lens is None else extend_lens == 1
+            if single is None or not bool(single.any()) or bool(single.all()):
+                super().init_forward_metadata(forward_batch)
+                return
+            self._init_split(forward_batch, single)
             return
+        self._init_decode(forward_batch)
+
+    def _init_split(self, forward_batch: ForwardBatch, single: torch.Tensor) -> None:
+        """A mixed EXTEND batch: the reference's metadata for its longer rows, the decode
+        kernel's for its one-token rows (`single`: [B] bool)."""
+        forward_batch.ensure_kv_indices()
+        assert forward_batch.kv_indptr is not None and forward_batch.kv_indices is not None
+        extend_lens = forward_batch.extend_seq_lens
+        assert extend_lens is not None and forward_batch.extend_prefix_lens is not None
+        token_single = torch.repeat_interleave(single, extend_lens)
+        long_rows, single_rows = torch.nonzero(~single)[:, 0], torch.nonzero(single)[:, 0]
+        long_tokens, single_tokens = torch.nonzero(~token_single)[:, 0], torch.nonzero(token_single)[:, 0]
+        indptr = forward_batch.kv_indptr
+        long_seq = forward_batch.seq_lens[long_rows]
+        long_indices = torch.cat([forward_batch.kv_indices[int(indptr[r]):int(indptr[r + 1])] for r in long_rows.tolist()])
+        sub = dataclasses.replace(
+            forward_batch, batch_size=int(long_rows.shape[0]), input_ids=forward_batch.input_ids[long_tokens],
+            positions=forward_batch.positions[long_tokens], out_cache_loc=forward_batch.out_cache_loc[long_tokens],
+            seq_lens=long_seq, kv_indptr=kv_indptr_of(long_seq), kv_indices=long_indices,
+            extend_prefix_lens=forward_batch.extend_prefix_lens[long_rows], extend_seq_lens=extend_lens[long_rows],
+            req_pool_indices=None, max_extend_len=None)
+        super().init_forward_metadata(sub)
+        single_seq = forward_batch.seq_lens[single_rows]
+        single_indices = torch.cat([forward_batch.kv_indices[int(indptr[r]):int(indptr[r + 1])] for r in single_rows.tolist()])
+        dec = dataclasses.replace(
+            forward_batch, forward_mode=ForwardMode.DECODE, batch_size=int(single_rows.shape[0]),
+            out_cache_loc=forward_batch.out_cache_loc[single_tokens], seq_lens=single_seq,
+            kv_indptr=kv_indptr_of(single_seq), kv_indices=single_indices)
+        self._init_decode(dec)
+        self.split = (sub, long_tokens, single_tokens)
+
+    def _init_decode(self, forward_batch: ForwardBatch) -> None:
         forward_batch.ensure_kv_indices()
         assert forward_batch.kv_indptr is not None and forward_batch.kv_indices is not None
         kv_indptr = forward_batch.kv_indptr.to(torch.int64)
@@ -79,8 +123,21 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         """As `TorchNativeAttnBackend.forward` (q [T, num_heads, head_dim], k, v [T,
         num_kv_heads, head_dim] float32; stores k, v at out_cache_loc, then attends); DECODE
         through the native kernel. Returns [T, num_heads, head_dim] float32."""
+        if self.split is not None:  # a mixed EXTEND batch: long rows, then one-token rows
+            sub, long_tokens, single_tokens = self.split
+            out = torch.empty_like(q)
+            out[long_tokens] = super().forward(q[long_tokens], k[long_tokens], v[long_tokens], layer_id,
+                                               scaling, sub, sliding_window)
+            out[single_tokens] = self._decode_forward(q[single_tokens], k[single_tokens], v[single_tokens],
+                                                      layer_id, scaling, sliding_window)
+            return out
         if not self.decode:
             return super().forward(q, k, v, layer_id, scaling, forward_batch, sliding_window)
+        return self._decode_forward(q, k, v, layer_id, scaling, sliding_window)
+
+    def _decode_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                        scaling: float, sliding_window: int | None) -> torch.Tensor:
+        """Store k, v at the decode metadata's slots, then the native kernel."""
         k_view, v_view = self._k_views[layer_id], self._v_views[layer_id]
         # k, v may be strided views of the fused q|k|v row: the kernel takes contiguous rows.
         _cpu.store_kv(k_view, v_view, self._out_cache_loc, k.numpy(), v.numpy())
