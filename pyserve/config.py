@@ -43,6 +43,7 @@ class ServerArgs:
     max_prefill_tokens: int = 8192
     chunked_prefill_size: int | None = None
     enable_mixed_chunk: bool = False
+    schedule_policy: str = "fcfs"
     disable_radix_cache: bool = False
     page_size: int = 1
     random_seed: int | None = None
@@ -88,6 +89,8 @@ class ServerArgs:
             raise bad("max_prefill_tokens", f"got {self.max_prefill_tokens}; must be >= 1")
         if self.page_size <= 0:
             raise bad("page_size", f"got {self.page_size}; must be >= 1 token")
+        if self.schedule_policy not in ("fcfs", "lpm", "dfs-weight", "lof", "random"):
+            raise bad("schedule_policy", f"got {self.schedule_policy!r}; must be fcfs, lpm, dfs-weight, lof or random")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1 \
                 and self.chunked_prefill_size < self.page_size:
             raise bad("chunked_prefill_size", f"got {self.chunked_prefill_size}; must be -1 (off) or at "
@@ -157,6 +160,10 @@ class ServerArgs:
                "chunks, taking turns with the running requests' decode steps; -1 disables; "
                "default: by device memory (CUDA: 2048 below 35 GB, 4096 below 60 GB, 8192 below "
                "160 GB, else 16384; CPU: 8192)")
+        a("--schedule-policy", type=str, default="fcfs", choices=("fcfs", "lpm", "dfs-weight", "lof", "random"),
+          help="order of the waiting queue: fcfs (arrival), lpm (longest cached prefix first; "
+               "fcfs above 128 waiting), dfs-weight (by the prefix tree's heaviest branches), "
+               "lof (longest output first), random")
         a("--enable-mixed-chunk", action="store_true",
           help="run the running requests' decode tokens inside each prefill step (not with "
                "logprobs), instead of prefill and decode steps taking turns")

@@ -70,7 +70,8 @@ class EngineCore:
                                    overlap=not args.disable_overlap_schedule,
                                    chunked_prefill_size=args.resolved_chunked_prefill_size(
                                        _device_memory_bytes(str(runner.device))),
-                                   enable_mixed_chunk=args.enable_mixed_chunk)
+                                   enable_mixed_chunk=args.enable_mixed_chunk,
+                                   schedule_policy=args.schedule_policy, random_seed=args.random_seed)
         self.tokenizer_manager = TokenizerManager(
             self.tokenizer, self.scheduler, self.context_len, runner.max_total_num_tokens,
             vocab_size=mc.vocab_size, eos_token_ids=frozenset(mc.eos_token_ids),

@@ -63,6 +63,8 @@ class Req:
         self.req_pool_idx: int | None = None
         self.prefix_len = 0
         self.extend_end: int | None = None
+        self._prefix_key: np.ndarray | None = None
+        self._prefix_key_outputs = 0
         self.cached_tokens = 0
         self.finish_reason: FinishReason | None = None
         self.num_retractions = 0
@@ -104,6 +106,16 @@ class Req:
         lp = self.logprob
         return (lp.return_logprob and lp.logprob_start_len is not None and not self.input_logprobs_done
                 and lp.logprob_start_len < len(self.origin_input_ids))
+
+    def prefix_key(self) -> np.ndarray:
+        """[n] int32: the tokens whose cached KV it may reuse (fill_ids up to max_prefix_len),
+        made once per length of its output (a waiting request's output changes only when it
+        is retracted)."""
+        key = self._prefix_key
+        if key is None or self._prefix_key_outputs != len(self.output_ids):
+            key = np.asarray(self.fill_ids()[:self.max_prefix_len()], dtype=np.int32)
+            self._prefix_key, self._prefix_key_outputs = key, len(self.output_ids)
+        return key
 
     def can_chunk(self) -> bool:
         """Whether its prefill may be split into chunks: not while prompt logprobs are wanted

@@ -1,5 +1,22 @@
-"""Which waiting requests join the next prefill batch (`PrefillAdder`), first come first served,
-and where a long prompt is cut into chunks (chunked prefill).
+"""Which waiting requests join the next prefill batch: the order of the waiting queue
+(`SchedulePolicy`), who is admitted (`PrefillAdder`), and where a long prompt is cut into
+chunks (chunked prefill).
+
+Policies (SGLang's `--schedule-policy`): `fcfs` keeps arrival order; `lpm` (longest prefix
+match) puts the requests with the longest cached prefix first, and falls back to fcfs when
+more than `LPM_MAX_WAITING` requests wait (matching them all each round costs too much);
+`dfs-weight` orders requests depth-first by the radix tree's branches, heaviest branch first
+(rust/core radix_cache/schedule.rs), so requests sharing a cached prefix run together; `lof`
+puts the longest max_new_tokens first; `random` shuffles. Matching for the policies changes
+nothing in the cache (no split, no LRU refresh).
+
+In-batch prefix sharing (every policy): a waiting request whose cached prefix is shorter than
+`IN_BATCH_PREFIX_TOKENS` and whose first `IN_BATCH_PREFIX_TOKENS` tokens equal those of a
+request admitted in the same round waits a round (the later requests may still be admitted):
+its twin's prompt enters the radix cache as soon as its step is planned (the scheduler's
+`_share_prompts`), so the next round it reuses the twin's KV instead of computing it too.
+(SGLang's lpm only moves such requests to the back of the queue; the threshold is its
+IN_BATCH_PREFIX_CACHING thresholds' value.) In `lpm`, such requests also sort last.
 
 Admission reserves KV for each running request's remaining output, clipped at
 `CLIP_MAX_NEW_TOKENS` like SGLang's estimate, so a full pool is rare; when it still happens the
@@ -18,6 +35,7 @@ extends them.
 
 from __future__ import annotations
 
+import random
 from collections import deque
 
 from pyserve.engine.schedule_batch import Req
@@ -25,6 +43,59 @@ from pyserve.mem_cache.kv_cache import KVCache
 
 # Output tokens reserved per request at most when admitting (a guess, not a bound).
 CLIP_MAX_NEW_TOKENS = 4096
+POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
+LPM_MAX_WAITING = 128  # SGLang's limit: above it lpm is fcfs
+IN_BATCH_PREFIX_TOKENS = 32
+
+
+def prompt_head(req: Req) -> bytes | None:
+    """The first IN_BATCH_PREFIX_TOKENS tokens of `req`'s prefix key (as bytes, a dict key),
+    or None when the key is shorter."""
+    key = req.prefix_key()
+    return key[:IN_BATCH_PREFIX_TOKENS].tobytes() if len(key) >= IN_BATCH_PREFIX_TOKENS else None
+
+
+class SchedulePolicy:
+    """Orders the waiting queue before each admission round (see the module docstring).
+    Raises ValueError for an unknown policy name. Loop thread only."""
+
+    def __init__(self, policy: str, kv_cache: KVCache, seed: int | None = None) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"schedule policy {policy!r}: expected one of {', '.join(POLICIES)}")
+        self.policy = policy
+        self.kv_cache = kv_cache
+        self.rng = random.Random(seed)
+
+    def order(self, waiting: deque[Req]) -> None:
+        """Reorder `waiting` in place (stable: ties keep their order)."""
+        policy = self.policy
+        if policy == "lpm" and len(waiting) > LPM_MAX_WAITING:
+            policy = "fcfs"
+        if policy == "fcfs" or len(waiting) < 2:
+            return
+        reqs = list(waiting)
+        if policy == "lof":
+            reqs.sort(key=lambda r: -r.max_new_tokens)
+        elif policy == "random":
+            self.rng.shuffle(reqs)
+        elif policy == "lpm":
+            lens = self.kv_cache.match_lens([r.prefix_key() for r in reqs]).tolist()
+            seen: set[bytes] = set()
+            rank = []
+            for req, cached in zip(reqs, lens):
+                head = prompt_head(req) if cached < IN_BATCH_PREFIX_TOKENS else None
+                if head is not None and head in seen:
+                    rank.append(float("inf"))  # its twin goes first; it reuses the twin's KV
+                    continue
+                if head is not None:
+                    seen.add(head)
+                rank.append(-cached)
+            reqs = [reqs[k] for k in sorted(range(len(reqs)), key=rank.__getitem__)]
+        else:  # dfs-weight
+            order = self.kv_cache.dfs_weight_order([r.prefix_key() for r in reqs]).tolist()
+            reqs = [reqs[k] for k in order]
+        waiting.clear()
+        waiting.extend(reqs)
 
 
 def reserved_tokens(req: Req) -> int:
@@ -52,17 +123,42 @@ class PrefillAdder:
         self.reserved = sum(reserved_tokens(r) for r in running if not r.finished)
         self.admitted: list[Req] = []
         self.chunked_req: Req | None = None
+        self._heads: dict[bytes, Req] = {}  # prompt heads admitted this round
+        self.leaders: set[int] = set()  # ids of admitted requests a twin waits for
         if chunked_req is not None:
             self._continue(chunked_req)
 
     def admit_from(self, waiting: deque[Req]) -> list[Req]:
+        """Admit from the head of `waiting` (removing the admitted) until one does not fit;
+        a request whose prompt head a request admitted in this round shares waits a round
+        without stopping the others (in-batch prefix sharing). Returns the admitted."""
+        skipped: list[Req] = []
         while waiting and self.chunked_req is None:
             if self.num_running + len(self.admitted) >= self.max_running_requests:
                 break
-            if not self._try_admit(waiting[0]):
+            req = waiting[0]
+            head = self._shared_head(req)
+            if head is not None and head in self._heads:
+                skipped.append(waiting.popleft())
+                self.leaders.add(id(self._heads[head]))
+                continue
+            if not self._try_admit(req):
                 break
             waiting.popleft()
+            if head is not None:
+                self._heads[head] = req
+        waiting.extendleft(reversed(skipped))
         return self.admitted
+
+    def _shared_head(self, req: Req) -> bytes | None:
+        """`req`'s prompt head when its cached prefix is too short to make it safe from
+        computing what a twin in this batch computes (see IN_BATCH_PREFIX_TOKENS), else None."""
+        if self.kv_cache.disable_radix_cache:
+            return None
+        head = prompt_head(req)
+        if head is None or int(self.kv_cache.match_lens([req.prefix_key()])[0]) >= IN_BATCH_PREFIX_TOKENS:
+            return None
+        return head
 
     def _continue(self, req: Req) -> None:
         """Plan the next chunk of `req` (admitted, its prompt partly prefilled): cache what
@@ -102,7 +198,7 @@ class PrefillAdder:
         # Keep at least one token to compute (its logits give the next token), and every
         # token whose prompt logprob was asked for. Admission matches and locks in one Rust
         # call; a request that then does not fit is let go.
-        admitted = self.kv_cache.admit(fill_ids[:req.max_prefix_len()])
+        admitted = self.kv_cache.admit(req.prefix_key())
         if admitted is None:
             return False
         extend_len = len(fill_ids) - admitted.prefix_len

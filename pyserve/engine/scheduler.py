@@ -23,8 +23,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
+
 from pyserve.engine.schedule_batch import Req, ScheduleBatch
-from pyserve.engine.schedule_policy import PrefillAdder
+from pyserve.engine.schedule_policy import PrefillAdder, SchedulePolicy
 from pyserve.engine.worker import ModelWorker
 from pyserve.forward_batch_info import FinishReason, ForwardMode, StepOutput, TokenLogprobs
 from pyserve.io_struct import TokenizedGenerateReq
@@ -64,7 +66,8 @@ class Scheduler:
                  max_running_requests: int, max_prefill_tokens: int,
                  emit: Callable[[list[TokenOut]], None], stats_interval_s: float = 10.0,
                  overlap: bool = True, chunked_prefill_size: int | None = None,
-                 enable_mixed_chunk: bool = False) -> None:
+                 enable_mixed_chunk: bool = False, schedule_policy: str = "fcfs",
+                 random_seed: int | None = None) -> None:
         self.kv_cache = kv_cache
         self.worker = worker
         self.context_len = context_len
@@ -78,6 +81,7 @@ class Scheduler:
         self._decode_turn = False  # while a prompt is chunked: a decode step goes next
         # prefill steps carry the running requests' decode tokens too (SGLang's mixed chunk)
         self.enable_mixed_chunk = enable_mixed_chunk
+        self.policy = SchedulePolicy(schedule_policy, kv_cache, seed=random_seed)
         # seeded requests draw from a generator on the model's device
         self.generator_device = str(getattr(getattr(worker, "model_runner", None), "device", "cpu"))
         self.waiting: deque[Req] = deque()
@@ -220,6 +224,7 @@ class Scheduler:
             if batch is not None or self._need_drain:
                 return batch
         if self.waiting or chunked is not None:
+            self.policy.order(self.waiting)
             adder = PrefillAdder(self.kv_cache, self.running, self.max_running_requests,
                                  self.max_prefill_tokens, self.chunked_prefill_size, chunked)
             admitted = adder.admit_from(self.waiting)
@@ -228,6 +233,7 @@ class Scheduler:
             if admitted:
                 batch = self._extend_batch(admitted, self._mixed_decodes(admitted))
                 if batch is not None:
+                    self._share_prompts([r for r in admitted if id(r) in adder.leaders], batch.partial)
                     return batch
         if self.running:
             return self._decode_batch()
@@ -236,6 +242,22 @@ class Scheduler:
     def _take_released_rows(self) -> list[int]:
         rows, self._released_rows = self._released_rows, []
         return rows
+
+    def _share_prompts(self, leaders: list[Req], partial: Req | None) -> None:
+        """Put the prompts of `leaders` (admitted requests a waiting twin shares a prompt head
+        with) into the radix cache now, so the twin reuses them next round: their KV is
+        computed by the step just planned, which runs before any step of the twin. Skipped
+        when the cache holds more of the prompt than the request locked (another request
+        computed it meanwhile): caching would then swap the request's pages for the cache's
+        under the worker's row. A chunk in progress is cached when its next chunk is planned."""
+        for req in leaders:
+            if req is partial or req.req_id is None:
+                continue
+            kv_len = self.kv_cache.kv_len(req.req_id)
+            stored = np.asarray(req.fill_ids()[:kv_len], dtype=np.int32)
+            if int(self.kv_cache.match_lens([stored])[0]) > req.prefix_len:
+                continue
+            self.kv_cache.cache_unfinished_req(req.req_id, stored)
 
     def _mixed_decodes(self, admitted: list[Req]) -> list[Req]:
         """The running requests that decode inside this prefill step (mixed chunk): all that

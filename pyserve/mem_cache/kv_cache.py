@@ -49,6 +49,7 @@ class KVCache:
     def __init__(self, max_total_tokens: int, max_running_requests: int, max_context_len: int,
                  disable_radix_cache: bool = False, page_size: int = 1) -> None:
         self.page_size = page_size
+        self.disable_radix_cache = disable_radix_cache
         self.max_total_tokens = usable_pool_tokens(max_total_tokens, page_size)
         # One spare row: a request is admitted before the finished ones of the step leave.
         self.num_rows = max_running_requests + 1
@@ -81,14 +82,27 @@ class KVCache:
         """Empty the radix cache, freeing its pages. InvariantError while requests are admitted."""
         self.core.reset()
 
+    # ---- what the scheduling policies read (nothing changes) ---------------------------------
+    def match_lens(self, keys: list[np.ndarray]) -> np.ndarray:
+        """[n] int64: the cached page-aligned prefix length of each int32 key (one Rust call;
+        no split, no LRU refresh)."""
+        tokens, offsets = _flat(keys)
+        return self.core.match_lens(tokens, offsets)
+
+    def dfs_weight_order(self, keys: list[np.ndarray]) -> np.ndarray:
+        """[n] int64: the `dfs-weight` admission order of requests with these keys (indices
+        into `keys`; see rust/core radix_cache/schedule.rs)."""
+        tokens, offsets = _flat(keys)
+        return self.core.dfs_weight_order(tokens, offsets)
+
     # ---- a request's life ----------------------------------------------------------------------
-    def admit(self, key: list[int]) -> AdmittedReq | None:
+    def admit(self, key: list[int] | np.ndarray) -> AdmittedReq | None:
         """Match `key` (the tokens whose cached KV may be reused), take a row, lock the
         prefix. None when no row is free."""
         out = self.core.add_req(np.asarray(key, dtype=np.int32))
         return None if out is None else AdmittedReq(*out)
 
-    def cache_unfinished_req(self, req_id: int, token_ids: list[int]) -> int:
+    def cache_unfinished_req(self, req_id: int, token_ids: list[int] | np.ndarray) -> int:
         """A prefill chunk ended and the request goes on: its stored KV (`token_ids`, exactly
         the tokens with stored KV) enters the cache in whole pages, duplicate pages are freed
         and the request re-locks the cached prefix. Returns the new cached prefix length."""
@@ -117,3 +131,11 @@ class KVCache:
         """Allocate one token per request (a new page only at page boundaries, evicting if
         needed); None if they do not fit. O(batch): the arrays hold no kv_indices."""
         return self.core.prepare_decode(np.asarray(req_ids, dtype=np.int64))
+
+
+def _flat(keys: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Keys as one int32 array and [n + 1] int64 offsets (what crosses into Rust)."""
+    offsets = np.zeros(len(keys) + 1, dtype=np.int64)
+    np.cumsum([len(k) for k in keys], out=offsets[1:])
+    tokens = np.concatenate(keys).astype(np.int32, copy=False) if keys else np.zeros(0, dtype=np.int32)
+    return tokens, offsets

@@ -121,6 +121,17 @@ impl KVCache {
         self.req_pool.read(r.req_pool_idx, 0, r.kv_len)
     }
 
+    /// Cached page-aligned prefix length of each key, changing nothing (the `lpm` policy).
+    pub fn match_lens(&self, keys: &[&[i32]]) -> Vec<usize> {
+        keys.iter().map(|k| self.tree.match_node(k).1).collect()
+    }
+
+    /// The `dfs-weight` admission order of requests with these keys (indices into `keys`;
+    /// see [`RadixCache::dfs_weight_order`]). Changes nothing.
+    pub fn dfs_weight_order(&self, keys: &[&[i32]]) -> Vec<usize> {
+        self.tree.dfs_weight_order(keys)
+    }
+
     /// Longest cached page-aligned prefix of `key` (see [`RadixCache::match_prefix`]).
     pub fn match_prefix(&mut self, key: &[i32]) -> MatchResult {
         self.tree.match_prefix(key)

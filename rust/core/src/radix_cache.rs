@@ -22,6 +22,7 @@
 
 mod evict;
 mod integrity;
+mod schedule;
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};

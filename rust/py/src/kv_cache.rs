@@ -146,6 +146,29 @@ impl KVCache {
         Ok((to_array(py, m.indices), m.last_node))
     }
 
+    /// Keys given flat: key i is tokens[offsets[i]..offsets[i + 1]].
+    fn match_lens<'py>(
+        &self,
+        py: Python<'py>,
+        tokens: &Bound<'py, PyAny>,
+        offsets: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let offsets = usize_vec(offsets)?;
+        let lens = with_tokens(tokens, |t| split_keys(t, &offsets).map(|keys| self.inner.match_lens(&keys)))??;
+        Ok(to_array(py, lens.into_iter().map(|n| n as i64).collect()))
+    }
+
+    fn dfs_weight_order<'py>(
+        &self,
+        py: Python<'py>,
+        tokens: &Bound<'py, PyAny>,
+        offsets: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let offsets = usize_vec(offsets)?;
+        let order = with_tokens(tokens, |t| split_keys(t, &offsets).map(|keys| self.inner.dfs_weight_order(&keys)))??;
+        Ok(to_array(py, order.into_iter().map(|n| n as i64).collect()))
+    }
+
     fn add_req(&mut self, key: &Bound<'_, PyAny>) -> PyResult<Option<(u64, usize, usize)>> {
         let r = with_tokens(key, |key| self.inner.add_req(key))?.py()?;
         Ok(r.map(|a| (a.req_id, a.req_pool_idx, a.prefix_len)))
@@ -225,4 +248,17 @@ impl KVCache {
             self.inner.num_reqs()
         )
     }
+}
+
+/// The keys of a flat token array cut at `offsets` ([n + 1], non-decreasing, ending at the
+/// array's length), or ShapeError.
+fn split_keys<'a>(tokens: &'a [i32], offsets: &[usize]) -> PyResult<Vec<&'a [i32]>> {
+    let ok = !offsets.is_empty()
+        && offsets[0] == 0
+        && *offsets.last().unwrap() == tokens.len()
+        && offsets.windows(2).all(|w| w[0] <= w[1]);
+    if !ok {
+        return Err(crate::errors::ShapeError::new_err("offsets must rise from 0 to the number of tokens"));
+    }
+    Ok(offsets.windows(2).map(|w| &tokens[w[0]..w[1]]).collect())
 }
