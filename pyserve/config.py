@@ -44,6 +44,10 @@ class ServerArgs:
     chunked_prefill_size: int | None = None
     enable_mixed_chunk: bool = False
     schedule_policy: str = "fcfs"
+    enable_priority_scheduling: bool = False
+    schedule_low_priority_values_first: bool = False
+    priority_scheduling_preemption_threshold: int = 10
+    abort_on_priority_when_disabled: bool = False
     disable_radix_cache: bool = False
     page_size: int = 1
     random_seed: int | None = None
@@ -89,6 +93,9 @@ class ServerArgs:
             raise bad("max_prefill_tokens", f"got {self.max_prefill_tokens}; must be >= 1")
         if self.page_size <= 0:
             raise bad("page_size", f"got {self.page_size}; must be >= 1 token")
+        if self.priority_scheduling_preemption_threshold < 0:
+            raise bad("priority_scheduling_preemption_threshold",
+                      f"got {self.priority_scheduling_preemption_threshold}; must be >= 0")
         if self.schedule_policy not in ("fcfs", "lpm", "dfs-weight", "lof", "random"):
             raise bad("schedule_policy", f"got {self.schedule_policy!r}; must be fcfs, lpm, dfs-weight, lof or random")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1 \
@@ -164,6 +171,18 @@ class ServerArgs:
           help="order of the waiting queue: fcfs (arrival), lpm (longest cached prefix first; "
                "fcfs above 128 waiting), dfs-weight (by the prefix tree's heaviest branches), "
                "lof (longest output first), random")
+        a("--enable-priority-scheduling", action="store_true",
+          help="requests' `priority` orders the waiting queue (higher first) and lets a waiting "
+               "request preempt running ones of much lower priority")
+        a("--schedule-low-priority-values-first", action="store_true",
+          help="with --enable-priority-scheduling: lower priority values run first")
+        a("--priority-scheduling-preemption-threshold", type=int,
+          default=d["priority_scheduling_preemption_threshold"].default,
+          help="how much more urgent a waiting request must be to preempt a running one "
+               "(default: %(default)s)")
+        a("--abort-on-priority-when-disabled", action="store_true",
+          help="answer 400 to requests giving a priority while priority scheduling is off "
+               "(default: ignore it)")
         a("--enable-mixed-chunk", action="store_true",
           help="run the running requests' decode tokens inside each prefill step (not with "
                "logprobs), instead of prefill and decode steps taking turns")

@@ -34,7 +34,6 @@ UNSUPPORTED_FIELDS = {
     "background": "background requests are",
     "return_bytes": "returning bytes is",
     "return_entropy": "returning entropy is",
-    "priority": "request priorities are",
 }
 
 
@@ -104,8 +103,10 @@ class GenerateReqInput(BaseModel):
 
     @field_validator("priority", mode="before")
     @classmethod
-    def _default_priority(cls, v: Any) -> Any:
-        return None if v == 0 and not isinstance(v, bool) else v  # 0 is everyone's priority
+    def _int_priority(cls, v: Any) -> Any:
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            raise ValueError("priority must be an integer")
+        return v
 
     @field_validator("data_parallel_rank")
     @classmethod
@@ -193,6 +194,7 @@ class GenerateReqInput(BaseModel):
                 rid=rids[i] or uuid.uuid4().hex,
                 logprob=logprob,
                 parent_rid=parent,
+                priority=self.priority,
             ))
         return out
 
@@ -230,6 +232,7 @@ class SingleReq:
     # the rid this one was derived from (a batch's rid gives `{rid}-{i}`): aborting the
     # parent aborts it too
     parent_rid: str | None = None
+    priority: int | None = None  # with --enable-priority-scheduling (None: 0)
 
 
 @dataclass
@@ -244,6 +247,7 @@ class TokenizedGenerateReq:
     # quiet: only the final output is wanted and nothing needs text on the way (not streamed,
     # no stop strings, no logprobs): the scheduler hands its tokens on once, when it ends
     quiet: bool = False
+    priority: int = 0  # higher runs first (lower with --schedule-low-priority-values-first)
 
 
 class IdsPrefix(Sequence[int]):

@@ -71,11 +71,15 @@ class EngineCore:
                                    chunked_prefill_size=args.resolved_chunked_prefill_size(
                                        _device_memory_bytes(str(runner.device))),
                                    enable_mixed_chunk=args.enable_mixed_chunk,
-                                   schedule_policy=args.schedule_policy, random_seed=args.random_seed)
+                                   schedule_policy=args.schedule_policy, random_seed=args.random_seed,
+                                   enable_priority_scheduling=args.enable_priority_scheduling,
+                                   low_priority_values_first=args.schedule_low_priority_values_first,
+                                   preemption_threshold=args.priority_scheduling_preemption_threshold)
         self.tokenizer_manager = TokenizerManager(
             self.tokenizer, self.scheduler, self.context_len, runner.max_total_num_tokens,
             vocab_size=mc.vocab_size, eos_token_ids=frozenset(mc.eos_token_ids),
-            stream_interval=args.stream_interval, max_queued_requests=args.max_queued_requests)
+            stream_interval=args.stream_interval, max_queued_requests=args.max_queued_requests,
+            abort_on_priority_when_disabled=args.abort_on_priority_when_disabled)
         self._tasks = [
             asyncio.create_task(self.scheduler.run(), name="pyserve-scheduler"),
             asyncio.create_task(self.tokenizer_manager.detokenizer.run(), name="pyserve-detokenizer"),

@@ -63,6 +63,7 @@ class Req:
         self.req_pool_idx: int | None = None
         self.prefix_len = 0
         self.extend_end: int | None = None
+        self.priority = 0  # priority scheduling: larger is more urgent (unless low-first)
         self._prefix_key: np.ndarray | None = None
         self._prefix_key_outputs = 0
         self.cached_tokens = 0

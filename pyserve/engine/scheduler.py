@@ -26,7 +26,7 @@ from typing import Callable
 import numpy as np
 
 from pyserve.engine.schedule_batch import Req, ScheduleBatch
-from pyserve.engine.schedule_policy import PrefillAdder, SchedulePolicy
+from pyserve.engine.schedule_policy import PrefillAdder, SchedulePolicy, reserved_tokens
 from pyserve.engine.worker import ModelWorker
 from pyserve.forward_batch_info import FinishReason, ForwardMode, StepOutput, TokenLogprobs
 from pyserve.io_struct import TokenizedGenerateReq
@@ -67,7 +67,8 @@ class Scheduler:
                  emit: Callable[[list[TokenOut]], None], stats_interval_s: float = 10.0,
                  overlap: bool = True, chunked_prefill_size: int | None = None,
                  enable_mixed_chunk: bool = False, schedule_policy: str = "fcfs",
-                 random_seed: int | None = None) -> None:
+                 random_seed: int | None = None, enable_priority_scheduling: bool = False,
+                 low_priority_values_first: bool = False, preemption_threshold: int = 10) -> None:
         self.kv_cache = kv_cache
         self.worker = worker
         self.context_len = context_len
@@ -82,6 +83,9 @@ class Scheduler:
         # prefill steps carry the running requests' decode tokens too (SGLang's mixed chunk)
         self.enable_mixed_chunk = enable_mixed_chunk
         self.policy = SchedulePolicy(schedule_policy, kv_cache, seed=random_seed)
+        self.enable_priority_scheduling = enable_priority_scheduling
+        self.low_priority_values_first = low_priority_values_first
+        self.preemption_threshold = preemption_threshold
         # seeded requests draw from a generator on the model's device
         self.generator_device = str(getattr(getattr(worker, "model_runner", None), "device", "cpu"))
         self.waiting: deque[Req] = deque()
@@ -107,6 +111,7 @@ class Scheduler:
         req = Req(treq.rid, treq.input_ids, sp, max_new, treq.stop_token_ids, treq.logprob,
                   generator_device=self.generator_device)
         req.quiet = treq.quiet
+        req.priority = treq.priority
         self.reqs[req.rid] = req
         # max_new_tokens 0 still prefills, as in SGLang: the prompt's KV enters the radix
         # cache (clients send such requests to cache a prefix) and prompt logprobs are
@@ -224,10 +229,18 @@ class Scheduler:
             if batch is not None or self._need_drain:
                 return batch
         if self.waiting or chunked is not None:
-            self.policy.order(self.waiting)
+            self._order_waiting()
             adder = PrefillAdder(self.kv_cache, self.running, self.max_running_requests,
                                  self.max_prefill_tokens, self.chunked_prefill_size, chunked)
             admitted = adder.admit_from(self.waiting)
+            if (not admitted and self.enable_priority_scheduling and self.waiting and chunked is None
+                    and self._preempt_for(self.waiting[0])):
+                self._order_waiting()  # the preempted wait behind it again
+                adder = PrefillAdder(self.kv_cache, self.running, self.max_running_requests,
+                                     self.max_prefill_tokens, self.chunked_prefill_size, None)
+                admitted = adder.admit_from(self.waiting)
+            if self._need_drain and not admitted:
+                return None
             self.chunked_req = adder.chunked_req
             self._decode_turn = self.chunked_req is not None
             if admitted:
@@ -306,25 +319,75 @@ class Scheduler:
             self._retract()
 
     def _retract(self) -> None:
-        """The pool is full even after eviction: send the newest request back to the waiting
-        queue, freeing its KV; it resumes later by prefilling prompt + output so far. A lone
-        request cannot be helped by retraction: it finishes with reason length. Only with no
-        step in flight."""
+        """The pool is full even after eviction: send a request back to the waiting queue,
+        by SGLang's rule the one with the fewest output tokens (of those, the longest prompt);
+        its computed tokens go to the radix cache, so it resumes by prefilling only what was
+        evicted meanwhile. A lone request cannot be helped by retraction: it finishes with
+        reason length. Only with no step in flight."""
         live = [r for r in self.running if not r.finished]
         if len(live) == 1:
             self._end(live[0], FinishReason.length_limit(len(live[0].output_ids)))
             self.emit([self._out(live[0])])
             self._release_finished()
             return
-        req = live[-1]
+        req = min(reversed(live), key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+        self._send_back(req)
+        logger.warning("KV pool full: retracted request %s (%d tokens so far)", req.rid, req.seq_len)
+
+    def _send_back(self, req: Req) -> None:
+        """Retract a running request (no step in flight holds it): its stored tokens are
+        cached (unlocked: eviction may take them), its row and sampling row are released, and
+        it waits again at the head of the queue with its output so far."""
         self.running.remove(req)
-        self.kv_cache.abort_req(req.req_id)
+        assert req.req_id is not None
+        if req.kv_invalid:
+            self.kv_cache.abort_req(req.req_id)
+        else:
+            kv_len = self.kv_cache.kv_len(req.req_id)
+            self.kv_cache.cache_finished_req(req.req_id, req.kv_token_ids(kv_len))
         self._released_rows.append(req.req_pool_idx)
         req.req_id, req.req_pool_idx, req.prefix_len = None, None, 0
         req.num_planned = len(req.output_ids)
         req.num_retractions += 1
         self.waiting.appendleft(req)
-        logger.warning("KV pool full: retracted request %s (%d tokens so far)", req.rid, req.seq_len)
+
+    def _urgency(self, req: Req) -> int:
+        """Larger runs first (priority scheduling)."""
+        return req.priority if not self.low_priority_values_first else -req.priority
+
+    def _order_waiting(self) -> None:
+        self.policy.order(self.waiting)
+        if self.enable_priority_scheduling:  # priority first, the policy's order within it
+            ordered = sorted(self.waiting, key=lambda r: -self._urgency(r))
+            self.waiting.clear()
+            self.waiting.extend(ordered)
+
+    def _preempt_for(self, head: Req) -> bool:
+        """Priority scheduling: retract running requests at least `preemption_threshold`
+        less urgent than the waiting `head` (least urgent first, then the newest) until it
+        has a row and its KV fits. True if it now fits; with steps in flight, asks for a
+        drain first (their KV is being written) and returns False."""
+        victims = sorted((r for r in reversed(self.running) if not r.finished  # newest first
+                          and self._urgency(head) - self._urgency(r) >= self.preemption_threshold),
+                         key=self._urgency)
+        if not victims:
+            return False
+        if self.inflight:
+            self._need_drain = True
+            return False
+        kv = self.kv_cache
+        need = len(head.fill_ids()) - int(kv.match_lens([head.prefix_key()])[0]) + reserved_tokens(head) \
+            + kv.page_size - 1
+        while victims and (kv.free_req_rows() <= 1 or need > kv.available_size() - self._reserved()
+                           or len(self.running) >= self.max_running_requests):
+            victim = victims.pop(0)
+            self._send_back(victim)
+            logger.info("preempted request %s (priority %d) for %s (priority %d)",
+                        victim.rid, victim.priority, head.rid, head.priority)
+        return True
+
+    def _reserved(self) -> int:
+        return sum(reserved_tokens(r) for r in self.running if not r.finished)
 
     def _unadmit(self, req: Req) -> None:
         self.kv_cache.abort_req(req.req_id)

@@ -54,10 +54,14 @@ class TokenizerManager:
 
     def __init__(self, tokenizer: Any, scheduler: Scheduler, context_len: int,
                  max_total_tokens: int, vocab_size: int, eos_token_ids: frozenset[int],
-                 stream_interval: int = 1, max_queued_requests: int | None = None) -> None:
+                 stream_interval: int = 1, max_queued_requests: int | None = None,
+                 abort_on_priority_when_disabled: bool = False) -> None:
         """stream_interval: the server's default tokens per streamed chunk (a request's own
         stream_interval overrides it). max_queued_requests: refuse new requests (503) while
-        that many wait for admission; None: no limit."""
+        that many wait for admission; None: no limit. abort_on_priority_when_disabled: a
+        request giving a priority gets a 400 when priority scheduling is off (else, as in
+        SGLang, the priority is ignored: it orders requests, it never changes an output)."""
+        self.abort_on_priority_when_disabled = abort_on_priority_when_disabled
         self.tokenizer = tokenizer
         self.stream_interval = stream_interval
         self.max_queued_requests = max_queued_requests
@@ -200,7 +204,12 @@ class TokenizerManager:
         if lp.logprob_start_len is not None and lp.logprob_start_len >= len(ids):
             lp.logprob_start_len = None  # nothing of the prompt to report
         quiet = not req.stream and not sp.stop_strs and not lp.return_logprob
-        return TokenizedGenerateReq(req.rid, ids, sp, frozenset(stop_ids), lp, quiet=quiet)
+        if req.priority is not None and not self.scheduler.enable_priority_scheduling \
+                and self.abort_on_priority_when_disabled:
+            raise InvalidRequestError("priority scheduling is not enabled (--enable-priority-scheduling)",
+                                      param="priority")
+        priority = (req.priority or 0) if self.scheduler.enable_priority_scheduling else 0
+        return TokenizedGenerateReq(req.rid, ids, sp, frozenset(stop_ids), lp, quiet=quiet, priority=priority)
 
     async def generate(self, req: SingleReq,
                        tokenized: TokenizedGenerateReq | None = None) -> AsyncIterator[GenerateOutput]:

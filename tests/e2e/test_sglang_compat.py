@@ -79,7 +79,7 @@ def test_every_sglang_default_field_is_accepted(server):
 @pytest.mark.parametrize("field,value", [
     ("lora_path", "adapter-a"), ("lora_path", ["a"]), ("image_data", "http://x/y.png"),
     ("input_embeds", [[0.1]]), ("return_hidden_states", True), ("session_params", {"id": "s"}),
-    ("custom_logit_processor", "x"), ("bootstrap_host", "h"), ("priority", 1),
+    ("custom_logit_processor", "x"), ("bootstrap_host", "h"),
     ("data_parallel_rank", 1), ("background", True), ("return_bytes", True), ("modalities", ["image"]),
 ])
 def test_native_unsupported_fields_are_refused_by_name(server, field, value):
@@ -442,6 +442,12 @@ def test_openai_nulls_mean_defaults_and_more_options(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
     r = post(server, "/generate", {"text": "Hi", "priority": 0, "sampling_params": {"max_new_tokens": 1}})
     assert r.status_code == 200, r.text
+    # priority scheduling is off here: a priority is ignored, as in SGLang (it orders
+    # requests, it never changes an output); a non-integer one is still refused
+    r = post(server, "/generate", {"text": "Hi", "priority": 7, "sampling_params": {"max_new_tokens": 1}})
+    assert r.status_code == 200, r.text
+    r = post(server, "/generate", {"text": "Hi", "priority": "high"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
     r = post(server, "/generate", {"text": ["Hi", "Yo"], "token_ids_logprob": [[1]], "return_logprob": True})
     assert r.status_code == 400 and "token_ids_logprob" in r.json()["error"]["message"]
     # stream_interval on the OpenAI routes

@@ -286,10 +286,14 @@ def test_pool_full_with_a_step_in_flight_drains_then_retracts_without_waiting():
         await h.step([11, 21])  # decode 1 done; planning decode 3 finds the pool full
         assert h.sched._need_drain and len(calls) == 1
         await h.step([12, 22])  # the drain: decode 2 processed, then at once: full again with
-        # nothing in flight, so b (the newest) is retracted and a goes on, with no new request
-        # or wake-up needed
-        assert len(calls) == 3 and len(calls[2]) == 1
-        assert [r.rid for r in h.sched.waiting] == [] and h.sched.reqs["b"].num_retractions == 1
+        # nothing in flight, so by SGLang's rule a (as many outputs as b, the longer prompt) is
+        # retracted and b goes on, with no new request or wake-up needed
+        assert len(calls) == 3 and calls[2] == [h.sched.reqs["b"].req_id]
+        assert [r.rid for r in h.sched.waiting] == [] and h.sched.reqs["a"].num_retractions == 1
+        assert h.sched.reqs["b"].num_retractions == 0
+        # a's computed tokens were cached: it resumes by prefilling only its last token
+        resume = h.worker.plans[-2] if h.worker.plans[-1].forward_mode.name == "DECODE" else h.worker.plans[-1]
+        assert resume.forward_mode.name == "EXTEND" and resume.extend_lens.tolist() == [1]
         assert h.worker.pending  # the next step (b's re-prefill, a's decode) is already planned
         while h.worker.pending:
             await h.step([30] * h.worker.pending[0][0].batch_size)

@@ -181,9 +181,6 @@ class _Common(BaseModel):
         if self.length_penalty != 1.0:
             raise InvalidRequestError("length_penalty: beam search is not supported yet",
                                       param="length_penalty")
-        if self.priority not in (None, 0):
-            raise InvalidRequestError("priority: request priorities are not supported yet",
-                                      param="priority")
         for key in self.logit_bias or {}:
             if not key.isdigit():
                 raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}",

@@ -105,7 +105,7 @@ async def chat_completions(request: Request) -> Response:
                                               **body.template_kwargs())
     req = SingleReq(text=prompt, input_ids=None, sampling_params=body.sampling_params(body.max_new_tokens),
                     stream=body.stream, add_special_tokens=body.add_special_tokens,
-                    logprob=body.logprob_params(), rid=body.rid or uuid.uuid4().hex)
+                    logprob=body.logprob_params(), rid=body.rid or uuid.uuid4().hex, priority=body.priority)
     rid = f"chatcmpl-{req.rid}"
     created = int(time.time())
     if body.stream:
@@ -163,7 +163,7 @@ async def completions(request: Request) -> Response:
                       stream=body.stream, logprob=body.logprob_params(),
                       add_special_tokens=body.add_special_tokens,
                       rid=base_rid if len(prompts) == 1 else f"{base_rid}-p{k}",
-                      parent_rid=None if len(prompts) == 1 else base_rid)
+                      parent_rid=None if len(prompts) == 1 else base_rid, priority=body.priority)
             for k, (text, ids) in enumerate(prompts)]
     rid = f"cmpl-{base_rid}"
     created = int(time.time())
