@@ -47,6 +47,7 @@ class ServerArgs:
     enable_priority_scheduling: bool = False
     schedule_low_priority_values_first: bool = False
     priority_scheduling_preemption_threshold: int = 10
+    schedule_conservativeness: float = 1.0
     abort_on_priority_when_disabled: bool = False
     disable_radix_cache: bool = False
     page_size: int = 1
@@ -93,6 +94,8 @@ class ServerArgs:
             raise bad("max_prefill_tokens", f"got {self.max_prefill_tokens}; must be >= 1")
         if self.page_size <= 0:
             raise bad("page_size", f"got {self.page_size}; must be >= 1 token")
+        if not self.schedule_conservativeness > 0:
+            raise bad("schedule_conservativeness", f"got {self.schedule_conservativeness}; must be > 0")
         if self.priority_scheduling_preemption_threshold < 0:
             raise bad("priority_scheduling_preemption_threshold",
                       f"got {self.priority_scheduling_preemption_threshold}; must be >= 0")
@@ -171,6 +174,10 @@ class ServerArgs:
           help="order of the waiting queue: fcfs (arrival), lpm (longest cached prefix first; "
                "fcfs above 128 waiting), dfs-weight (by the prefix tree's heaviest branches), "
                "lof (longest output first), random")
+        a("--schedule-conservativeness", type=float, default=d["schedule_conservativeness"].default,
+          help="scales how much KV admission keeps for running requests' future tokens (the "
+               "new-token ratio starts at 0.7 x this, at most 1): larger retracts less, admits "
+               "less (default: %(default)s)")
         a("--enable-priority-scheduling", action="store_true",
           help="requests' `priority` orders the waiting queue (higher first) and lets a waiting "
                "request preempt running ones of much lower priority")

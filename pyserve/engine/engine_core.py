@@ -74,7 +74,8 @@ class EngineCore:
                                    schedule_policy=args.schedule_policy, random_seed=args.random_seed,
                                    enable_priority_scheduling=args.enable_priority_scheduling,
                                    low_priority_values_first=args.schedule_low_priority_values_first,
-                                   preemption_threshold=args.priority_scheduling_preemption_threshold)
+                                   preemption_threshold=args.priority_scheduling_preemption_threshold,
+                                   schedule_conservativeness=args.schedule_conservativeness)
         self.tokenizer_manager = TokenizerManager(
             self.tokenizer, self.scheduler, self.context_len, runner.max_total_num_tokens,
             vocab_size=mc.vocab_size, eos_token_ids=frozenset(mc.eos_token_ids),

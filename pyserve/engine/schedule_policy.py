@@ -19,8 +19,13 @@ its twin's prompt enters the radix cache as soon as its step is planned (the sch
 IN_BATCH_PREFIX_CACHING thresholds' value.) In `lpm`, such requests also sort last.
 
 Admission reserves KV for each running request's remaining output, clipped at
-`CLIP_MAX_NEW_TOKENS` like SGLang's estimate, so a full pool is rare; when it still happens the
-scheduler retracts a request (see Scheduler._retract). A request whose prompt is being
+`CLIP_MAX_NEW_TOKENS` and scaled by the scheduler's new-token ratio (SGLang's estimate of the
+share of max_new_tokens requests really generate: it starts at 0.7 x
+--schedule-conservativeness, decays each decode step to 0.14 of that, and is raised again
+by a retraction), and for an admitted request its whole clipped max_new_tokens. When decode
+still runs out of KV the scheduler retracts a request (see Scheduler._retract). Admission
+matches first without locking (`match_lens`), so a request that cannot fit is turned away
+without taking and giving back a lock. A request whose prompt is being
 prefilled in chunks keeps its whole remaining prompt and output reserved, so chunking never
 admits more than prefilling whole prompts would.
 
@@ -114,13 +119,13 @@ class PrefillAdder:
 
     def __init__(self, kv_cache: KVCache, running: list[Req], max_running_requests: int,
                  max_prefill_tokens: int, chunk_size: int | None = None,
-                 chunked_req: Req | None = None) -> None:
+                 chunked_req: Req | None = None, new_token_ratio: float = 1.0) -> None:
         self.kv_cache = kv_cache
         self.num_running = len(running)
         self.max_running_requests = max_running_requests
         self.prefill_budget = max_prefill_tokens
         self.chunk_budget = chunk_size
-        self.reserved = sum(reserved_tokens(r) for r in running if not r.finished)
+        self.reserved = int(sum(reserved_tokens(r) for r in running if not r.finished) * new_token_ratio)
         self.admitted: list[Req] = []
         self.chunked_req: Req | None = None
         self._heads: dict[bytes, Req] = {}  # prompt heads admitted this round
@@ -196,9 +201,19 @@ class PrefillAdder:
     def _try_admit(self, req: Req) -> bool:
         fill_ids = req.fill_ids()
         # Keep at least one token to compute (its logits give the next token), and every
-        # token whose prompt logprob was asked for. Admission matches and locks in one Rust
-        # call; a request that then does not fit is let go.
-        admitted = self.kv_cache.admit(req.prefix_key())
+        # token whose prompt logprob was asked for (prefix_key). Match first, without a
+        # lock: a request that surely does not fit is turned away here. Locking its prefix
+        # can only lower what is available (an unlocked cached prefix counts as evictable),
+        # so only a request close to the limit is checked again after admission.
+        key = req.prefix_key()
+        cached = int(self.kv_cache.match_lens([key])[0])
+        room = self.kv_cache.available_size() - self.reserved
+        estimate = len(fill_ids) - cached + reserved_tokens(req) + self.kv_cache.page_size - 1
+        if estimate > room or (self.admitted and len(fill_ids) - cached > self.prefill_budget):
+            return False
+        if self.kv_cache.free_req_rows() == 0:
+            return False
+        admitted = self.kv_cache.admit(key)
         if admitted is None:
             return False
         extend_len = len(fill_ids) - admitted.prefix_len

@@ -34,6 +34,12 @@ from pyserve.mem_cache.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
 
+# SGLang's defaults for the new-token ratio and for retraction's new estimate
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
+NEW_TOKEN_RATIO_DECAY_STEPS = 600
+RETRACT_DECODE_STEPS = 20
+
 
 @dataclass(slots=True)
 class TokenOut:
@@ -68,7 +74,8 @@ class Scheduler:
                  overlap: bool = True, chunked_prefill_size: int | None = None,
                  enable_mixed_chunk: bool = False, schedule_policy: str = "fcfs",
                  random_seed: int | None = None, enable_priority_scheduling: bool = False,
-                 low_priority_values_first: bool = False, preemption_threshold: int = 10) -> None:
+                 low_priority_values_first: bool = False, preemption_threshold: int = 10,
+                 schedule_conservativeness: float = 1.0) -> None:
         self.kv_cache = kv_cache
         self.worker = worker
         self.context_len = context_len
@@ -86,6 +93,12 @@ class Scheduler:
         self.enable_priority_scheduling = enable_priority_scheduling
         self.low_priority_values_first = low_priority_values_first
         self.preemption_threshold = preemption_threshold
+        # SGLang's new-token ratio: the share of running requests' remaining max_new_tokens
+        # admission reserves; it decays per decode step and a retraction raises it again
+        self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * schedule_conservativeness, 1.0)
+        self.min_new_token_ratio = min(self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR, 1.0)
+        self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
+        self.new_token_ratio = self.init_new_token_ratio
         # seeded requests draw from a generator on the model's device
         self.generator_device = str(getattr(getattr(worker, "model_runner", None), "device", "cpu"))
         self.waiting: deque[Req] = deque()
@@ -231,13 +244,15 @@ class Scheduler:
         if self.waiting or chunked is not None:
             self._order_waiting()
             adder = PrefillAdder(self.kv_cache, self.running, self.max_running_requests,
-                                 self.max_prefill_tokens, self.chunked_prefill_size, chunked)
+                                 self.max_prefill_tokens, self.chunked_prefill_size, chunked,
+                                 self.new_token_ratio)
             admitted = adder.admit_from(self.waiting)
             if (not admitted and self.enable_priority_scheduling and self.waiting and chunked is None
                     and self._preempt_for(self.waiting[0])):
                 self._order_waiting()  # the preempted wait behind it again
                 adder = PrefillAdder(self.kv_cache, self.running, self.max_running_requests,
-                                     self.max_prefill_tokens, self.chunked_prefill_size, None)
+                                     self.max_prefill_tokens, self.chunked_prefill_size, None,
+                                     self.new_token_ratio)
                 admitted = adder.admit_from(self.waiting)
             if self._need_drain and not admitted:
                 return None
@@ -312,6 +327,8 @@ class Scheduler:
                 return None
             arrays = self.kv_cache.prepare_decode([r.req_id for r in reqs])
             if arrays is not None:
+                self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay,
+                                           self.min_new_token_ratio)
                 return ScheduleBatch.decode(reqs, arrays, self._take_released_rows(), self.num_steps)
             if self.inflight:  # retract only once every token in flight is known
                 self._need_drain = True
@@ -332,6 +349,13 @@ class Scheduler:
             return
         req = min(reversed(live), key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
         self._send_back(req)
+        # SGLang's new estimate: what the rest decoded so far plus a few more steps each,
+        # over what they may still decode in all
+        rest = [r for r in self.running if not r.finished]
+        total_max = sum(r.max_new_tokens for r in rest)
+        if total_max:
+            decoded = sum(len(r.output_ids) for r in rest)
+            self.new_token_ratio = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(rest)) / total_max)
         logger.warning("KV pool full: retracted request %s (%d tokens so far)", req.rid, req.seq_len)
 
     def _send_back(self, req: Req) -> None:
@@ -387,7 +411,8 @@ class Scheduler:
         return True
 
     def _reserved(self) -> int:
-        return sum(reserved_tokens(r) for r in self.running if not r.finished)
+        """KV kept for the running requests' future tokens (as PrefillAdder counts it)."""
+        return int(sum(reserved_tokens(r) for r in self.running if not r.finished) * self.new_token_ratio)
 
     def _unadmit(self, req: Req) -> None:
         self.kv_cache.abort_req(req.req_id)

@@ -291,6 +291,8 @@ def test_pool_full_with_a_step_in_flight_drains_then_retracts_without_waiting():
         assert len(calls) == 3 and calls[2] == [h.sched.reqs["b"].req_id]
         assert [r.rid for r in h.sched.waiting] == [] and h.sched.reqs["a"].num_retractions == 1
         assert h.sched.reqs["b"].num_retractions == 0
+        # SGLang's new estimate after a retraction: (b's 2 tokens + 20 steps) / its 6, at most 1
+        assert h.sched.new_token_ratio == 1.0
         # a's computed tokens were cached: it resumes by prefilling only its last token
         resume = h.worker.plans[-2] if h.worker.plans[-1].forward_mode.name == "DECODE" else h.worker.plans[-1]
         assert resume.forward_mode.name == "EXTEND" and resume.extend_lens.tolist() == [1]
@@ -312,3 +314,35 @@ def test_max_new_tokens_clipped_to_pool_and_context():
     h2 = Harness(pool=1000)
     h2.sched.add_request(treq("b", list(range(1, 11)), max_new_tokens=1000))
     assert h2.sched.reqs["b"].max_new_tokens == 54      # context 64 - prompt 10
+
+
+def test_new_token_ratio_decays_and_decides_admission():
+    async def body(conservativeness: float) -> list[str]:
+        h = Harness()
+        sched = h.sched
+        init = min(0.7 * conservativeness, 1.0)
+        sched.init_new_token_ratio = sched.new_token_ratio = init
+        sched.min_new_token_ratio = init * 0.14
+        sched.new_token_ratio_decay = (init - init * 0.14) / 600
+        sched.add_request(treq("a", list(range(1, 11)), max_new_tokens=50))
+        sched.add_request(treq("b", list(range(20, 30)), max_new_tokens=40))
+        await h.start()
+        # round 1: a needs 10 + 50 of the 100 slots; b (10 + 40) does not fit beside it.
+        # round 2 (a running, 90 slots left): a keeps 50 x ratio; b fits at 0.7 (35), not at 1.0
+        modes = [p.forward_mode.name for p in h.worker.plans[:2]]
+        ratio_after = sched.new_token_ratio
+        await h.stop()
+        return modes, ratio_after, init
+
+    modes, ratio, init = asyncio.run(body(1.0))
+    assert modes == ["EXTEND", "EXTEND"] and init == 0.7
+    assert ratio == 0.7  # no decode planned yet
+    modes, ratio, init = asyncio.run(body(10.0))
+    assert modes == ["EXTEND", "DECODE"] and init == 1.0
+    assert ratio == pytest.approx(1.0 - (1.0 - 0.14) / 600)  # one decode step planned
+
+
+def test_scheduler_default_new_token_ratio():
+    h = Harness()
+    assert h.sched.new_token_ratio == 0.7 and h.sched.min_new_token_ratio == pytest.approx(0.098)
+    assert h.sched.new_token_ratio_decay == pytest.approx((0.7 - 0.098) / 600)
