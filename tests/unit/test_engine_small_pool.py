@@ -61,3 +61,24 @@ def test_retraction_when_reservations_overcommit(engine, stories_reference, monk
         assert out["meta_info"]["prompt_tokens"] == len(case["input_ids"])
     info = engine.get_server_info()
     assert info["kv_free_slots"] + info["kv_evictable_slots"] == POOL
+
+
+def test_32_requests_through_a_pool_for_8(stories_path, stories_reference):
+    """A pool that holds 8 of 32 concurrent requests (prompt + 64 tokens each) and rows for
+    all 32: admission (new-token ratio 0.7) over-commits, decode retracts, the retracted
+    resume from their cached tokens; every output equals the reference (HF's greedy ids, what
+    an unconstrained run gives), nothing fails, nothing leaks."""
+    cases = stories_reference[1:] * 8  # 32 requests of 5-13 prompt tokens + 64 new
+    pool = 8 * max(len(c["input_ids"]) + 64 for c in cases)
+    eng = make_stories_engine(stories_path, pool, max_running_requests=32)
+    try:
+        outs = eng.generate(input_ids=[c["input_ids"] for c in cases], sampling_params=[
+            {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True} for _ in cases])
+        assert [o["output_ids"] for o in outs] == [c["output_ids"] for c in cases]
+        assert all(o["meta_info"]["finish_reason"] == {"type": "length", "length": 64} for o in outs)
+        info = eng.get_server_info()
+        assert info["kv_free_slots"] + info["kv_evictable_slots"] == pool
+        assert info["kv_protected_slots"] == 0 and info["num_req_rows_used"] == 0
+        assert eng.core.scheduler.num_steps > 64  # they took turns
+    finally:
+        eng.shutdown()
