@@ -131,6 +131,15 @@ class KVCache:
     def match_prefix(self, key: _IntArray) -> tuple[_Int64Array, int]:
         """(slots of the longest cached page-aligned prefix of `key`, last node id). Splits
         the node where the match ends; refreshes LRU times. Disabled: (empty, 0)."""
+    def match_lens(self, tokens: _IntArray, offsets: _IntArray) -> _Int64Array:
+        """[n] the cached page-aligned prefix length of each key (key i is
+        tokens[offsets[i]:offsets[i + 1]]; offsets rise from 0 to len(tokens), else
+        ShapeError), changing nothing (no split, no access-time update)."""
+    def dfs_weight_order(self, tokens: _IntArray, offsets: _IntArray) -> _Int64Array:
+        """[n] the order (indices into the keys, given as in `match_lens`) in which the
+        dfs-weight policy admits requests with these keys: depth-first over the tree from the
+        deepest node each key fully matches, heaviest branch (most keys) first, older node on
+        ties, each node's keys in their given order. Changes nothing."""
     def add_req(self, key: _IntArray) -> tuple[int, int, int] | None:
         """Admit a request: match `key`, take a row, write the prefix slots, lock the prefix.
         Returns (req_id, req_pool_idx, prefix_len), or None if no row is free. ShapeError if

@@ -196,3 +196,26 @@ def test_out_of_range_inputs_are_refused_not_wrapped():
         _rs.KVCache(16, 2**40, 2**20)
     with pytest.raises(ShapeError, match="cannot be allocated"):
         _rs.KVCache(16, 2, 2**63)
+
+
+def test_match_lens_and_dfs_weight_order_read_the_tree_without_changing_it():
+    import numpy as np
+    import pytest
+
+    from pyserve import _rs
+
+    kv = _rs.KVCache(64, 4, 32)
+    a = kv.add_req(np.array([5, 6, 7], dtype=np.int32))
+    assert a is not None and kv.prepare_extend([a[0]], [3]) is not None
+    kv.cache_finished_req(a[0], np.array([5, 6, 7], dtype=np.int32))
+    nodes = kv.num_nodes()
+    tokens = np.array([5, 6, 9, 1, 5, 6, 7, 8], dtype=np.int32)
+    offsets = [0, 3, 4, 8]  # [5 6 9], [1], [5 6 7 8]
+    assert kv.match_lens(tokens, offsets).tolist() == [2, 0, 3]
+    # [5 6 9] and [1] fully match no node (the cached [5 6 7] is one node): they sit at the
+    # root, whose keys come first in their order; then [5 6 7 8], at the [5 6 7] node
+    assert kv.dfs_weight_order(tokens, offsets).tolist() == [0, 1, 2]
+    assert kv.num_nodes() == nodes  # no split
+    for bad in ([0, 3, 4], [1, 3, 8], [0, 5, 4, 8]):
+        with pytest.raises(_rs.ShapeError, match="offsets must rise"):
+            kv.match_lens(tokens, bad)

@@ -9,8 +9,10 @@
 //! A node with `lock_ref > 0` is on the prefix path of at least one running request: its slots
 //! count towards `protected_size` and it is never evicted. Unlocked nodes count towards
 //! `evictable_size`. Unlocked leaves are evicted least recently used first through a heap
-//! (`radix_cache/evict.rs`). Access "time" is a monotonic counter bumped once per
-//! `match_prefix` / `insert`, not wall-clock time.
+//! (`radix_cache/evict.rs`). Access "time" is a monotonic counter, not wall-clock time, with
+//! SGLang's order: every node an operation (`match_prefix`, `insert`) walks, from the root
+//! down, gets that operation's time; every node it creates (a new leaf, the upper half of a
+//! split) a later time of its own, in creation order, still before the next operation's.
 //!
 //! Node ids stay valid until the node is evicted or the cache is reset; a locked node is never
 //! evicted. Splitting a node keeps the id of the deeper half, so ids held by requests (which
@@ -183,10 +185,27 @@ impl RadixCache {
         }
     }
 
+    /// The access time of a new operation (stamped on the root, where every walk starts).
     fn tick(&mut self) -> u64 {
         self.clock += 1;
         self.nodes[ROOT].last_access = self.clock;
         self.clock
+    }
+
+    /// The time of a node the current operation creates: after every node it walked and
+    /// every node it created before (SGLang stamps a new node with its creation time).
+    fn created(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock
+    }
+
+    /// Stamps `node` and its ancestors with `now` (a walk from the root down to `node`).
+    fn touch_path(&mut self, node: usize, now: u64) {
+        let mut n = node;
+        while n != ROOT {
+            self.nodes[n].last_access = now;
+            n = self.nodes[n].parent;
+        }
     }
 
     fn new_node(&mut self, node: Node) -> usize {
@@ -250,12 +269,16 @@ impl RadixCache {
                 break;
             };
             let plen = common_prefix_len(&self.nodes[child].key, &key[pos..], ps);
+            // SGLang's order: the node walked into is used now, even when the walk ends
+            // inside it; the upper half a split creates is newer than everything walked
+            self.nodes[child].last_access = now;
             let child = if plen < self.nodes[child].key.len() {
-                self.split(child, plen)
+                let upper = self.split(child, plen);
+                self.nodes[upper].last_access = self.created();
+                upper
             } else {
                 child
             };
-            self.nodes[child].last_access = now;
             on_node(&self.nodes[child]);
             pos += plen;
             node = child;
@@ -287,29 +310,10 @@ impl RadixCache {
                 last_node: node,
             });
         }
+        self.touch_path(node, now); // as a match from the root would
         let (_, last_node) = self.descend(node, key, now, |n| n.value.extend_into(&mut indices));
         self.push_if_evictable(last_node);
         Ok(MatchResult { indices, last_node })
-    }
-
-    /// Length of the longest cached page-aligned prefix of `key`, without changing anything
-    /// (no split, no access-time update). Disabled: 0.
-    pub fn match_len(&self, key: &[i32]) -> usize {
-        let ps = self.page_size;
-        let (mut node, mut pos) = (ROOT, 0);
-        while pos + ps <= key.len() {
-            let Some(&child) = self.nodes[node].children.get(&key[pos..pos + ps]) else {
-                break;
-            };
-            let k = &self.nodes[child].key;
-            let plen = common_prefix_len(k, &key[pos..], ps);
-            pos += plen;
-            if plen < k.len() {
-                break;
-            }
-            node = child;
-        }
-        pos
     }
 
     /// Inserts the whole pages of `key` (the first `len - len % page_size` tokens) with KV
@@ -373,15 +377,12 @@ impl RadixCache {
         if self.disable {
             return Ok((0, value));
         }
-        let mut n = node;
-        while n != ROOT {
-            self.nodes[n].last_access = now;
-            n = self.nodes[n].parent;
-        }
+        self.touch_path(node, now);
         let (pos, node) = self.descend(node, key, now, |_| {});
         let not_taken = value.split_front(pos);
         if pos < key.len() {
             let first = PageKey::from_slice(&key[pos..pos + ps]);
+            let created = self.created();
             let id = self.new_node(Node {
                 key: key[pos..].to_vec(),
                 first: first.clone(),
@@ -389,7 +390,7 @@ impl RadixCache {
                 parent: node,
                 children: Children::default(),
                 lock_ref: 0,
-                last_access: now,
+                last_access: created,
                 live: true,
                 in_heap: false,
             });

@@ -32,6 +32,12 @@ impl RadixCache {
         (node, pos)
     }
 
+    /// Length of the longest cached page-aligned prefix of `key`, without changing anything
+    /// (no split, no access-time update). Disabled: 0.
+    pub fn match_len(&self, key: &[i32]) -> usize {
+        self.match_node(key).1
+    }
+
     /// The order (indices into `keys`) in which `dfs-weight` admits requests with these keys
     /// (see the module docs). O(sum of key lengths + nodes on the matched paths).
     pub fn dfs_weight_order(&self, keys: &[&[i32]]) -> Vec<usize> {
