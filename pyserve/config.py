@@ -96,6 +96,8 @@ class ServerArgs:
             raise bad("page_size", f"got {self.page_size}; must be >= 1 token")
         if not self.schedule_conservativeness > 0:
             raise bad("schedule_conservativeness", f"got {self.schedule_conservativeness}; must be > 0")
+        if self.enable_priority_scheduling and self.schedule_policy not in ("fcfs", "lof"):
+            raise bad("schedule_policy", f"priority scheduling needs fcfs or lof, got {self.schedule_policy!r}")
         if self.priority_scheduling_preemption_threshold < 0:
             raise bad("priority_scheduling_preemption_threshold",
                       f"got {self.priority_scheduling_preemption_threshold}; must be >= 0")

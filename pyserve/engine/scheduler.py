@@ -39,6 +39,9 @@ INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
 RETRACT_DECODE_STEPS = 20
+# the priority of a request that gives none under priority scheduling (SGLang's values)
+LEAST_URGENT = -(2 ** 63)
+LEAST_URGENT_LOW_FIRST = 2 ** 63 - 1
 
 
 @dataclass(slots=True)
@@ -379,6 +382,30 @@ class Scheduler:
         """Larger runs first (priority scheduling)."""
         return req.priority if not self.low_priority_values_first else -req.priority
 
+    def priority_of(self, priority: int | None) -> int:
+        """A request's priority as the scheduler keeps it: 0 with priority scheduling off;
+        with it on, None is the least urgent value there is (as in SGLang)."""
+        if not self.enable_priority_scheduling:
+            return 0
+        if priority is None:
+            return LEAST_URGENT_LOW_FIRST if self.low_priority_values_first else LEAST_URGENT
+        return priority
+
+    def bump_least_urgent_waiting(self, priority: int) -> bool:
+        """Queue full, a request of `priority` arrives: with priority scheduling, if it is
+        strictly more urgent than the least urgent waiting request (the newest of equals),
+        that one ends with 503 (its consumer is told) and True lets the new one in."""
+        if not self.enable_priority_scheduling or not self.waiting:
+            return False
+        urgency = priority if not self.low_priority_values_first else -priority
+        candidates = list(self.waiting)
+        victim = min(reversed(candidates), key=self._urgency)
+        if urgency <= self._urgency(victim):
+            return False
+        self.finish_request(victim.rid, FinishReason.abort(
+            "the request was let go from the full queue for a more urgent one", status_code=503))
+        return True
+
     def _order_waiting(self) -> None:
         self.policy.order(self.waiting)
         if self.enable_priority_scheduling:  # priority first, the policy's order within it
@@ -392,19 +419,28 @@ class Scheduler:
         has a row and its KV fits. True if it now fits; with steps in flight, asks for a
         drain first (their KV is being written) and returns False."""
         victims = sorted((r for r in reversed(self.running) if not r.finished  # newest first
-                          and self._urgency(head) - self._urgency(r) >= self.preemption_threshold),
+                          and self._urgency(head) - self._urgency(r) > self.preemption_threshold),
                          key=self._urgency)
         if not victims:
             return False
-        if self.inflight:
+        kv = self.kv_cache
+        # as SGLang: preempt only when the victims (least urgent first) free enough
+        short = (len(head.fill_ids()) - int(kv.match_lens([head.prefix_key()])[0]) + reserved_tokens(head)
+                 + kv.page_size - 1) - (kv.available_size() - self._reserved())
+        rows_short = len(self.running) + 1 > self.max_running_requests or kv.free_req_rows() <= 1
+        chosen: list[Req] = []
+        for victim in victims:
+            if short <= 0 and not rows_short:
+                break
+            chosen.append(victim)
+            rows_short = False
+            short -= self.kv_cache.kv_len(victim.req_id) + int(reserved_tokens(victim) * self.new_token_ratio)
+        if not chosen or short > 0:
+            return False
+        if self.inflight:  # their KV is being written: drain first, decide again then
             self._need_drain = True
             return False
-        kv = self.kv_cache
-        need = len(head.fill_ids()) - int(kv.match_lens([head.prefix_key()])[0]) + reserved_tokens(head) \
-            + kv.page_size - 1
-        while victims and (kv.free_req_rows() <= 1 or need > kv.available_size() - self._reserved()
-                           or len(self.running) >= self.max_running_requests):
-            victim = victims.pop(0)
+        for victim in chosen:
             self._send_back(victim)
             logger.info("preempted request %s (priority %d) for %s (priority %d)",
                         victim.rid, victim.priority, head.rid, head.priority)

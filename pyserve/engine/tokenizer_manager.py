@@ -208,7 +208,7 @@ class TokenizerManager:
                 and self.abort_on_priority_when_disabled:
             raise InvalidRequestError("priority scheduling is not enabled (--enable-priority-scheduling)",
                                       param="priority")
-        priority = (req.priority or 0) if self.scheduler.enable_priority_scheduling else 0
+        priority = self.scheduler.priority_of(req.priority)
         return TokenizedGenerateReq(req.rid, ids, sp, frozenset(stop_ids), lp, quiet=quiet, priority=priority)
 
     async def generate(self, req: SingleReq,
@@ -258,7 +258,10 @@ class TokenizerManager:
             raise InvalidRequestError(f"a request with rid {req.rid!r} is already running", param="rid")
         limit = self.max_queued_requests
         if limit is not None and len(self.scheduler.waiting) >= limit:
-            raise QueueFullError(f"the request queue is full ({limit} requests waiting); retry later")
+            # with priority scheduling a more urgent request takes the place of the least
+            # urgent waiting one (the newest of equals), which gets the 503 instead (SGLang)
+            if not self.scheduler.bump_least_urgent_waiting(self.scheduler.priority_of(req.priority)):
+                raise QueueFullError(f"the request queue is full ({limit} requests waiting); retry later")
 
     def _begin(self, req: SingleReq, treq: TokenizedGenerateReq, state: ReqState) -> ReqState:
         """Track `state` for req's rid, register its text state, hand it to the scheduler."""
@@ -302,6 +305,8 @@ def failure_of(out: GenerateOutput) -> InvalidRequestError | ModelStepError | No
     finish reason) or the request's own parameters failing it mid-way (400)."""
     reason = out.finish_reason
     status = (reason.status_code if reason is not None else None) or 0
+    if status == 503:  # let go from a full queue for a more urgent request
+        return QueueFullError(reason.message or "the request queue is full")  # type: ignore[union-attr]
     if status >= 500:
         return ModelStepError(reason.message or "the model step failed")  # type: ignore[union-attr]
     if status >= 400:

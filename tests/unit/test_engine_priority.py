@@ -49,3 +49,43 @@ def test_a_priority_while_disabled(stories_path, abort):
             assert out["meta_info"]["completion_tokens"] == 2
     finally:
         eng.shutdown()
+
+
+def test_a_full_queue_lets_the_least_urgent_go_for_a_more_urgent_one(stories_path, stories_reference):
+    from pyserve import QueueFullError
+
+    eng = make_stories_engine(stories_path, 2048, max_running_requests=1, max_queued_requests=1,
+                              enable_priority_scheduling=True)
+    case = stories_reference[1]
+    try:
+        async def body():
+            async def one(rid, priority, max_new=12):
+                return await eng.async_generate(input_ids=case["input_ids"], rid=rid, priority=priority,
+                                                sampling_params={"temperature": 0, "max_new_tokens": max_new,
+                                                                 "ignore_eos": True})
+            busy = asyncio.ensure_future(one("busy", 5, 60))  # runs
+            await asyncio.sleep(0.05)
+            low = asyncio.ensure_future(one("low", 1))  # waits: the queue is full now
+            await asyncio.sleep(0.02)
+            with pytest.raises(QueueFullError):
+                await one("lower", 0)  # not more urgent than low: refused
+            high = await one("high", 9)  # more urgent: low is let go, high runs
+            with pytest.raises(QueueFullError, match="for a more urgent one"):
+                await low
+            return await busy, high
+
+        busy, high = asyncio.run(body())
+        assert busy["output_ids"] == case["output_ids"][:60] and high["output_ids"] == case["output_ids"][:12]
+    finally:
+        eng.shutdown()
+
+
+def test_priority_settings_are_checked():
+    from pyserve.config import ServerArgs
+    from pyserve.config import ServerArgsError
+
+    with pytest.raises(ServerArgsError, match="priority scheduling needs fcfs or lof"):
+        ServerArgs(model_path="m", enable_priority_scheduling=True, schedule_policy="lpm")
+    with pytest.raises(ServerArgsError, match="must be >= 0"):
+        ServerArgs(model_path="m", priority_scheduling_preemption_threshold=-1)
+    assert ServerArgs(model_path="m", enable_priority_scheduling=True, schedule_policy="lof").schedule_policy == "lof"

@@ -94,3 +94,12 @@ def test_an_urgent_request_preempts_the_least_urgent_newest_running_one():
         h.assert_no_leak()
         await h.stop()
     asyncio.run(body())
+
+
+def test_a_request_without_priority_is_the_least_urgent():
+    h = PriorityHarness()
+    assert h.sched.priority_of(None) == -(2 ** 63) and h.sched.priority_of(3) == 3
+    h.sched.low_priority_values_first = True
+    assert h.sched.priority_of(None) == 2 ** 63 - 1
+    h.sched.enable_priority_scheduling = False
+    assert h.sched.priority_of(7) == 0  # off: every request is equal
