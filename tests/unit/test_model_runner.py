@@ -122,16 +122,24 @@ def test_attention_backend_choice(stories_path, monkeypatch) -> None:
     assert backend("auto") is CpuAttnBackend  # auto never interprets on CPU
 
 
+def prefilled_runner(stories_path, backend: str) -> ModelRunner:
+    """A stories260k runner on `backend` whose pool holds two prompts: [1, 403, 407] in slots
+    1-3 and [1, 22] in slots 4-5."""
+    t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+    runner = ModelRunner(str(stories_path), max_total_tokens=64, load_progress=False,
+                         attention_backend=backend)
+    runner.forward(ForwardBatch(ForwardMode.EXTEND, 2, t([1, 403, 407, 1, 22]), t([0, 1, 2, 0, 1]),
+                                t([1, 2, 3, 4, 5]), t([3, 2]), t([0, 3, 5]), t([1, 2, 3, 4, 5]),
+                                extend_prefix_lens=t([0, 0]), extend_seq_lens=t([3, 2])))
+    return runner
+
+
 def test_cpu_backend_decode_matches_torch_native(stories_path) -> None:
     """The same decode batch through both backends: equal logits within float32 rounding."""
     t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
     logits = []
     for name in ("torch_native", "cpu"):
-        runner = ModelRunner(str(stories_path), max_total_tokens=64, load_progress=False,
-                             attention_backend=name)
-        runner.forward(ForwardBatch(ForwardMode.EXTEND, 2, t([1, 403, 407, 1, 22]), t([0, 1, 2, 0, 1]),
-                                    t([1, 2, 3, 4, 5]), t([3, 2]), t([0, 3, 5]), t([1, 2, 3, 4, 5]),
-                                    extend_prefix_lens=t([0, 0]), extend_seq_lens=t([3, 2])))
+        runner = prefilled_runner(stories_path, name)
         decode = ForwardBatch(ForwardMode.DECODE, 2, t([261, 9]), t([3, 2]), t([6, 7]), t([4, 3]),
                               t([0, 4, 7]), t([1, 2, 3, 6, 4, 5, 7]))
         logits.append(runner.forward(decode))
@@ -145,11 +153,7 @@ def test_cpu_backend_mixed_extend_matches_torch_native(stories_path) -> None:
     t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
     logits = []
     for name in ("torch_native", "cpu"):
-        runner = ModelRunner(str(stories_path), max_total_tokens=64, load_progress=False,
-                             attention_backend=name)
-        runner.forward(ForwardBatch(ForwardMode.EXTEND, 2, t([1, 403, 407, 1, 22]), t([0, 1, 2, 0, 1]),
-                                    t([1, 2, 3, 4, 5]), t([3, 2]), t([0, 3, 5]), t([1, 2, 3, 4, 5]),
-                                    extend_prefix_lens=t([0, 0]), extend_seq_lens=t([3, 2])))
+        runner = prefilled_runner(stories_path, name)
         mixed = ForwardBatch(
             ForwardMode.EXTEND, 4, t([261, 378, 274, 287, 1, 500, 20, 9, 1]), t([3, 4, 5, 6, 0, 1, 2, 2, 0]),
             t([6, 7, 8, 9, 10, 11, 12, 13, 14]), t([7, 3, 3, 1]), t([0, 7, 10, 13, 14]),

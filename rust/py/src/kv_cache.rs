@@ -153,9 +153,7 @@ impl KVCache {
         tokens: &Bound<'py, PyAny>,
         offsets: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
-        let offsets = usize_vec(offsets)?;
-        let lens = with_tokens(tokens, |t| split_keys(t, &offsets).map(|keys| self.inner.match_lens(&keys)))??;
-        Ok(to_array(py, lens.into_iter().map(|n| n as i64).collect()))
+        per_key(py, tokens, offsets, |keys| self.inner.match_lens(keys))
     }
 
     fn dfs_weight_order<'py>(
@@ -164,9 +162,7 @@ impl KVCache {
         tokens: &Bound<'py, PyAny>,
         offsets: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
-        let offsets = usize_vec(offsets)?;
-        let order = with_tokens(tokens, |t| split_keys(t, &offsets).map(|keys| self.inner.dfs_weight_order(&keys)))??;
-        Ok(to_array(py, order.into_iter().map(|n| n as i64).collect()))
+        per_key(py, tokens, offsets, |keys| self.inner.dfs_weight_order(keys))
     }
 
     fn add_req(&mut self, key: &Bound<'_, PyAny>) -> PyResult<Option<(u64, usize, usize)>> {
@@ -248,6 +244,18 @@ impl KVCache {
             self.inner.num_reqs()
         )
     }
+}
+
+/// `f` of the keys of a flat token array cut at `offsets`, as a numpy int64 array.
+fn per_key<'py>(
+    py: Python<'py>,
+    tokens: &Bound<'py, PyAny>,
+    offsets: &Bound<'py, PyAny>,
+    f: impl FnOnce(&[&[i32]]) -> Vec<usize>,
+) -> PyResult<Bound<'py, PyArray1<i64>>> {
+    let offsets = usize_vec(offsets)?;
+    let out = with_tokens(tokens, |t| split_keys(t, &offsets).map(|keys| f(&keys)))??;
+    Ok(to_array(py, out.into_iter().map(|n| n as i64).collect()))
 }
 
 /// The keys of a flat token array cut at `offsets` ([n + 1], non-decreasing, ending at the
