@@ -135,6 +135,9 @@ class KVCache:
         """[n] the cached page-aligned prefix length of each key (key i is
         tokens[offsets[i]:offsets[i + 1]]; offsets rise from 0 to len(tokens), else
         ShapeError), changing nothing (no split, no access-time update)."""
+    def match_unlocked(self, key: _IntArray) -> tuple[int, int]:
+        """(cached page-aligned prefix length of `key`, how many of those tokens no request
+        locks): what admitting it would take out of the evictable pool. Changes nothing."""
     def dfs_weight_order(self, tokens: _IntArray, offsets: _IntArray) -> _Int64Array:
         """[n] the order (indices into the keys, given as in `match_lens`) in which the
         dfs-weight policy admits requests with these keys: depth-first over the tree from the

@@ -202,12 +202,11 @@ class PrefillAdder:
         fill_ids = req.fill_ids()
         # Keep at least one token to compute (its logits give the next token), and every
         # token whose prompt logprob was asked for (prefix_key). Match first, without a
-        # lock: a request that surely does not fit is turned away here. Locking its prefix
-        # can only lower what is available (an unlocked cached prefix counts as evictable),
-        # so only a request close to the limit is checked again after admission.
+        # lock, and count what locking its prefix would take out of the evictable pool: a
+        # request that does not fit is turned away before anything is locked.
         key = req.prefix_key()
-        cached = int(self.kv_cache.match_lens([key])[0])
-        room = self.kv_cache.available_size() - self.reserved
+        cached, unlocked = self.kv_cache.match_unlocked(key)
+        room = self.kv_cache.available_size() - unlocked - self.reserved
         estimate = len(fill_ids) - cached + reserved_tokens(req) + self.kv_cache.page_size - 1
         if estimate > room or (self.admitted and len(fill_ids) - cached > self.prefill_budget):
             return False

@@ -89,6 +89,11 @@ class KVCache:
         tokens, offsets = _flat(keys)
         return self.core.match_lens(tokens, offsets)
 
+    def match_unlocked(self, key: np.ndarray) -> tuple[int, int]:
+        """(cached prefix length of the int32 `key`, the part of it no request locks: what
+        admitting it takes out of the evictable pool). Changes nothing."""
+        return self.core.match_unlocked(key)
+
     def dfs_weight_order(self, keys: list[np.ndarray]) -> np.ndarray:
         """[n] int64: the `dfs-weight` admission order of requests with these keys (indices
         into `keys`; see rust/core radix_cache/schedule.rs)."""

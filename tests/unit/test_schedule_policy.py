@@ -8,6 +8,8 @@ from __future__ import annotations
 import random
 from collections import deque
 
+import numpy as np
+
 import pytest
 
 from pyserve.engine.schedule_batch import Req
@@ -106,3 +108,31 @@ def test_a_twin_waits_one_round_then_reuses_the_prompt():
         h.assert_no_leak()
         await h.stop()
     run(body())
+
+
+def test_admission_turns_away_what_cannot_fit_without_locking(kv):
+    """A request whose prefix is cached but unlocked: admitting it would lock that prefix
+    and take it out of the evictable pool; when the rest cannot fit then, it is turned away
+    before anything is locked (no match-lock-abort churn)."""
+    from pyserve.engine.schedule_policy import PrefillAdder
+
+    small = KVCache(64, max_running_requests=4, max_context_len=64)
+    cache_prompt(small, list(range(1, 41)))  # 40 cached, unlocked tokens
+    assert small.match_unlocked(np.asarray(list(range(1, 41)), dtype=np.int32)) == (40, 40)
+    big = req("big", list(range(1, 41)) + list(range(100, 120)), max_new_tokens=10)
+    calls: list[str] = []
+    admit = small.admit
+
+    def counting_admit(key):  # type: ignore[no-untyped-def]
+        calls.append("admit")
+        return admit(key)
+
+    small.admit = counting_admit  # type: ignore[method-assign]
+    adder = PrefillAdder(small, [], 4, 8192)
+    # 20 new tokens + 10 reserved fit the 24 free slots only if the 40 cached tokens could be
+    # evicted, but this request would lock them: 64 - 40 = 24 < 30
+    assert adder.admit_from(deque([big])) == [] and calls == []
+    assert small.num_reqs() == 0 and small.protected_slots() == 0
+    fits = req("fits", list(range(1, 41)) + [7, 8, 9], max_new_tokens=10)
+    assert adder.admit_from(deque([fits])) == [fits] and calls == ["admit"]
+    assert small.protected_slots() == 40

@@ -126,6 +126,11 @@ impl KVCache {
         keys.iter().map(|k| self.tree.match_node(k).1).collect()
     }
 
+    /// See [`RadixCache::match_unlocked`].
+    pub fn match_unlocked(&self, key: &[i32]) -> (usize, usize) {
+        self.tree.match_unlocked(key)
+    }
+
     /// The `dfs-weight` admission order of requests with these keys (indices into `keys`;
     /// see [`RadixCache::dfs_weight_order`]). Changes nothing.
     pub fn dfs_weight_order(&self, keys: &[&[i32]]) -> Vec<usize> {

@@ -146,6 +146,10 @@ impl KVCache {
         Ok((to_array(py, m.indices), m.last_node))
     }
 
+    fn match_unlocked(&self, key: &Bound<'_, PyAny>) -> PyResult<(usize, usize)> {
+        with_tokens(key, |key| self.inner.match_unlocked(key))
+    }
+
     /// Keys given flat: key i is tokens[offsets[i]..offsets[i + 1]].
     fn match_lens<'py>(
         &self,

@@ -32,6 +32,30 @@ impl RadixCache {
         (node, pos)
     }
 
+    /// (cached page-aligned prefix length of `key`, how many of those tokens no request has
+    /// locked): what admitting a request with this key would lock and so take out of the
+    /// evictable pool. Changes nothing.
+    pub fn match_unlocked(&self, key: &[i32]) -> (usize, usize) {
+        let ps = self.page_size;
+        let (mut node, mut pos, mut unlocked) = (ROOT, 0, 0);
+        while pos + ps <= key.len() {
+            let Some(&child) = self.nodes[node].children.get(&key[pos..pos + ps]) else {
+                break;
+            };
+            let c = &self.nodes[child];
+            let plen = common_prefix_len(&c.key, &key[pos..], ps);
+            if c.lock_ref == 0 {
+                unlocked += plen;
+            }
+            pos += plen;
+            if plen < c.key.len() {
+                break;
+            }
+            node = child;
+        }
+        (pos, unlocked)
+    }
+
     /// Length of the longest cached page-aligned prefix of `key`, without changing anything
     /// (no split, no access-time update). Disabled: 0.
     pub fn match_len(&self, key: &[i32]) -> usize {
@@ -100,6 +124,18 @@ mod tests {
         assert_eq!(len, 3);
         assert_eq!(tree.nodes[n].key, vec![1, 2]);
         assert_eq!(tree.match_node(&[7]), (super::ROOT, 0));
+    }
+
+    #[test]
+    fn match_unlocked_counts_what_a_lock_would_protect() {
+        let mut tree = tree_with(&[&[1, 2, 3], &[1, 2, 4, 5]]); // root - [1,2] - {[3], [4,5]}
+        assert_eq!(tree.match_unlocked(&[1, 2, 4, 5, 6]), (4, 4));
+        let m = tree.match_prefix(&[1, 2, 3]); // lock [1,2] - [3]
+        tree.inc_lock_ref(m.last_node).unwrap();
+        assert_eq!(tree.match_unlocked(&[1, 2, 4, 5, 6]), (4, 2)); // [1,2] is locked already
+        assert_eq!(tree.match_unlocked(&[1, 2, 4, 9]), (3, 1)); // one token into [4,5]
+        assert_eq!(tree.match_unlocked(&[1, 2, 3]), (3, 0));
+        assert_eq!(tree.match_unlocked(&[8]), (0, 0));
     }
 
     #[test]
