@@ -315,6 +315,8 @@ class Scheduler:
             arrays = self.kv_cache.prepare_extend(ids, extend_lens)
         if arrays is None:  # admission raced with reservations: put them back
             for req in reversed(reqs):
+                if req.prefix_len > req.cached_tokens:  # a chunked one: its own chunks are
+                    req.num_retractions += 1  # not what it found cached at admission
                 self._unadmit(req)
                 self.waiting.appendleft(req)
             self.chunked_req = None  # a chunked one resumes from its cached chunks
@@ -344,6 +346,14 @@ class Scheduler:
         its computed tokens go to the radix cache, so it resumes by prefilling only what was
         evicted meanwhile. A lone request cannot be helped by retraction: it finishes with
         reason length. Only with no step in flight."""
+        chunked = self.chunked_req
+        if chunked is not None and not chunked.finished:
+            # a prompt being prefilled in chunks has no output yet (the first pick of
+            # SGLang's rule) and holds its chunks: it goes back, they stay cached
+            self._send_back_chunked(chunked)
+            logger.warning("KV pool full: retracted the prefill of request %s (%d tokens so far)",
+                           chunked.rid, len(chunked.origin_input_ids))
+            return
         live = [r for r in self.running if not r.finished]
         if len(live) == 1:
             self._end(live[0], FinishReason.length_limit(len(live[0].output_ids)))
@@ -376,6 +386,20 @@ class Scheduler:
         req.req_id, req.req_pool_idx, req.prefix_len = None, None, 0
         req.num_planned = len(req.output_ids)
         req.num_retractions += 1
+        self.waiting.appendleft(req)
+
+    def _send_back_chunked(self, req: Req) -> None:
+        """Retract the request whose prompt is being prefilled in chunks (no step in flight
+        holds it): its stored chunks are cached (unlocked), its row released, and it waits
+        again at the head of the queue, to resume from what stays cached."""
+        assert req.req_id is not None
+        kv_len = self.kv_cache.kv_len(req.req_id)
+        self.kv_cache.cache_finished_req(req.req_id, req.fill_ids()[:kv_len])
+        self._released_rows.append(req.req_pool_idx)
+        req.req_id, req.req_pool_idx, req.prefix_len, req.extend_end = None, None, 0, None
+        req.num_retractions += 1  # its cached_tokens stays what it found at admission
+        self.chunked_req = None
+        self._decode_turn = False
         self.waiting.appendleft(req)
 
     def _urgency(self, req: Req) -> int:

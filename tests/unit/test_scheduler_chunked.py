@@ -11,7 +11,7 @@ from pyserve.io_struct import LogprobParams, TokenizedGenerateReq
 from pyserve.mem_cache.kv_cache import KVCache
 from pyserve.sampling_params import SamplingParams
 
-from .test_scheduler import POOL, FakeWorker, Harness, run, settle, treq
+from .test_scheduler import POOL, FakeWorker, Harness, run, settle, treq  # noqa: F401
 
 LONG = list(range(30, 50))  # 20 tokens: chunks of 5 (what the first batch leaves), 8 and 7
 
@@ -208,5 +208,35 @@ def test_mixed_chunk_carries_the_decodes_in_each_prefill_step():
         assert [t for o in h.outs_of("long") for t in o.ids_delta] == [50, 51]
         await settle()
         h.assert_no_leak()
+        await h.stop()
+    run(body())
+
+
+def test_a_full_pool_sends_the_chunked_prompt_back_not_the_running_request():
+    """The pool (40) fills while a 33-token prompt is chunked beside a running request: the
+    decode step after a chunk finds no slot, and the chunked request (no output yet, holding
+    its chunks) goes back to wait; the running request is not cut short. (Found in review:
+    it used to end the lone running request with reason length.)"""
+    async def body():
+        h = ChunkHarness(chunk=8)
+        h.kv = KVCache(40, max_running_requests=4, max_context_len=64)
+        h.worker = FakeWorker(h.kv)
+        from pyserve.engine.scheduler import Scheduler as S
+        h.sched = S(h.kv, h.worker, context_len=64, max_running_requests=4, max_prefill_tokens=64,
+                    emit=h.outs.extend, overlap=False, chunked_prefill_size=8, schedule_conservativeness=0.01)
+        h.sched.add_request(treq("A", [1, 2, 3], max_new_tokens=30))
+        await h.start()
+        await h.step([10])
+        await h.step([11])
+        h.sched.add_request(treq("B", list(range(30, 63)), max_new_tokens=1))
+        await settle()
+        while h.worker.pending:
+            await h.step([12] * h.worker.pending[0][0].batch_size)
+        outs = {rid: [t for o in h.outs_of(rid) for t in o.ids_delta] for rid in ("A", "B")}
+        assert len(outs["A"]) == 30 and len(outs["B"]) == 1
+        assert {o.rid: o.finish_reason.length for o in h.outs if o.finish_reason is not None} == {"A": 30, "B": 1}
+        assert h.sched.reqs == {} and h.kv.num_reqs() == 0
+        h.kv.core.check_integrity()
+        assert h.kv.free_slots() + h.kv.evictable_slots() == 40 and h.worker.num_live_sampling_rows == 0
         await h.stop()
     run(body())
