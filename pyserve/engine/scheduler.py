@@ -26,7 +26,8 @@ from typing import Callable
 import numpy as np
 
 from pyserve.engine.schedule_batch import Req, ScheduleBatch
-from pyserve.engine.schedule_policy import PrefillAdder, SchedulePolicy, reserved_tokens
+from pyserve.engine.retraction import Retraction
+from pyserve.engine.schedule_policy import PrefillAdder, SchedulePolicy
 from pyserve.engine.worker import ModelWorker
 from pyserve.forward_batch_info import FinishReason, ForwardMode, StepOutput, TokenLogprobs
 from pyserve.io_struct import TokenizedGenerateReq
@@ -34,14 +35,10 @@ from pyserve.mem_cache.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
 
-# SGLang's defaults for the new-token ratio and for retraction's new estimate
+# SGLang's defaults for the new-token ratio
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
-RETRACT_DECODE_STEPS = 20
-# the priority of a request that gives none under priority scheduling (SGLang's values)
-LEAST_URGENT = -(2 ** 63)
-LEAST_URGENT_LOW_FIRST = 2 ** 63 - 1
 
 
 @dataclass(slots=True)
@@ -68,8 +65,9 @@ class Launched:
     future: asyncio.Future
 
 
-class Scheduler:
-    """Owns the waiting queue, the running requests and the KV bookkeeping."""
+class Scheduler(Retraction):
+    """Owns the waiting queue, the running requests and the KV bookkeeping (giving KV back,
+    by retraction or priority preemption, is `Retraction`'s part)."""
 
     def __init__(self, kv_cache: KVCache, worker: ModelWorker, context_len: int,
                  max_running_requests: int, max_prefill_tokens: int,
@@ -339,140 +337,6 @@ class Scheduler:
                 self._need_drain = True
                 return None
             self._retract()
-
-    def _retract(self) -> None:
-        """The pool is full even after eviction: send a request back to the waiting queue,
-        by SGLang's rule the one with the fewest output tokens (of those, the longest prompt);
-        its computed tokens go to the radix cache, so it resumes by prefilling only what was
-        evicted meanwhile. A lone request cannot be helped by retraction: it finishes with
-        reason length. Only with no step in flight."""
-        chunked = self.chunked_req
-        if chunked is not None and not chunked.finished:
-            # a prompt being prefilled in chunks has no output yet (the first pick of
-            # SGLang's rule) and holds its chunks: it goes back, they stay cached
-            self._send_back_chunked(chunked)
-            logger.warning("KV pool full: retracted the prefill of request %s (%d tokens so far)",
-                           chunked.rid, len(chunked.origin_input_ids))
-            return
-        live = [r for r in self.running if not r.finished]
-        if len(live) == 1:
-            self._end(live[0], FinishReason.length_limit(len(live[0].output_ids)))
-            self.emit([self._out(live[0])])
-            self._release_finished()
-            return
-        req = min(reversed(live), key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
-        self._send_back(req)
-        # SGLang's new estimate: what the rest decoded so far plus a few more steps each,
-        # over what they may still decode in all
-        rest = [r for r in self.running if not r.finished]
-        total_max = sum(r.max_new_tokens for r in rest)
-        if total_max:
-            decoded = sum(len(r.output_ids) for r in rest)
-            self.new_token_ratio = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(rest)) / total_max)
-        logger.warning("KV pool full: retracted request %s (%d tokens so far)", req.rid, req.seq_len)
-
-    def _send_back(self, req: Req) -> None:
-        """Retract a running request (no step in flight holds it): its stored tokens are
-        cached (unlocked: eviction may take them), its row and sampling row are released, and
-        it waits again at the head of the queue with its output so far."""
-        self.running.remove(req)
-        assert req.req_id is not None
-        if req.kv_invalid:
-            self.kv_cache.abort_req(req.req_id)
-        else:
-            kv_len = self.kv_cache.kv_len(req.req_id)
-            self.kv_cache.cache_finished_req(req.req_id, req.kv_token_ids(kv_len))
-        self._released_rows.append(req.req_pool_idx)
-        req.req_id, req.req_pool_idx, req.prefix_len = None, None, 0
-        req.num_planned = len(req.output_ids)
-        req.num_retractions += 1
-        self.waiting.appendleft(req)
-
-    def _send_back_chunked(self, req: Req) -> None:
-        """Retract the request whose prompt is being prefilled in chunks (no step in flight
-        holds it): its stored chunks are cached (unlocked), its row released, and it waits
-        again at the head of the queue, to resume from what stays cached."""
-        assert req.req_id is not None
-        kv_len = self.kv_cache.kv_len(req.req_id)
-        self.kv_cache.cache_finished_req(req.req_id, req.fill_ids()[:kv_len])
-        self._released_rows.append(req.req_pool_idx)
-        req.req_id, req.req_pool_idx, req.prefix_len, req.extend_end = None, None, 0, None
-        req.num_retractions += 1  # its cached_tokens stays what it found at admission
-        self.chunked_req = None
-        self._decode_turn = False
-        self.waiting.appendleft(req)
-
-    def _urgency(self, req: Req) -> int:
-        """Larger runs first (priority scheduling)."""
-        return req.priority if not self.low_priority_values_first else -req.priority
-
-    def priority_of(self, priority: int | None) -> int:
-        """A request's priority as the scheduler keeps it: 0 with priority scheduling off;
-        with it on, None is the least urgent value there is (as in SGLang)."""
-        if not self.enable_priority_scheduling:
-            return 0
-        if priority is None:
-            return LEAST_URGENT_LOW_FIRST if self.low_priority_values_first else LEAST_URGENT
-        return priority
-
-    def bump_least_urgent_waiting(self, priority: int) -> bool:
-        """Queue full, a request of `priority` arrives: with priority scheduling, if it is
-        strictly more urgent than the least urgent waiting request (the newest of equals),
-        that one ends with 503 (its consumer is told) and True lets the new one in."""
-        if not self.enable_priority_scheduling or not self.waiting:
-            return False
-        urgency = priority if not self.low_priority_values_first else -priority
-        candidates = list(self.waiting)
-        victim = min(reversed(candidates), key=self._urgency)
-        if urgency <= self._urgency(victim):
-            return False
-        self.finish_request(victim.rid, FinishReason.abort(
-            "the request was let go from the full queue for a more urgent one", status_code=503))
-        return True
-
-    def _order_waiting(self) -> None:
-        self.policy.order(self.waiting)
-        if self.enable_priority_scheduling:  # priority first, the policy's order within it
-            ordered = sorted(self.waiting, key=lambda r: -self._urgency(r))
-            self.waiting.clear()
-            self.waiting.extend(ordered)
-
-    def _preempt_for(self, head: Req) -> bool:
-        """Priority scheduling: retract running requests at least `preemption_threshold`
-        less urgent than the waiting `head` (least urgent first, then the newest) until it
-        has a row and its KV fits. True if it now fits; with steps in flight, asks for a
-        drain first (their KV is being written) and returns False."""
-        victims = sorted((r for r in reversed(self.running) if not r.finished  # newest first
-                          and self._urgency(head) - self._urgency(r) > self.preemption_threshold),
-                         key=self._urgency)
-        if not victims:
-            return False
-        kv = self.kv_cache
-        # as SGLang: preempt only when the victims (least urgent first) free enough
-        short = (len(head.fill_ids()) - int(kv.match_lens([head.prefix_key()])[0]) + reserved_tokens(head)
-                 + kv.page_size - 1) - (kv.available_size() - self._reserved())
-        rows_short = len(self.running) + 1 > self.max_running_requests or kv.free_req_rows() <= 1
-        chosen: list[Req] = []
-        for victim in victims:
-            if short <= 0 and not rows_short:
-                break
-            chosen.append(victim)
-            rows_short = False
-            short -= self.kv_cache.kv_len(victim.req_id) + int(reserved_tokens(victim) * self.new_token_ratio)
-        if not chosen or short > 0:
-            return False
-        if self.inflight:  # their KV is being written: drain first, decide again then
-            self._need_drain = True
-            return False
-        for victim in chosen:
-            self._send_back(victim)
-            logger.info("preempted request %s (priority %d) for %s (priority %d)",
-                        victim.rid, victim.priority, head.rid, head.priority)
-        return True
-
-    def _reserved(self) -> int:
-        """KV kept for the running requests' future tokens (as PrefillAdder counts it)."""
-        return int(sum(reserved_tokens(r) for r in self.running if not r.finished) * self.new_token_ratio)
 
     def _unadmit(self, req: Req) -> None:
         self.kv_cache.abort_req(req.req_id)
