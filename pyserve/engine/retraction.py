@@ -68,7 +68,7 @@ class Retraction:
         if chunked is not None and not chunked.finished:
             # a prompt being prefilled in chunks has no output yet (the first pick of
             # SGLang's rule) and holds its chunks: it goes back, they stay cached
-            self._send_back_chunked(chunked)
+            self._send_back(chunked)
             logger.warning("KV pool full: retracted the prefill of request %s (%d tokens so far)",
                            chunked.rid, len(chunked.origin_input_ids))
             return
@@ -90,10 +90,15 @@ class Retraction:
         logger.warning("KV pool full: retracted request %s (%d tokens so far)", req.rid, req.seq_len)
 
     def _send_back(self, req: Req) -> None:
-        """Retract a running request (no step in flight holds it): its stored tokens are
-        cached (unlocked: eviction may take them), its row and sampling row are released, and
-        it waits again at the head of the queue with its output so far."""
-        self.running.remove(req)
+        """Retract a running request, or the one whose prompt is being prefilled in chunks
+        (no step in flight holds it): its stored tokens are cached (unlocked: eviction may
+        take them), its row and sampling row are released, and it waits again at the head of
+        the queue with its output so far (its cached_tokens stays what it found at first)."""
+        if req is self.chunked_req:
+            self.chunked_req = None
+            self._decode_turn = False
+        else:
+            self.running.remove(req)
         assert req.req_id is not None
         if req.kv_invalid:
             self.kv_cache.abort_req(req.req_id)
@@ -101,23 +106,9 @@ class Retraction:
             kv_len = self.kv_cache.kv_len(req.req_id)
             self.kv_cache.cache_finished_req(req.req_id, req.kv_token_ids(kv_len))
         self._released_rows.append(req.req_pool_idx)
-        req.req_id, req.req_pool_idx, req.prefix_len = None, None, 0
+        req.req_id, req.req_pool_idx, req.prefix_len, req.extend_end = None, None, 0, None
         req.num_planned = len(req.output_ids)
         req.num_retractions += 1
-        self.waiting.appendleft(req)
-
-    def _send_back_chunked(self, req: Req) -> None:
-        """Retract the request whose prompt is being prefilled in chunks (no step in flight
-        holds it): its stored chunks are cached (unlocked), its row released, and it waits
-        again at the head of the queue, to resume from what stays cached."""
-        assert req.req_id is not None
-        kv_len = self.kv_cache.kv_len(req.req_id)
-        self.kv_cache.cache_finished_req(req.req_id, req.fill_ids()[:kv_len])
-        self._released_rows.append(req.req_pool_idx)
-        req.req_id, req.req_pool_idx, req.prefix_len, req.extend_end = None, None, 0, None
-        req.num_retractions += 1  # its cached_tokens stays what it found at admission
-        self.chunked_req = None
-        self._decode_turn = False
         self.waiting.appendleft(req)
 
     def _urgency(self, req: Req) -> int:
@@ -167,7 +158,7 @@ class Retraction:
             return False
         kv = self.kv_cache
         # as SGLang: preempt only when the victims (least urgent first) free enough
-        short = (len(head.fill_ids()) - int(kv.match_lens([head.prefix_key()])[0]) + reserved_tokens(head)
+        short = (head.seq_len - int(kv.match_lens([head.prefix_key()])[0]) + reserved_tokens(head)
                  + kv.page_size - 1) - (kv.available_size() - self._reserved())
         rows_short = len(self.running) + 1 > self.max_running_requests or kv.free_req_rows() <= 1
         chosen: list[Req] = []

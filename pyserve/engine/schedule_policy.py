@@ -23,8 +23,8 @@ Admission reserves KV for each running request's remaining output, clipped at
 share of max_new_tokens requests really generate: it starts at 0.7 x
 --schedule-conservativeness, decays each decode step to 0.14 of that, and is raised again
 by a retraction), and for an admitted request its whole clipped max_new_tokens. When decode
-still runs out of KV the scheduler retracts a request (see Scheduler._retract). Admission
-matches first without locking (`match_lens`), so a request that cannot fit is turned away
+still runs out of KV the scheduler retracts a request (see engine/retraction.py). Admission
+matches first without locking (`match_unlocked`), so a request that cannot fit is turned away
 without taking and giving back a lock. A request whose prompt is being
 prefilled in chunks keeps its whole remaining prompt and output reserved, so chunking never
 admits more than prefilling whole prompts would.
@@ -142,12 +142,13 @@ class PrefillAdder:
             if self.num_running + len(self.admitted) >= self.max_running_requests:
                 break
             req = waiting[0]
-            head = self._shared_head(req)
+            match = self.kv_cache.match_unlocked(req.prefix_key())
+            head = self._shared_head(req, match[0])
             if head is not None and head in self._heads:
                 skipped.append(waiting.popleft())
                 self.leaders.add(id(self._heads[head]))
                 continue
-            if not self._try_admit(req):
+            if not self._try_admit(req, match):
                 break
             waiting.popleft()
             if head is not None:
@@ -155,15 +156,13 @@ class PrefillAdder:
         waiting.extendleft(reversed(skipped))
         return self.admitted
 
-    def _shared_head(self, req: Req) -> bytes | None:
+    def _shared_head(self, req: Req, cached: int) -> bytes | None:
         """`req`'s prompt head when its cached prefix is too short to make it safe from
         computing what a twin in this batch computes (see IN_BATCH_PREFIX_TOKENS), else None."""
         if self.kv_cache.disable_radix_cache:
             return None
         head = prompt_head(req)
-        if head is None or int(self.kv_cache.match_lens([req.prefix_key()])[0]) >= IN_BATCH_PREFIX_TOKENS:
-            return None
-        return head
+        return None if head is None or cached >= IN_BATCH_PREFIX_TOKENS else head
 
     def _continue(self, req: Req) -> None:
         """Plan the next chunk of `req` (admitted, its prompt partly prefilled): cache what
@@ -198,24 +197,25 @@ class PrefillAdder:
         page = self.kv_cache.page_size
         return self.chunk_budget // page * page
 
-    def _try_admit(self, req: Req) -> bool:
-        fill_ids = req.fill_ids()
+    def _try_admit(self, req: Req, match: tuple[int, int]) -> bool:
+        """Admit `req` if it fits; `match`: (cached, unlocked) of its prefix key, as
+        `KVCache.match_unlocked` gives it."""
+        seq_len = req.seq_len
         # Keep at least one token to compute (its logits give the next token), and every
-        # token whose prompt logprob was asked for (prefix_key). Match first, without a
-        # lock, and count what locking its prefix would take out of the evictable pool: a
+        # token whose prompt logprob was asked for (prefix_key). Matched first, without a
+        # lock, counting what locking its prefix would take out of the evictable pool: a
         # request that does not fit is turned away before anything is locked.
-        key = req.prefix_key()
-        cached, unlocked = self.kv_cache.match_unlocked(key)
+        cached, unlocked = match
         room = self.kv_cache.available_size() - unlocked - self.reserved
-        estimate = len(fill_ids) - cached + reserved_tokens(req) + self.kv_cache.page_size - 1
-        if estimate > room or (self.admitted and len(fill_ids) - cached > self.prefill_budget):
+        estimate = seq_len - cached + reserved_tokens(req) + self.kv_cache.page_size - 1
+        if estimate > room or (self.admitted and seq_len - cached > self.prefill_budget):
             return False
         if self.kv_cache.free_req_rows() == 0:
             return False
-        admitted = self.kv_cache.admit(key)
+        admitted = self.kv_cache.admit(req.prefix_key())
         if admitted is None:
             return False
-        extend_len = len(fill_ids) - admitted.prefix_len
+        extend_len = seq_len - admitted.prefix_len
         chunk = self._chunk_len(extend_len)
         # A partly used last page costs a whole page; a chunked prompt reserves all of it.
         need = extend_len + reserved_tokens(req) + self.kv_cache.page_size - 1
