@@ -76,6 +76,9 @@ class Req:
         self.kv_invalid = False  # a step holding it failed: free its KV, never cache it
         self.quiet = False  # only the final output is wanted (TokenizedGenerateReq.quiet)
         self.logprob = logprob or LogprobParams()
+        # read for every request of every step: plain attributes, not properties
+        self.greedy = sampling_params.is_greedy
+        self.return_logprob = self.logprob.return_logprob
         self.input_logprobs_done = False
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
@@ -194,7 +197,7 @@ class ScheduleBatch:
             row_slots=arrays.kv_indices, num_decode_rows=len(decodes),
             new_sampling_rows=[r.sampling_row() for r in prefills if r is not partial],
             released_rows=released_rows,
-            all_greedy=all(r.sampling_params.is_greedy for r in reqs if r is not partial),
+            all_greedy=all(r.greedy for r in reqs if r is not partial),
             logprob_info=_logprob_info(reqs, extend=True, partial=partial), step_id=step_id)
         return cls(reqs, plan, partial)
 
@@ -207,14 +210,14 @@ class ScheduleBatch:
             ForwardMode.DECODE, req_pool_indices=arrays.req_pool_indices.astype(np.int32),
             seq_lens=arrays.seq_lens.astype(np.int32), positions=arrays.positions,
             out_cache_loc=arrays.out_cache_loc, released_rows=released_rows,
-            all_greedy=all(r.sampling_params.is_greedy for r in reqs),
+            all_greedy=all(r.greedy for r in reqs),
             logprob_info=_logprob_info(reqs, extend=False), step_id=step_id)
         return cls(reqs, plan)
 
 
 def _logprob_info(reqs: list[Req], extend: bool, partial: Req | None = None) -> LogprobBatchInfo | None:
     """What logprobs the step's requests want (a partial prompt chunk: none)."""
-    if not any(r.logprob.return_logprob for r in reqs if r is not partial):
+    if not any(r.return_logprob for r in reqs if r is not partial):
         return None
     starts: list[int | None] = [None] * len(reqs)
     if extend:

@@ -109,6 +109,7 @@ class Scheduler(Retraction):
         self._to_release: list[Req] = []  # finished, not yet released
         self._released_rows: list[int] = []  # for the next plan (the worker's sampling rows)
         self._need_drain = False
+        self._failure: BaseException | None = None  # a bug in a step-done callback
         self._wake = asyncio.Event()
         self._stopping = False
         self.num_steps = 0
@@ -173,25 +174,25 @@ class Scheduler(Retraction):
 
     # ---- the loop ------------------------------------------------------------------------------
     async def run(self) -> None:
+        """The scheduler task: it starts steps when the pipeline is empty (at start, and when a
+        request arrives while nothing runs) and sleeps otherwise; while steps are in flight,
+        each step's completion processes its results and launches the next step itself
+        (`_step_done`, run by the worker's resolve callback), so a finished step never waits
+        behind the loop's other ready callbacks before the device gets its next step."""
         while not self._stopping:
-            self._release_finished()
-            self._maybe_log_stats()
-            batch = None if self._need_drain else self._get_next_batch()
-            if batch is not None:
-                self._launch(batch)
             if not self.inflight:
-                drained, self._need_drain = self._need_drain, False
-                if batch is None and not drained:  # idle: sleep until a request arrives
-                    if self._released_rows:
-                        self.worker.release_rows(self._released_rows)
-                        self._released_rows = []
-                    self._wake.clear()
-                    with contextlib.suppress(asyncio.TimeoutError):  # wake up for the stats line
-                        await asyncio.wait_for(self._wake.wait(), timeout=self.stats_interval_s)
-                continue
-            if self.overlap and batch is not None and len(self.inflight) == 1:
-                continue  # plan the next step while this one runs
-            await self._process_oldest()
+                self._pump()
+            if self._failure is not None:
+                raise self._failure
+            if self._stopping:
+                break
+            self._wake.clear()
+            if not self.inflight and not self._released_rows:  # idle: until a request arrives
+                with contextlib.suppress(asyncio.TimeoutError):  # wake up for the stats line
+                    await asyncio.wait_for(self._wake.wait(), timeout=self.stats_interval_s)
+                self._maybe_log_stats()
+            else:
+                await self._wake.wait()
         while self.inflight:  # let the worker finish what it has before we go
             with contextlib.suppress(Exception):
                 await self.inflight.popleft().future
@@ -200,6 +201,44 @@ class Scheduler(Retraction):
             if not req.finished:
                 req.finish_reason = FinishReason.abort("server shutting down")
                 self.emit([self._out(req)])
+
+    def _pump(self) -> None:
+        """Launch steps until the pipeline is full (two in flight with overlap: the next is
+        planned while one runs; one without) or nothing can run yet. Loop thread."""
+        depth = 2 if self.overlap else 1
+        while not self._stopping:
+            self._release_finished()
+            self._maybe_log_stats()
+            if len(self.inflight) >= depth:
+                return
+            batch = None if self._need_drain else self._get_next_batch()
+            if batch is not None:
+                self._launch(batch)
+                continue
+            if self.inflight:  # nothing to plan until a step in flight ends
+                return
+            drained, self._need_drain = self._need_drain, False
+            if drained:  # every token in flight is known now: plan again (maybe retract)
+                continue
+            if self._released_rows:  # idle: the worker drops the rows of who left
+                self.worker.release_rows(self._released_rows)
+                self._released_rows = []
+            return
+
+    def _step_done(self, future: asyncio.Future) -> None:
+        """The worker resolved `future` (a step's output). Runs on the loop, right when the
+        step's result arrives: process the done steps in launch order, then plan and launch
+        the next. An error here is a scheduler bug: it ends the scheduler task with it."""
+        if self._stopping or self._failure is not None:
+            return
+        try:
+            while self.inflight and self.inflight[0].future.done():
+                self._process_done(self.inflight.popleft())
+            self._pump()
+        except BaseException as exc:
+            self._failure = exc
+            self._wake.set()
+            raise
 
     def _launch(self, batch: ScheduleBatch) -> None:
         for req in batch.reqs:
@@ -211,14 +250,12 @@ class Scheduler(Retraction):
         if batch.partial is not None:
             batch.partial.num_planned -= 1  # a prompt chunk plans no output token
         self.num_steps += 1
-        self.inflight.append(Launched(batch, self.worker.submit(batch.plan)))
+        self.inflight.append(Launched(batch, self.worker.submit(batch.plan, self._step_done)))
 
-    async def _process_oldest(self) -> None:
-        launched = self.inflight.popleft()
+    def _process_done(self, launched: Launched) -> None:
         batch = launched.batch
-        try:
-            result = await launched.future
-        except Exception as exc:
+        exc = launched.future.exception()
+        if exc is not None:
             for req in batch.reqs:
                 req.num_inflight -= 1
                 # this step wrote (some of) its KV: never cache it, even for a request that
@@ -229,7 +266,7 @@ class Scheduler(Retraction):
                     self._end(req, FinishReason.abort(f"model step failed: {exc}", status_code=500))
                     self.emit([self._out(req)])
             return
-        self._process_batch_result(batch, result)
+        self._process_batch_result(batch, launched.future.result())
 
     def _get_next_batch(self) -> ScheduleBatch | None:
         chunked = self.chunked_req
@@ -242,7 +279,11 @@ class Scheduler(Retraction):
             batch = self._decode_batch()
             if batch is not None or self._need_drain:
                 return batch
-        if self.waiting or chunked is not None:
+        # a full batch admits nothing (unless a more urgent request may preempt): skip the
+        # ordering and the admission pass, which cost O(waiting + running) per step
+        full = (chunked is None and not self.enable_priority_scheduling
+                and len(self.running) >= self.max_running_requests)
+        if (self.waiting and not full) or chunked is not None:
             self._order_waiting()
             adder = PrefillAdder(self.kv_cache, self.running, self.max_running_requests,
                                  self.max_prefill_tokens, self.chunked_prefill_size, chunked,

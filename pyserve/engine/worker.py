@@ -4,9 +4,11 @@ The loop thread calls `submit(plan)` with a host-only `StepPlan` and gets a futu
 submission order. For each, the worker applies the plan to its `DeviceState` (request rows,
 token table, sampling rows), runs `ModelRunner.forward`, samples, writes the new tokens into
 the token table (the next decode step reads them there), copies the ids (and logprobs) to the
-host and resolves the future on the loop with `call_soon_threadsafe`. Because the queue keeps
-order, the loop may submit step N+1 before step N's future resolved (overlap scheduling). The
-worker never awaits the loop, and the loop never blocks on the device (DESIGN.md section 1).
+host and resolves the future on the loop with `call_soon_threadsafe` (then calls the
+submitter's `done` hook in the same callback). Because the queue keeps order, the loop may
+submit step N+1 before step N's future resolved (overlap scheduling). The worker never awaits
+the loop, and the loop never blocks on the device (DESIGN.md section 1); with an asynchronous
+runner it waits, in `submit`, for the worker's host-side launch of the step (see `submit`).
 
 A runner whose launches are asynchronous does not make the worker wait: a second thread, the
 completer, waits for each step's end in order and resolves its future, while the worker
@@ -19,10 +21,12 @@ the completer waits on an event recorded after the copy; the simulated device gi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
-from typing import Any
+import time
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -33,6 +37,9 @@ from pyserve.model_executor.device_state import DeviceState
 logger = logging.getLogger(__name__)
 
 _STOP = object()
+
+# how long `submit` waits for the worker to launch the step (seconds); a launch takes ~0.1 ms
+LAUNCH_WAIT_S = 0.005
 
 
 class ModelWorker:
@@ -50,6 +57,8 @@ class ModelWorker:
         self._async = self._cuda or hasattr(model_runner, "step_done_waiter")
         self._done: queue.Queue = queue.Queue()
         self._ready = threading.Event()
+        self._launches: queue.SimpleQueue = queue.SimpleQueue()  # numbers of launched steps
+        self._num_submitted = 0
         self._start_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="pyserve-worker", daemon=True)
         self._thread.start()
@@ -64,18 +73,32 @@ class ModelWorker:
         """Requests whose sampling rows the worker holds (0 once idle: the leak check)."""
         return self.state.sampling.num_live
 
-    def submit(self, plan: StepPlan) -> asyncio.Future:
+    def submit(self, plan: StepPlan, done: Callable[[asyncio.Future], None] | None = None) -> asyncio.Future:
         """Queue one step. The future resolves to a StepOutput (next token ids, logprobs), or
-        to the exception the step raised. Loop thread only."""
+        to the exception the step raised; `done(future)` is then called at once, in the same
+        loop callback (not scheduled behind the loop's other ready callbacks, as a future's
+        own callbacks are). Loop thread only.
+
+        With an asynchronous runner this returns once the worker has launched the step
+        (at most LAUNCH_WAIT_S): while the worker turns the plan into device work, the loop
+        holds back, so the worker's many short GIL releases (every torch call) are not each
+        followed by a wait for the loop to give the GIL back, which made launches late by
+        milliseconds (DESIGN.md section 1)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._queue.put((plan, loop, future))
+        self._num_submitted += 1
+        self._queue.put((plan, loop, future, done))
+        if self._async:
+            deadline = time.monotonic() + LAUNCH_WAIT_S
+            with contextlib.suppress(queue.Empty):  # late: go on, the step still runs
+                while self._launches.get(timeout=max(deadline - time.monotonic(), 0.0)) < self._num_submitted:
+                    pass  # a step whose launch an earlier submit stopped waiting for
         return future
 
     def release_rows(self, rows: list[int]) -> None:
         """Drop the sampling rows of requests that left while no step follows (the next plan
         carries later releases itself). Loop thread only; ordered with the steps."""
-        self._queue.put((rows, None, None))
+        self._queue.put((rows, None, None, None))
 
     def shutdown(self) -> None:
         self._queue.put(_STOP)
@@ -87,14 +110,14 @@ class ModelWorker:
             item = self._done.get()
             if item is _STOP:
                 return
-            wait, loop, future, ok, result = item
+            wait, loop, future, done, ok, result = item
             if wait is not None:
                 try:
                     wait()
                 except BaseException as exc:  # an asynchronous device fault surfaces here
                     logger.exception("forward step failed on the device")
                     ok, result = False, exc if isinstance(exc, Exception) else RuntimeError(str(exc))
-            loop.call_soon_threadsafe(_resolve, future, ok, result)
+            loop.call_soon_threadsafe(_resolve, future, done, ok, result)
 
     def _run(self) -> None:
         runner = self.model_runner
@@ -115,11 +138,12 @@ class ModelWorker:
             return
         finally:
             self._ready.set()
+        num_launched = 0
         while True:
             item = self._queue.get()
             if item is _STOP:
                 return
-            plan, loop, future = item
+            plan, loop, future, done = item
             if future is None:  # a release without a step
                 self.state.sampling.release_rows(plan)
                 continue
@@ -139,9 +163,11 @@ class ModelWorker:
                 result = exc if isinstance(exc, Exception) else RuntimeError(f"{type(exc).__name__}: {exc}")
                 ok = False
             if self._async:  # resolved, in order, once the device has run the step
-                self._done.put((wait if ok else None, loop, future, ok, result))
+                num_launched += 1
+                self._launches.put(num_launched)
+                self._done.put((wait if ok else None, loop, future, done, ok, result))
             else:
-                loop.call_soon_threadsafe(_resolve, future, ok, result)
+                loop.call_soon_threadsafe(_resolve, future, done, ok, result)
 
     def _step(self, plan: StepPlan) -> tuple[StepOutput, Any]:
         """Run one step; returns its output and, for an asynchronous runner, the function that
@@ -161,22 +187,25 @@ class ModelWorker:
             ids_host.copy_(next_ids, non_blocking=True)
             failed_host = torch.empty(failed.shape, dtype=torch.bool, pin_memory=True)
             failed_host.copy_(failed, non_blocking=True)
-            done = torch.cuda.Event(blocking=True)  # the completer sleeps, not spins, on it
-            done.record()
+            copied = torch.cuda.Event(blocking=True)  # the completer sleeps, not spins, on it
+            copied.record()
             out = StepOutput(next_token_ids=ids_host.numpy())
             runner.add_logprobs(out, logits, batch, next_ids)
 
         def wait() -> None:  # completer thread: the copies landed, then the failed rows
-            done.synchronize()
+            copied.synchronize()
             out.failed_rows = np.flatnonzero(failed_host.numpy()).tolist()
 
         return out, wait
 
 
-def _resolve(future: asyncio.Future, ok: bool, result: Any) -> None:
+def _resolve(future: asyncio.Future, done: Callable[[asyncio.Future], None] | None, ok: bool,
+             result: Any) -> None:
     if future.cancelled():
         return
     if ok:
         future.set_result(result)
     else:
         future.set_exception(result)
+    if done is not None:
+        done(future)

@@ -34,10 +34,10 @@ def test_long_prompts_give_the_reference_tokens(engine, stories_reference, monke
     extends: list[int] = []
     submit = worker.submit
 
-    def recording_submit(plan):  # the engine's loop thread
+    def recording_submit(plan, done=None):  # the engine's loop thread
         if plan.extend_lens is not None:
             extends.append(int(plan.extend_lens.sum()))
-        return submit(plan)
+        return submit(plan, done)
 
     monkeypatch.setattr(worker, "submit", recording_submit)
     case = stories_reference[0]  # 1 prompt token, 200 greedy output tokens

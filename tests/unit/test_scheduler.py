@@ -37,27 +37,41 @@ class FakeWorker:
     def num_live_sampling_rows(self) -> int:
         return self.state.sampling.num_live
 
-    def submit(self, plan):
+    def submit(self, plan, done=None):
         future = asyncio.get_running_loop().create_future()
         self.plans.append(plan)
-        self.pending.append((plan, future))
+        self.pending.append((plan, future, done))
         return future
 
     def release_rows(self, rows) -> None:
         self.state.sampling.release_rows(rows)
 
+    @staticmethod
+    def _resolve(future, done, result=None, exc=None) -> None:
+        """As the worker's resolve callback: the future, then the scheduler's done hook, on
+        the loop after the caller returns (the worker calls it thread-safely)."""
+        def resolve() -> None:
+            if exc is not None:
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+            if done is not None:
+                done(future)
+        asyncio.get_running_loop().call_soon(resolve)
+
     def fail_next(self, exc: Exception) -> None:
-        self.pending.popleft()[1].set_exception(exc)
+        _, future, done = self.pending.popleft()
+        self._resolve(future, done, exc=exc)
 
     def run_next(self, ids: list[int]) -> None:
         import torch
 
-        plan, future = self.pending.popleft()
+        plan, future, done = self.pending.popleft()
         batch = self.state.forward_batch(plan)
         self.inputs.append(batch.input_ids.tolist())
         next_ids = torch.tensor(ids, dtype=torch.int64)
         self.state.record_sampled(plan, batch, next_ids)
-        future.set_result(StepOutput(next_token_ids=np.array(ids, dtype=np.int32)))
+        self._resolve(future, done, StepOutput(next_token_ids=np.array(ids, dtype=np.int32)))
 
 
 def treq(rid: str, ids: list[int], max_new_tokens: int = 5, stop=frozenset()) -> TokenizedGenerateReq:
