@@ -6,6 +6,8 @@ goes to the radix cache or back to the allocator), admit waiting requests into a
 to the worker; then process the results of the previous step. With overlap (the default) the
 worker computes step N+1 while the loop processes step N's results, detokenizes and serves
 HTTP; `overlap=False` (`--disable-overlap-schedule`) awaits each step before planning the next.
+A step's results are processed, and the next step planned and launched, in the loop callback
+that resolves it (`_step_done`); the `run` task only starts an empty pipeline.
 
 One step late: a request whose stop token (or stop string, or abort) is seen when step N's
 results are processed is already in step N+1. Its extra token is dropped and its resources

@@ -161,6 +161,29 @@ def test_exact_plans_and_decode_inputs_from_the_token_table():
     run(body())
 
 
+def test_a_step_result_launches_the_next_step_in_its_own_callback():
+    """The callback that resolves step N processes it and submits the next step before any
+    other ready callback runs (the device is not kept waiting behind the loop's HTTP work)."""
+    async def body():
+        h = Harness()
+        h.sched.add_request(treq("a", [1, 2, 3], max_new_tokens=4))
+        await h.start()
+        assert len(h.worker.plans) == 2  # the extend, and the decode planned behind it
+        seen = []
+        h.worker.run_next([10])  # resolves on the loop's next iteration
+        asyncio.get_running_loop().call_soon(lambda: seen.append(len(h.worker.plans)))
+        await settle()
+        assert seen == [3]  # already submitted when the callback queued behind it ran
+        assert h.worker.plans[2].positions.tolist() == [4]
+        while h.worker.pending:
+            await h.step([11])
+        await settle()
+        h.assert_no_leak()
+        await h.stop()
+
+    run(body())
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 def test_stop_token_seen_one_step_late_releases_exactly_once(overlap):
     async def body():

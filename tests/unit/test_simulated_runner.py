@@ -71,3 +71,44 @@ def test_bench_host_bad_flags_exit_2(capsys):
     assert "--clients: got 0; must be > 0" in capsys.readouterr().err
     assert main(["host", "--decode-step-ms", "-1"]) == 2
     assert main(["host", "--input-len", "0"]) == 2
+
+
+def test_submit_returns_once_the_worker_launched_the_step():
+    """With an asynchronous runner the loop's submit waits for the worker's launch (so the
+    worker's GIL releases are not each followed by a wait for a busy loop), not for the
+    step's end; steps still complete in order and each future gets its own ids."""
+    import asyncio
+
+    import numpy as np
+
+    from pyserve.engine.worker import ModelWorker
+    from pyserve.forward_batch_info import StepPlan
+
+    runner = SimulatedRunner(vocab_size=50, eos_token_ids=set(), max_total_tokens=64, context_len=16,
+                             decode_base_ms=50.0, seed=3)
+    worker = ModelWorker(runner, num_rows=4, row_width=16, vocab_size=50)
+    rows = np.array([1, 2], dtype=np.int32)
+
+    def plan(position: int) -> StepPlan:
+        return StepPlan(ForwardMode.DECODE, req_pool_indices=rows, seq_lens=np.full(2, position + 1, np.int32),
+                        positions=np.full(2, position, np.int64),
+                        out_cache_loc=np.array([2 * position + 1, 2 * position + 2], np.int64))
+
+    async def body() -> None:
+        done = []
+        start = time.perf_counter()
+        first = worker.submit(plan(0), done.append)
+        # launched when submit returned, and not ended: the device still runs it
+        assert runner.num_steps == 1 and runner._device_free_at > time.perf_counter()
+        second = worker.submit(plan(1), done.append)
+        assert runner.num_steps == 2
+        out1, out2 = await first, await second
+        assert done == [first, second]  # the hook ran with each resolved future, in order
+        assert time.perf_counter() - start >= 0.1
+        assert out1.next_token_ids.shape == (2,) and out2.next_token_ids.shape == (2,)
+        assert worker.state.req_to_token[1, :2].tolist() == [1, 3]
+
+    try:
+        asyncio.run(body())
+    finally:
+        worker.shutdown()
