@@ -18,7 +18,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Callable
 
 from pyserve.engine.schedule_batch import Req
-from pyserve.engine.schedule_policy import reserved_tokens
+from pyserve.engine.schedule_policy import reserved_tokens, span_tokens
 from pyserve.forward_batch_info import FinishReason
 
 if TYPE_CHECKING:
@@ -158,8 +158,9 @@ class Retraction:
             return False
         kv = self.kv_cache
         # as SGLang: preempt only when the victims (least urgent first) free enough
-        short = (head.seq_len - int(kv.match_lens([head.prefix_key()])[0]) + reserved_tokens(head)
-                 + kv.page_size - 1) - (kv.available_size() - self._reserved())
+        short = (span_tokens(int(kv.match_lens([head.prefix_key()])[0]),
+                             head.seq_len + reserved_tokens(head), kv.page_size)
+                 - (kv.available_size() - self._reserved()))
         rows_short = len(self.running) + 1 > self.max_running_requests or kv.free_req_rows() <= 1
         chosen: list[Req] = []
         for victim in victims:

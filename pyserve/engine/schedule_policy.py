@@ -107,6 +107,12 @@ def reserved_tokens(req: Req) -> int:
     return min(req.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS)
 
 
+def span_tokens(start: int, end: int, page_size: int) -> int:
+    """KV slots a request holding positions 0..start-1 takes to hold up to position end-1:
+    the whole pages past those it has (a partly used last page already counts)."""
+    return -(-end // page_size) * page_size - -(-start // page_size) * page_size
+
+
 class PrefillAdder:
     """Admits requests from the head of `waiting` while the token budget, the chunk budget,
     the running-request limit and the KV pool (free + evictable, minus reservations) allow.
@@ -174,7 +180,8 @@ class PrefillAdder:
         req.prefix_len = kv_len  # the stored tokens: the next chunk starts after them
         remaining = len(fill_ids) - kv_len
         # the rest of its prompt and its output stay reserved
-        self._take(req, remaining, remaining + reserved_tokens(req) + self.kv_cache.page_size - 1)
+        self._take(req, remaining, span_tokens(kv_len, len(fill_ids) + reserved_tokens(req),
+                                               self.kv_cache.page_size))
 
     def _take(self, req: Req, extend_len: int, need: int) -> None:
         """Admit `req` into the batch with the part of its `extend_len` new tokens that fits
@@ -207,7 +214,8 @@ class PrefillAdder:
         # request that does not fit is turned away before anything is locked.
         cached, unlocked = match
         room = self.kv_cache.available_size() - unlocked - self.reserved
-        estimate = seq_len - cached + reserved_tokens(req) + self.kv_cache.page_size - 1
+        page = self.kv_cache.page_size
+        estimate = span_tokens(cached, seq_len + reserved_tokens(req), page)
         if estimate > room or (self.admitted and seq_len - cached > self.prefill_budget):
             return False
         if self.kv_cache.free_req_rows() == 0:
@@ -217,8 +225,8 @@ class PrefillAdder:
             return False
         extend_len = seq_len - admitted.prefix_len
         chunk = self._chunk_len(extend_len)
-        # A partly used last page costs a whole page; a chunked prompt reserves all of it.
-        need = extend_len + reserved_tokens(req) + self.kv_cache.page_size - 1
+        # Whole pages; a chunked prompt reserves all of it.
+        need = span_tokens(admitted.prefix_len, seq_len + reserved_tokens(req), page)
         too_big = extend_len > self.prefill_budget or chunk == 0 or (chunk < extend_len and not req.can_chunk())
         if (self.admitted and too_big) or need > self.kv_cache.available_size() - self.reserved:
             self.kv_cache.abort_req(admitted.req_id)

@@ -189,12 +189,11 @@ class Scheduler(Retraction):
             if self._stopping:
                 break
             self._wake.clear()
-            if not self.inflight and not self._released_rows:  # idle: until a request arrives
-                with contextlib.suppress(asyncio.TimeoutError):  # wake up for the stats line
-                    await asyncio.wait_for(self._wake.wait(), timeout=self.stats_interval_s)
-                self._maybe_log_stats()
-            else:
-                await self._wake.wait()
+            # until a request arrives (steps in flight drive themselves meanwhile, and may
+            # leave the pipeline empty): wake up for the stats line even so
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=self.stats_interval_s)
+            self._maybe_log_stats()
         while self.inflight:  # let the worker finish what it has before we go
             with contextlib.suppress(Exception):
                 await self.inflight.popleft().future

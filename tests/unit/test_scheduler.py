@@ -184,6 +184,27 @@ def test_a_step_result_launches_the_next_step_in_its_own_callback():
     run(body())
 
 
+def test_stats_are_refreshed_while_idle_after_a_burst():
+    """Steps drive themselves, so the pipeline empties with the task asleep: it must still
+    wake for the stats line (last_gen_throughput falls to 0 once nothing is generated)."""
+    async def body():
+        h = Harness()
+        h.sched.stats_interval_s = 0.05
+        await h.start()
+        h.sched.add_request(treq("a", [1, 2, 3], max_new_tokens=3))
+        await settle()
+        while h.worker.pending:
+            await asyncio.sleep(0.06)
+            await h.step([10])
+        assert h.sched.is_idle() and h.sched.last_gen_throughput > 0
+        await asyncio.sleep(0.3)  # six stats intervals with nothing generated
+        assert h.sched.last_gen_throughput == 0.0
+        h.assert_no_leak()
+        await h.stop()
+
+    run(body())
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 def test_stop_token_seen_one_step_late_releases_exactly_once(overlap):
     async def body():
@@ -384,3 +405,28 @@ def test_scheduler_default_new_token_ratio():
     h = Harness()
     assert h.sched.new_token_ratio == 0.7 and h.sched.min_new_token_ratio == pytest.approx(0.098)
     assert h.sched.new_token_ratio_decay == pytest.approx((0.7 - 0.098) / 600)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_request_as_large_as_the_pool_runs(page_size):
+    """Prompt + max_new_tokens == the pool (which the tokenizer manager lets through): it is
+    admitted and runs to the end. Admission counts whole pages exactly; it used to add
+    page_size - 1 tokens to the need, so such a request waited forever with pages of 4."""
+    async def body():
+        h = Harness()
+        h.kv = KVCache(40, max_running_requests=4, max_context_len=64, page_size=page_size)
+        h.worker = FakeWorker(h.kv)
+        h.sched = Scheduler(h.kv, h.worker, context_len=64, max_running_requests=4,
+                            max_prefill_tokens=64, emit=h.outs.extend)
+        h.sched.add_request(treq("a", list(range(1, 11)), max_new_tokens=30))
+        await h.start()
+        while h.worker.pending:
+            await h.step([7] * h.worker.pending[0][0].batch_size)
+        await settle()
+        assert len(h.outs_of("a")) == 30
+        assert h.outs_of("a")[-1].finish_reason == FinishReason.length_limit(30)
+        h.kv.core.check_integrity()
+        assert h.kv.num_reqs() == 0 and h.kv.free_slots() + h.kv.evictable_slots() == 40
+        await h.stop()
+
+    run(body())
