@@ -8,6 +8,7 @@ the scheduler and detokenizer run as tasks on the same loop as the HTTP server. 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import os
@@ -27,6 +28,9 @@ from pyserve.io_struct import GenerateOutput, SingleReq, TokenizedGenerateReq
 from pyserve.mem_cache.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
+
+# how long shutdown waits for the steps in flight before it stops the scheduler anyway (s)
+SHUTDOWN_DRAIN_S = 30.0
 
 
 class EngineCore:
@@ -144,6 +148,16 @@ class EngineCore:
             return
         self.started = False
         await self.scheduler.stop()
+        # let the scheduler finish the steps in flight and end every open request with a
+        # "server shutting down" abort, and the detokenizer hand those last outputs on, so
+        # streams close instead of hanging
+        with contextlib.suppress(Exception, asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._tasks[0]), timeout=SHUTDOWN_DRAIN_S)
+        queue = self.tokenizer_manager.detokenizer.queue
+        for _ in range(100):
+            if queue.empty():
+                break
+            await asyncio.sleep(0)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
