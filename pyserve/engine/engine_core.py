@@ -85,8 +85,9 @@ class EngineCore:
             vocab_size=mc.vocab_size, eos_token_ids=frozenset(mc.eos_token_ids),
             stream_interval=args.stream_interval, max_queued_requests=args.max_queued_requests,
             abort_on_priority_when_disabled=args.abort_on_priority_when_disabled)
+        self._scheduler_task = asyncio.create_task(self.scheduler.run(), name="pyserve-scheduler")
         self._tasks = [
-            asyncio.create_task(self.scheduler.run(), name="pyserve-scheduler"),
+            self._scheduler_task,
             asyncio.create_task(self.tokenizer_manager.detokenizer.run(), name="pyserve-detokenizer"),
         ]
         for task in self._tasks:
@@ -152,7 +153,7 @@ class EngineCore:
         # "server shutting down" abort, and the detokenizer hand those last outputs on, so
         # streams close instead of hanging
         with contextlib.suppress(Exception, asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.shield(self._tasks[0]), timeout=SHUTDOWN_DRAIN_S)
+            await asyncio.wait_for(asyncio.shield(self._scheduler_task), timeout=SHUTDOWN_DRAIN_S)
         queue = self.tokenizer_manager.detokenizer.queue
         for _ in range(100):
             if queue.empty():
