@@ -30,6 +30,7 @@ __all__ = [
     "KVCache",
     "ShapeError",
     "UnknownRequestError",
+    "send_each",
 ]
 
 _IntArray = Union[npt.NDArray[np.integer], Sequence[int]]
@@ -177,3 +178,10 @@ class KVCache:
     def check_integrity(self) -> None:
         """Verify every invariant (page ownership, refcounts, sizes, rows); InvariantError
         naming the first violation."""
+
+def send_each(fds: Sequence[int], chunks: Sequence[bytes]) -> list[int]:
+    """Send chunks[i] to the non-blocking socket fds[i], for each i in order, with the GIL
+    released (the SSE stream writer's thread calls it). For each: the bytes sent (fewer than
+    its length once that socket's buffer was full) or the negated errno of a failed send
+    (MSG_NOSIGNAL: a closed peer is -EPIPE). The fds are borrowed, never closed. Raises
+    ValueError if the lists differ in length."""

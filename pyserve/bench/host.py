@@ -5,8 +5,9 @@ The full server runs in this process on a `SimulatedRunner` (its steps only take
 the GIL released); the load comes from `pyserve bench serve` in a subprocess, as a real client
 would (no GIL shared with the server). For each case it prints generated tokens/s, the device
 busy fraction (simulated busy time / the client's timed duration) and the loop thread's CPU
-time per generated token (the thread's own CPU clock, read from outside it), and with
-`--output-file` appends one JSON line per case.
+time per generated token (the thread's own CPU clock, read from outside it), with the stream
+writer thread's CPU per token beside it (it sends the SSE chunks with the GIL released; see
+pyserve.server.stream_writer), and with `--output-file` appends one JSON line per case.
 """
 
 from __future__ import annotations
@@ -97,6 +98,18 @@ class HostServer:
         """CPU seconds the server's loop thread has used (its own clock, read from here)."""
         return time.clock_gettime(self.loop_clock)
 
+    def writer_cpu_s(self) -> float:
+        """CPU seconds the stream writer thread has used (0 before it started)."""
+        from pyserve.server.stream_writer import THREAD_NAME
+
+        for thread in threading.enumerate():
+            if thread.name == THREAD_NAME and thread.ident is not None:
+                try:
+                    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+                except OSError:  # it just ended
+                    return 0.0
+        return 0.0
+
     def set_overlap(self, overlap: bool) -> None:
         """Overlap scheduling on or off from the next scheduler tick (between cases only)."""
         self.app.state.engine.scheduler.overlap = overlap
@@ -125,9 +138,10 @@ def run_case(server: HostServer, clients: int, stream: bool, decode_ms: float, o
                "--request-rate", str(args.request_rate),
                "--output-file", str(out)] + ([] if stream else ["--disable-stream"])
         runner.reset_busy()
-        cpu_before = server.loop_cpu_s()
+        cpu_before, writer_before = server.loop_cpu_s(), server.writer_cpu_s()
         proc = subprocess.run(cmd, capture_output=True, text=True)
         cpu_s = server.loop_cpu_s() - cpu_before
+        writer_s = server.writer_cpu_s() - writer_before
         busy_s = runner.busy_s()
         if proc.returncode != 0:
             raise BenchError(f"bench serve failed: {proc.stderr.strip()[-2000:]}")
@@ -140,6 +154,7 @@ def run_case(server: HostServer, clients: int, stream: bool, decode_ms: float, o
         "output_tok_s": metrics["output_throughput"],
         "device_busy_fraction": busy_s / metrics["duration_s"] if metrics["duration_s"] else None,
         "loop_cpu_us_per_token": 1e6 * cpu_s / tokens if tokens else None,
+        "writer_cpu_us_per_token": 1e6 * writer_s / tokens if tokens else None,
         "device_steps": runner.num_steps, "duration_s": metrics["duration_s"],
         "overlap": overlap,
     }
@@ -154,7 +169,7 @@ def run_host(args: Any) -> list[dict[str, Any]]:
     rows = []
     overlaps = {"on": [True], "off": [False], "both": [True, False]}[args.overlap]
     header = (f"{'overlap':>7} {'clients':>7} {'stream':>6} {'step ms':>7} {'out tok/s':>10} {'busy':>6} "
-              f"{'loop us/tok':>11} {'done/fail':>9}")
+              f"{'loop us/tok':>11} {'writer us/tok':>13} {'done/fail':>9}")
     print(header)
     print("-" * len(header))
     try:
@@ -164,7 +179,8 @@ def run_host(args: Any) -> list[dict[str, Any]]:
             rows.append(row)
             busy = row["device_busy_fraction"]
             print(f"{'on' if overlap else 'off':>7} {clients:>7} {'on' if stream else 'off':>6} {decode_ms:>7.1f} {row['output_tok_s']:>10.0f} "
-                  f"{busy:>6.3f} {row['loop_cpu_us_per_token']:>11.1f} {row['completed']:>4}/{row['failed']:<4}",
+                  f"{busy:>6.3f} {row['loop_cpu_us_per_token']:>11.1f} {row['writer_cpu_us_per_token']:>13.1f} "
+                  f"{row['completed']:>4}/{row['failed']:<4}",
                   flush=True)
             if args.output_file:
                 with open(args.output_file, "a", encoding="utf-8") as f:

@@ -166,18 +166,30 @@ class Detokenizer:
     def handle_batch(self, outs: list[TokenOut]) -> None:
         """Take one step's TokenOuts: append ids, decode what needs text now (one batched
         call), apply stop strings, deliver chunks."""
-        ready: list[tuple[TokenOut, DecodeState]] = []
+        states = self.states
+        todo: list[tuple[TokenOut, DecodeState]] = []
         for out in outs:
-            state = self.states.get(out.rid)
+            state = states.get(out.rid)
             if state is None or state.finish_reason is not None:
                 continue  # unknown, or already ended by a stop string: extra tokens are dropped
+            if out.finish_reason is None and state.logprob is None:
+                # the common step: one more token, nothing to trim (inline `_append`)
+                state.ids.extend(out.ids_delta)
+                state.decode_ids.extend(out.ids_delta)
+                if state.stop_strs or (state.stream and len(state.ids) - state.sent_ids >= state.stream_interval):
+                    todo.append((out, state))
+                continue
             self._append(state, out)
-            ready.append((out, state))
-        todo = [(out, state) for out, state in ready if self._needs_text(state, out)]
+            if self._needs_text(state, out):
+                todo.append((out, state))
         if todo:
             self._decode_states([state for _, state in todo], [o.finish_reason is not None for o, _ in todo])
+        stream_chunk, finish_chunk = self._stream_chunk, self._finish_chunk
         for out, state in todo:
-            self._finish_chunk(out, state)
+            if out.finish_reason is None and not state.stop_strs and state.logprob is None:
+                stream_chunk(out, state)  # (what `_finish_chunk` comes to)
+            else:
+                finish_chunk(out, state)
 
     def _append(self, state: DecodeState, out: TokenOut) -> None:
         state.ids.extend(out.ids_delta)
@@ -240,14 +252,16 @@ class Detokenizer:
                 return False
             stream = state.decode_stream = DecodeStream(ids=window, skip_special_tokens=state.skip_special_tokens)
             state.fed = state.read_offset
-        if state.fed == len(ids):
+        fed, num_ids = state.fed, len(ids)
+        if fed == num_ids:
             return True
         try:
-            chunk = stream.step(backend, ids[state.fed:])
+            # one new id (the usual step) goes as an int: no list to build and convert
+            chunk = stream.step(backend, ids[fed] if num_ids - fed == 1 else ids[fed:])
         except Exception:
             state.decode_stream = False
             return False
-        state.fed = len(ids)
+        state.fed = num_ids
         if chunk is not None:
             state.text += chunk
             state.prefix_offset = state.read_offset
@@ -255,6 +269,9 @@ class Detokenizer:
         return True
 
     def _finish_chunk(self, out: TokenOut, state: DecodeState) -> None:
+        if out.finish_reason is None and not state.stop_strs and state.logprob is None:
+            self._stream_chunk(out, state)
+            return
         finished = out.finish_reason is not None
         if not finished and self._match_stop(state):
             self.finish(out.rid, state.finish_reason)  # type: ignore[arg-type]
@@ -287,6 +304,26 @@ class Detokenizer:
             output_ids=IdsPrefix(state.ids), ids_delta=ids_delta, prompt_tokens=out.prompt_tokens,
             cached_tokens=out.cached_tokens, finish_reason=state.finish_reason,
             logprobs=logprobs, num_logprobs_delta=num_logprobs_delta,
+        ))
+
+    def _stream_chunk(self, out: TokenOut, state: DecodeState) -> None:
+        """`_finish_chunk` for the step of a running request with no stop strings and no
+        logprobs (the text only grows; nothing is held back): deliver the new text and ids
+        when `stream_interval` tokens have come."""
+        ids = state.ids
+        num_ids = len(ids)
+        if not state.stream or num_ids - state.sent_ids < state.stream_interval:
+            return
+        text = state.text
+        delta = text[state.sent_len:]
+        if not delta and num_ids == state.sent_ids:
+            return
+        ids_delta = ids[state.sent_ids:]
+        state.sent_len = len(text)
+        state.sent_ids = num_ids
+        self.deliver(GenerateOutput(
+            rid=out.rid, text=text, text_delta=delta, output_ids=IdsPrefix(ids, num_ids),
+            ids_delta=ids_delta, prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
         ))
 
     def token_text(self, token_id: int) -> str:

@@ -390,11 +390,12 @@ class Scheduler(Retraction):
         failed = set(result.failed_rows) if result.failed_rows else ()
         ids = result.next_token_ids.tolist()
         with_logprobs = result.output_logprobs is not None or result.input_logprobs is not None
+        generated = 0
         for i, (req, token) in enumerate(zip(batch.reqs, ids)):
             req.num_inflight -= 1
             if req is batch.partial:  # a prompt chunk: its token is not an output
                 continue
-            if req.finished:  # ended while the step ran: drop the extra token
+            if req.finish_reason is not None:  # ended while the step ran: drop the extra token
                 req.dropped_ids.append(token)
                 continue
             if i in failed:  # its own parameters left nothing to sample: it alone fails
@@ -411,10 +412,12 @@ class Scheduler(Retraction):
                 self._add_input_logprobs(token_out, req, result, i)
                 outs.append(token_out)
                 continue
-            req.output_ids.append(token)
-            self.num_generated_tokens += 1
-            req.check_finished()
-            if req.finished:
+            output_ids = req.output_ids
+            output_ids.append(token)
+            generated += 1
+            if token in req.stop_token_ids or len(output_ids) >= req.max_new_tokens:
+                req.check_finished()  # (only these two can end it)
+            if req.finish_reason is not None:
                 self._to_release.append(req)
             elif req.quiet:
                 continue  # its tokens go to the detokenizer once, when it ends
@@ -424,6 +427,7 @@ class Scheduler(Retraction):
                     out.output_logprobs = result.output_logprobs[i]
                 self._add_input_logprobs(out, req, result, i)
             outs.append(out)
+        self.num_generated_tokens += generated
         if outs:
             self.emit(outs)
 

@@ -294,7 +294,7 @@ class TokenizerManager:
         if state.sink is None:
             state.put(out)
             return
-        if out.finished:
+        if out.finish_reason is not None:
             state.finished = True
             del self.states[out.rid]
         state.sink(out)

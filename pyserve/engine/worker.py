@@ -52,10 +52,10 @@ class ModelWorker:
     def __init__(self, model_runner: Any, num_rows: int, row_width: int, vocab_size: int) -> None:
         self.model_runner = model_runner
         self.state = DeviceState(num_rows, row_width, vocab_size, model_runner.device)
-        self._queue: queue.Queue = queue.Queue()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # plans (C queue: no Python lock per put)
         self._cuda = str(model_runner.device).startswith("cuda")
         self._async = self._cuda or hasattr(model_runner, "step_done_waiter")
-        self._done: queue.Queue = queue.Queue()
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._ready = threading.Event()
         self._launches: queue.SimpleQueue = queue.SimpleQueue()  # numbers of launched steps
         self._num_submitted = 0

@@ -80,13 +80,15 @@ class NativeStreamEncoder:
     Chunks with logprobs or a sample index are encoded whole. Call with each of the request's
     outputs in order; loop thread only."""
 
-    __slots__ = ("_text", "_text_len", "_ids", "_num_ids")
+    __slots__ = ("_text", "_text_len", "_ids", "_num_ids", "_meta_head")
 
     def __init__(self) -> None:
         self._text = bytearray()  # the text so far as a JSON string body (no quotes)
         self._text_len = 0  # its length in characters
         self._ids = bytearray()  # the ids so far as JSON array items ("1,2,3")
         self._num_ids = 0
+        # the meta_info of a running request up to its counts: `{"id":...,"finish_reason":null,`
+        self._meta_head: tuple[str, bytes] | None = None
 
     def __call__(self, out: Any) -> bytes:
         if out.logprobs is not None or out.index is not None:
@@ -95,7 +97,7 @@ class NativeStreamEncoder:
         if len(text) != self._text_len + len(delta):  # not an extension (a stop string cut it)
             self._text = bytearray(json_bytes(text)[1:-1])
         elif delta:
-            self._text += json_bytes(delta)[1:-1]
+            self._text += _string_body(delta)
         self._text_len = len(text)
         num_ids, new = len(out.output_ids), out.ids_delta
         if num_ids != self._num_ids + len(new):
@@ -103,7 +105,24 @@ class NativeStreamEncoder:
         elif new:
             if self._num_ids:
                 self._ids += b","
-            self._ids += json_bytes(new)[1:-1]
+            self._ids += b"%d" % new[0] if len(new) == 1 else json_bytes(new)[1:-1]
         self._num_ids = num_ids
+        if out.finish_reason is None:
+            head = self._meta_head
+            if head is None or head[0] != out.rid:
+                head = self._meta_head = (out.rid, b'{"id":' + json_bytes(out.rid) + b',"finish_reason":null,')
+            # what json_bytes(out.native_meta()) gives while running: integers in decimal
+            meta = head[1] + b'"prompt_tokens":%d,"completion_tokens":%d,"cached_tokens":%d}' % (
+                out.prompt_tokens, num_ids, out.cached_tokens)
+        else:
+            meta = json_bytes(out.native_meta())
         return b"".join((b'data: {"text":"', self._text, b'","output_ids":[', self._ids,
-                         b'],"meta_info":', json_bytes(out.native_meta()), b"}\n\n"))
+                         b'],"meta_info":', meta, b"}\n\n"))
+
+
+def _string_body(text: str) -> bytes:
+    """`text` as the inside of a JSON string (what `json_bytes(text)` puts between quotes)."""
+    try:
+        return orjson.dumps(text)[1:-1]
+    except orjson.JSONEncodeError:  # a lone surrogate: json_bytes escapes it
+        return json_bytes(text)[1:-1]

@@ -5,9 +5,10 @@ A streamed request's outputs arrive from the detokenizer once per step (or per
 response coroutine per request per step (through an output queue, two async generators and
 Starlette's StreamingResponse), each output is turned into its SSE bytes where it is delivered
 (`SSEStream.push`, called synchronously by the TokenizerManager) and one `StreamHub` task
-writes the step's chunks of every stream with the ASGI server's own `send`. Each response
-coroutine only waits for its stream's end or its client's disconnect (which aborts the
-request and frees its KV). Loop thread only.
+writes the step's chunks of every stream with the ASGI server's own `send`, or, for streams
+on uvicorn's HTTP/1.1 protocol, hands them to the `StreamWriter` thread, which sends them with
+the GIL released. Each response coroutine only waits for its stream's end or its client's
+disconnect (which aborts the request and frees its KV). Loop thread only.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pyserve.engine.tokenizer_manager import failure_of
 from pyserve.io_struct import GenerateOutput
 from pyserve.server.errors import exception_response
 from pyserve.server.sse import DONE_EVENT, RAW_SEND_KEY, error_event
+from pyserve.server.stream_writer import DirectState, StreamWriter
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,7 @@ class SSEStream:
         self.failed = False  # a write failed: the client is gone
         self.slow: asyncio.Future | None = None  # a write still under way (slow reader)
         self.backlog: list[tuple[bytes, bool]] = []  # chunks waiting behind it
+        self.direct: DirectState | None = None  # set while the StreamWriter writes it
 
     def fail(self, exc: BaseException) -> None:
         logger.debug("stream write failed: %s", exc)
@@ -53,6 +56,18 @@ class SSEStream:
 
     def push(self, out: GenerateOutput) -> None:
         """The TokenizerManager's sink for this request: called on the loop with each output."""
+        if out.finish_reason is None and self.send is not None and not self.closed:
+            # a running stream's chunk (what `_event` and `_write` come to, without their checks)
+            try:
+                data = self.encode(out)
+            except Exception as exc:  # a pyserve bug: say so in the stream, keep the server sane
+                self._write(error_event(exc) + DONE_EVENT, final=True)
+                return
+            if self.direct is not None:
+                self.hub.writer.write(self, data, False)  # type: ignore[union-attr]
+            else:
+                self.hub.write(self, data, False)
+            return
         try:
             data = self._event(out)
         except Exception as exc:  # a pyserve bug: say so in the stream, keep the server sane
@@ -94,17 +109,44 @@ class StreamHub:
 
     A write that cannot finish at once (the client reads slowly: the ASGI server waits for its
     socket to drain) must not hold up the other streams: that stream's write goes on in a
-    task of its own, and its later chunks queue behind it (`SSEStream.backlog`)."""
+    task of its own, and its later chunks queue behind it (`SSEStream.backlog`). Streams the
+    `StreamWriter` took (`attach`) are handed to its thread instead, once per step
+    (`direct_writes=False`: never)."""
 
-    def __init__(self) -> None:
+    def __init__(self, direct_writes: bool = True) -> None:
         self._items: list[tuple[SSEStream, bytes, bool]] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self.writer = StreamWriter(self) if direct_writes else None
+
+    def attach(self, stream: SSEStream, send: Any) -> None:
+        """`stream`'s response started: write it with `send` (the ASGI server's), or through
+        the StreamWriter when it can take it."""
+        stream.send = send
+        if self.writer is not None:
+            self.writer.attach(stream, send)
+
+    def release(self, stream: SSEStream) -> None:
+        """`stream`'s response ended: let go of what the StreamWriter holds for it."""
+        if self.writer is not None:
+            self.writer.release(stream)
 
     def write(self, stream: SSEStream, data: bytes, final: bool) -> None:
-        self._items.append((stream, data, final))
+        items = self._items
+        items.append((stream, data, final))
         if final:
             stream.closed = True
+        if len(items) == 1:  # the first since the task took the last ones: wake it
+            if self._task is None:
+                self._task = asyncio.ensure_future(self._run())
+            self._wake.set()
+
+    def write_first(self, stream: SSEStream, chunks: list[tuple[bytes, bool]]) -> None:
+        """Queue `stream`'s (data, final) chunks ahead of everything the hub holds (chunks
+        produced before those: the StreamWriter hands back a stream that left it)."""
+        if not chunks:
+            return
+        self._items[:0] = [(stream, data, final) for data, final in chunks]
         if self._task is None:
             self._task = asyncio.ensure_future(self._run())
         self._wake.set()
@@ -113,8 +155,12 @@ class StreamHub:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            items, self._items = self._items, []
+            items, self._items = self._items, []  # (with the clear above: nothing awaited between)
+            direct_write = self.writer.write if self.writer is not None else None
             for stream, data, final in items:
+                if stream.direct is not None:
+                    direct_write(stream, data, final)  # type: ignore[misc]
+                    continue
                 if stream.slow is not None:  # a write of this stream is still under way
                     stream.backlog.append((data, final))
                     continue
@@ -151,6 +197,8 @@ class StreamHub:
     def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
+        if self.writer is not None:
+            self.writer.close()
 
 
 def _start(coro: Any) -> tuple[Any, Any] | None:
@@ -218,7 +266,7 @@ class HubSSEResponse:
             for data in stream.buffered:
                 await raw({"type": "http.response.body", "body": data, "more_body": True})
             stream.buffered = []
-            stream.send = raw
+            self.hub.attach(stream, raw)
             if stream.done.done():  # everything came before the start
                 finished = True
             else:
@@ -228,6 +276,7 @@ class HubSSEResponse:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             watcher.cancel()
+            self.hub.release(stream)
             if not finished:
                 stream.closed = True
                 self.abort()

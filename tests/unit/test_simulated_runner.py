@@ -61,7 +61,9 @@ def test_bench_host_small_run(tmp_path, stories_path):
         assert r["device_steps"] >= 8
         assert 0.0 < r["device_busy_fraction"] <= 1.0
         assert r["loop_cpu_us_per_token"] > 0 and r["output_tok_s"] > 0
-    assert "loop us/tok" in proc.stdout
+        # streamed chunks are sent by the stream writer thread; whole responses never use it
+        assert (r["writer_cpu_us_per_token"] > 0) if r["stream"] else (r["writer_cpu_us_per_token"] == 0.0)
+    assert "loop us/tok" in proc.stdout and "writer us/tok" in proc.stdout
 
 
 def test_bench_host_bad_flags_exit_2(capsys):

@@ -2,11 +2,13 @@
 //!
 //! Wrappers only: convert arrays in and out, release the GIL around the work, map core errors
 //! to the exception hierarchy in `errors.rs`. All logic and its tests live in `rust/core`.
-//! Only the scheduler (loop) thread may call into these objects (DESIGN.md section 1).
+//! Only the scheduler (loop) thread may call into these objects (DESIGN.md section 1);
+//! `send_each` is a free function for the SSE stream writer's thread.
 
 mod convert;
 mod errors;
 mod kv_cache;
+mod socket_send;
 
 use pyo3::prelude::*;
 
@@ -14,6 +16,7 @@ use pyo3::prelude::*;
 fn _rs(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<kv_cache::KVCache>()?;
     m.add_class::<kv_cache::BatchArrays>()?;
+    m.add_function(wrap_pyfunction!(socket_send::send_each, m)?)?;
     errors::register(m)?;
     Ok(())
 }
