@@ -83,12 +83,15 @@ class StreamWriter:
         cycle = getattr(send, "__self__", None)
         transport = getattr(cycle, "transport", None)
         flow = getattr(cycle, "flow", None)
+        scope = getattr(cycle, "scope", None)
         if (self._closed or getattr(cycle, "chunked_encoding", None) is not True or transport is None
                 or flow is None or getattr(flow, "write_paused", True) or getattr(cycle, "disconnected", True)
-                or getattr(cycle, "response_complete", True)):
-            return False
+                or getattr(cycle, "response_complete", True)
+                or not isinstance(scope, dict) or scope.get("scheme") != "http"):
+            return False  # (https: the socket carries TLS records, never plain bytes)
         try:
-            if transport.is_closing() or transport.get_write_buffer_size():
+            if (transport.is_closing() or transport.get_write_buffer_size()
+                    or transport.get_extra_info("sslcontext") is not None):
                 return False
             fd = os.dup(transport.get_extra_info("socket").fileno())
         except (AttributeError, OSError, RuntimeError):
@@ -132,6 +135,9 @@ class StreamWriter:
         if not self._batch:
             return
         batch, self._batch = self._batch, []
+        if self._closed:  # shutting down: the thread may be gone; send from here
+            self._sent(batch, self._send(batch))
+            return
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
             self._thread.start()
@@ -149,7 +155,8 @@ class StreamWriter:
             self._detach(stream, state)
 
     def close(self) -> None:
-        """Stop the thread once it has sent what it was given."""
+        """Stop the thread once it has sent what it was given; chunks of streams still
+        attached are sent from the loop from now on (at shutdown)."""
         self._closed = True
         if self._thread is not None:
             self._jobs.put(None)
@@ -168,17 +175,21 @@ class StreamWriter:
             batch = self._jobs.get()
             if batch is None:
                 return
-            try:
-                results = send_each([fd for _, fd, _ in batch], [chunk for _, _, chunk in batch])
-            except Exception:  # a pyserve bug: those streams fail, the thread goes on
-                logger.exception("sending a step's stream chunks")
-                results = [-errno.EIO] * len(batch)
+            results = self._send(batch)
             loop = self._loop
             try:
                 assert loop is not None
                 loop.call_soon_threadsafe(self._sent, batch, results)
             except RuntimeError:  # the loop is closed: the server is gone
                 return
+
+    @staticmethod
+    def _send(batch: list[tuple["SSEStream", int, bytes]]) -> list[int]:
+        try:
+            return send_each([fd for _, fd, _ in batch], [chunk for _, _, chunk in batch])
+        except BaseException:  # a pyserve bug (a Rust panic included): those streams fail, the rest go on
+            logger.exception("sending a step's stream chunks")
+            return [-errno.EIO] * len(batch)
 
     def _sent(self, batch: list[tuple["SSEStream", int, bytes]], results: list[int]) -> None:
         """On the loop: each stream's chunk was sent (all, part, or failed)."""

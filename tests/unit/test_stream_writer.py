@@ -1,12 +1,16 @@
 """The StreamWriter on a real uvicorn server (httptools, uvloop) and real sockets: streams it
 writes are byte for byte what the ASGI path writes; a reader too slow for the socket buffer
 still gets every byte in order (the stream goes back to the ASGI send); a client that leaves
-mid-stream aborts its request; every duplicated fd is closed."""
+mid-stream aborts its request; a TLS connection is never written to directly; streams still
+going when the writer closes (shutdown) finish from the loop; every duplicated fd is closed."""
 
 from __future__ import annotations
 
 import asyncio
+import shutil
 import socket
+import ssl
+import subprocess
 import threading
 import time
 
@@ -18,7 +22,7 @@ from pyserve.forward_batch_info import FinishReason
 from pyserve.io_struct import GenerateOutput
 from pyserve.server.http1 import HTTP1Protocol
 from pyserve.server.sse import DONE_EVENT
-from pyserve.server.stream_hub import HubSSEResponse, StreamHub
+from pyserve.server.stream_hub import HubSSEResponse, SSEStream, StreamHub
 
 
 def event(k: int, size: int) -> bytes:
@@ -29,15 +33,17 @@ class StreamServer:
     """uvicorn serving GET /?n=N&size=S: a stream of N outputs of S bytes each through one
     StreamHub, produced as fast as the loop runs (the last one finished)."""
 
-    def __init__(self, direct_writes: bool) -> None:
+    def __init__(self, direct_writes: bool, **tls: str) -> None:
         self.aborted = threading.Event()
         self.hub: StreamHub | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.direct_writes = direct_writes
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, loop="uvloop",
-                                http=HTTP1Protocol, log_level="warning", lifespan="off", interface="asgi3")
+                                http=HTTP1Protocol, log_level="warning", lifespan="off", interface="asgi3",
+                                **tls)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -45,13 +51,14 @@ class StreamServer:
         while not self.server.started:
             assert time.monotonic() < deadline and self.thread.is_alive()
             time.sleep(0.01)
-        self.url = f"http://127.0.0.1:{self.port}/"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}/"
 
     async def app(self, scope, receive, send) -> None:
         if self.hub is None:
             self.hub = StreamHub(direct_writes=self.direct_writes)
+            self.loop = asyncio.get_running_loop()
         query = dict(p.split("=") for p in scope["query_string"].decode().split("&"))
-        n, size = int(query["n"]), int(query["size"])
+        n, size, pause = int(query["n"]), int(query["size"]), float(query.get("pause", 0))
         count = iter(range(n))
 
         def encode(out: GenerateOutput) -> bytes:
@@ -63,7 +70,7 @@ class StreamServer:
                     sink(GenerateOutput(rid="r", text="", text_delta="", output_ids=[], ids_delta=[],
                                         prompt_tokens=0, cached_tokens=0,
                                         finish_reason=FinishReason.length_limit(n) if k == n - 1 else None))
-                    await asyncio.sleep(0)
+                    await asyncio.sleep(pause)
             asyncio.ensure_future(produce())
 
         await HubSSEResponse(self.hub, encode, start, self.aborted.set)(scope, receive, send)
@@ -135,3 +142,98 @@ def test_a_client_that_leaves_mid_stream_aborts_its_request(server):
     wait_for(lambda: fds_closed(server))
     if server.direct_writes:
         assert server.hub.writer.chunks_sent > 0  # it was written directly until the client left
+
+
+def test_a_tls_connection_is_never_written_directly(tmp_path):
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a certificate")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+                    "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1"], check=True, capture_output=True)
+    srv = StreamServer(direct_writes=True, ssl_keyfile=str(key), ssl_certfile=str(cert))
+    try:
+        with httpx.Client(verify=False, timeout=30) as client:
+            for n, size in ((5, 10), (200, 1000)):
+                assert client.get(srv.url + f"?n={n}&size={size}").content == expected(n, size)
+        assert srv.hub.writer.chunks_sent == 0 and srv.hub.writer.open_fds == 0
+    finally:
+        srv.stop()
+
+
+def test_attach_refuses_what_it_cannot_write_plainly():
+    """Only uvicorn's httptools cycle on a plain-HTTP connection with nothing queued is taken."""
+
+    class Flow:
+        write_paused = False
+
+    class Transport:
+        def __init__(self, sock, ssl_context=None, buffered=0):
+            self.sock, self.ssl_context, self.buffered = sock, ssl_context, buffered
+
+        def is_closing(self):
+            return False
+
+        def get_write_buffer_size(self):
+            return self.buffered
+
+        def get_extra_info(self, name):
+            return {"socket": self.sock, "sslcontext": self.ssl_context}[name]
+
+    class Cycle:
+        def __init__(self, transport, scheme="http", **attrs):
+            self.transport, self.flow, self.scope = transport, Flow(), {"scheme": scheme}
+            self.chunked_encoding, self.disconnected, self.response_complete = True, False, False
+            self.__dict__.update(attrs)
+
+        async def send(self, message):
+            pass
+
+    async def body():
+        a, b = socket.socketpair()
+        hub = StreamHub()
+        writer = hub.writer
+        cases = {
+            "https scheme": Cycle(Transport(a), scheme="https"),
+            "TLS transport": Cycle(Transport(a, ssl_context=ssl.create_default_context())),
+            "bytes queued": Cycle(Transport(a, buffered=10)),
+            "not chunked": Cycle(Transport(a), chunked_encoding=None),
+            "paused": Cycle(Transport(a), flow=type("F", (), {"write_paused": True})()),
+            "client gone": Cycle(Transport(a), disconnected=True),
+        }
+        for name, cycle in cases.items():
+            stream = SSEStream(hub, bytes)
+            assert not writer.attach(stream, cycle.send) and stream.direct is None, name
+        assert not writer.attach(SSEStream(hub, bytes), FakeSendFn)  # not uvicorn's at all
+        stream = SSEStream(hub, bytes)
+        assert writer.attach(stream, Cycle(Transport(a)).send) and writer.open_fds == 1
+        writer.release(stream)
+        assert stream.direct is None and writer.open_fds == 0
+        hub.close()
+        a.close()
+        b.close()
+
+    asyncio.run(body())
+
+
+async def FakeSendFn(message):  # noqa: N802 - an ASGI send that is a plain function
+    pass
+
+
+def test_streams_still_going_at_close_finish_from_the_loop():
+    srv = StreamServer(direct_writes=True)
+    try:
+        n, size = 400, 200
+        with httpx.Client(timeout=30) as client, client.stream("GET", srv.url + f"?n={n}&size={size}&pause=0.002") as r:
+            got, parts = b"", r.iter_raw()
+            for part in parts:
+                got += part
+                if len(got) > 20 * size and srv.hub.writer._thread is not None:
+                    break
+            srv.loop.call_soon_threadsafe(srv.hub.close)  # (what the app's lifespan end does)
+            got += b"".join(parts)
+        assert got == expected(n, size)
+        writer = srv.hub.writer
+        wait_for(lambda: not writer._thread.is_alive())
+        assert writer.open_fds == 0 and not srv.aborted.is_set()
+    finally:
+        srv.stop()
