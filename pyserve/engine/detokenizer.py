@@ -215,8 +215,9 @@ class Detokenizer:
         backend = self._stream_backend
         rest: list[DecodeState] = []
         rest_flush: list[bool] = []
+        stream_step = self._stream_step
         for state, last in zip(states, flush):
-            if last or backend is None or not self._stream_step(backend, state):
+            if last or backend is None or not stream_step(backend, state):
                 rest.append(state)
                 rest_flush.append(last)
         if not rest:
@@ -321,10 +322,9 @@ class Detokenizer:
         ids_delta = ids[state.sent_ids:]
         state.sent_len = len(text)
         state.sent_ids = num_ids
-        self.deliver(GenerateOutput(
-            rid=out.rid, text=text, text_delta=delta, output_ids=IdsPrefix(ids, num_ids),
-            ids_delta=ids_delta, prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
-        ))
+        # (positional: rid, text, text_delta, output_ids, ids_delta, prompt_tokens, cached_tokens)
+        self.deliver(GenerateOutput(out.rid, text, delta, IdsPrefix(ids, num_ids), ids_delta,
+                                    out.prompt_tokens, out.cached_tokens))
 
     def token_text(self, token_id: int) -> str:
         """The text one token adds after other text (as in logprob entries), so that the

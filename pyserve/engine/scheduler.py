@@ -421,7 +421,12 @@ class Scheduler(Retraction):
                 self._to_release.append(req)
             elif req.quiet:
                 continue  # its tokens go to the detokenizer once, when it ends
-            out = self._out(req)
+            start = req.num_emitted
+            if start == len(output_ids) - 1:  # the usual step: this one token (`_out`, inline)
+                req.num_emitted = start + 1
+                out = TokenOut(req.rid, [token], req.finish_reason, len(req.origin_input_ids), req.cached_tokens)
+            else:
+                out = self._out(req)
             if with_logprobs:
                 if result.output_logprobs is not None:
                     out.output_logprobs = result.output_logprobs[i]
