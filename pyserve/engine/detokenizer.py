@@ -187,7 +187,7 @@ class Detokenizer:
         stream_chunk, finish_chunk = self._stream_chunk, self._finish_chunk
         for out, state in todo:
             if out.finish_reason is None and not state.stop_strs and state.logprob is None:
-                stream_chunk(out, state)  # (what `_finish_chunk` comes to)
+                stream_chunk(out, state)  # a running step: no stop strings, no logprobs
             else:
                 finish_chunk(out, state)
 
@@ -270,9 +270,8 @@ class Detokenizer:
         return True
 
     def _finish_chunk(self, out: TokenOut, state: DecodeState) -> None:
-        if out.finish_reason is None and not state.stop_strs and state.logprob is None:
-            self._stream_chunk(out, state)
-            return
+        """Stop strings, logprobs and the last output of a request (`handle_batch` gives the
+        plain running steps to `_stream_chunk`)."""
         finished = out.finish_reason is not None
         if not finished and self._match_stop(state):
             self.finish(out.rid, state.finish_reason)  # type: ignore[arg-type]

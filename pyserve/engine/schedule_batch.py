@@ -140,7 +140,9 @@ class Req:
         return (self.fill_ids() + self.dropped_ids)[:kv_len]
 
     def check_finished(self) -> None:
-        """Set finish_reason after a new token was appended (EOS/stop ids, then length)."""
+        """Set finish_reason after a new token was appended (EOS/stop ids, then length). The
+        scheduler's result loop calls it only when the token is a stop id or the length is
+        reached: a new finish condition here must be added to that check too."""
         if self.finished or not self.output_ids:
             return
         last = self.output_ids[-1]

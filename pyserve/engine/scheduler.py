@@ -416,17 +416,12 @@ class Scheduler(Retraction):
             output_ids.append(token)
             generated += 1
             if token in req.stop_token_ids or len(output_ids) >= req.max_new_tokens:
-                req.check_finished()  # (only these two can end it)
+                req.check_finished()  # (only these two can end it: see its docstring)
             if req.finish_reason is not None:
                 self._to_release.append(req)
             elif req.quiet:
                 continue  # its tokens go to the detokenizer once, when it ends
-            start = req.num_emitted
-            if start == len(output_ids) - 1:  # the usual step: this one token (`_out`, inline)
-                req.num_emitted = start + 1
-                out = TokenOut(req.rid, [token], req.finish_reason, len(req.origin_input_ids), req.cached_tokens)
-            else:
-                out = self._out(req)
+            out = self._out(req)
             if with_logprobs:
                 if result.output_logprobs is not None:
                     out.output_logprobs = result.output_logprobs[i]

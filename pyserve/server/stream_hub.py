@@ -137,16 +137,16 @@ class StreamHub:
         if final:
             stream.closed = True
         if len(items) == 1:  # the first since the task took the last ones: wake it
-            if self._task is None:
-                self._task = asyncio.ensure_future(self._run())
-            self._wake.set()
+            self._wake_task()
 
     def write_first(self, stream: SSEStream, chunks: list[tuple[bytes, bool]]) -> None:
         """Queue `stream`'s (data, final) chunks ahead of everything the hub holds (chunks
         produced before those: the StreamWriter hands back a stream that left it)."""
-        if not chunks:
-            return
-        self._items[:0] = [(stream, data, final) for data, final in chunks]
+        if chunks:
+            self._items[:0] = [(stream, data, final) for data, final in chunks]
+            self._wake_task()
+
+    def _wake_task(self) -> None:
         if self._task is None:
             self._task = asyncio.ensure_future(self._run())
         self._wake.set()

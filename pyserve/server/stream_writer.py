@@ -109,12 +109,6 @@ class StreamWriter:
             if data:
                 state.pending.append(data)
             state.pending_final = state.pending_final or final
-        elif data and not final:  # the common chunk (`_queue`, inline)
-            state.busy = True
-            batch = self._batch
-            batch.append((stream, state.fd, b"%x\r\n%s\r\n" % (len(data), data)))
-            if len(batch) == 1:
-                self._loop.call_soon(self.flush)  # type: ignore[union-attr]
         else:
             self._queue(stream, state, data, final)
 
@@ -125,8 +119,9 @@ class StreamWriter:
                 stream._finish()
             return
         state.busy, state.busy_final = True, final
-        self._batch.append((stream, state.fd, http_chunk(data)))
-        if len(self._batch) == 1:
+        batch = self._batch
+        batch.append((stream, state.fd, http_chunk(data)))
+        if len(batch) == 1:  # the step's first: flush once the step's outputs are all in
             self._loop.call_soon(self.flush)  # type: ignore[union-attr]
 
     def flush(self) -> None:
