@@ -184,6 +184,53 @@ def test_a_step_result_launches_the_next_step_in_its_own_callback():
     run(body())
 
 
+def test_a_prefill_goes_third_behind_two_decodes_and_its_decode_follows_at_once():
+    """With overlap, a request arriving while two decode steps are in flight is prefilled at
+    once as a third step (it is in no other step); once the older decode is processed, the
+    decode after that prefill is planned without waiting for the prefill's results. A
+    request that stops meanwhile is still only one step late: one token dropped, released
+    once."""
+    async def body():
+        h = Harness()
+        h.sched.add_request(treq("a", [1, 2, 3], max_new_tokens=10, stop={99}))
+        await h.start()
+        await h.step([10])  # the extend: decodes 1 and 2 of a are in flight
+        assert [p.forward_mode for p in h.worker.plans] == [ForwardMode.EXTEND, ForwardMode.DECODE,
+                                                             ForwardMode.DECODE]
+        a_row = h.worker.plans[0].req_pool_indices.tolist()
+        h.sched.add_request(treq("b", [4, 5], max_new_tokens=3))
+        await settle()
+        assert len(h.worker.pending) == 3  # b's prefill, third behind the two decodes
+        pre = h.worker.plans[3]
+        b_row = pre.req_pool_indices.tolist()
+        assert pre.forward_mode is ForwardMode.EXTEND and pre.num_decode_rows == 0
+        assert pre.input_ids.tolist() == [4, 5] and pre.positions.tolist() == [0, 1]
+        assert [r.req_pool_idx for r in pre.new_sampling_rows] == b_row and b_row != a_row
+        await h.step([99])  # decode 1: a stops (it is in decode 2 already)
+        assert h.outs_of("a")[-1].finish_reason == FinishReason.stop(99)
+        # decode 2 and b's prefill in flight: the prefill holds no running request, so b's
+        # first decode is planned now (a, finished, is not in it)
+        assert len(h.worker.plans) == 5 and len(h.worker.pending) == 3
+        dec = h.worker.plans[4]
+        assert dec.forward_mode is ForwardMode.DECODE and dec.req_pool_indices.tolist() == b_row
+        assert dec.positions.tolist() == [2]
+        await h.step([7])  # decode 2: a's extra token, dropped; a is released now
+        assert [o.ids_delta for o in h.outs_of("a")] == [[10], [99]]
+        assert h.kv.num_reqs() == 1
+        await h.step([20])  # b's prefill
+        await h.step([21])  # b's first decode: its input came from the token table
+        assert h.worker.inputs == [[1, 2, 3], [10], [99], [4, 5], [20]]
+        while h.worker.pending:
+            await h.step([22])
+        assert [o.ids_delta for o in h.outs_of("b")] == [[20], [21], [22]]
+        assert h.outs_of("b")[-1].finish_reason == FinishReason.length_limit(3)
+        await settle()
+        h.assert_no_leak()
+        await h.stop()
+
+    run(body())
+
+
 def test_stats_are_refreshed_while_idle_after_a_burst():
     """Steps drive themselves, so the pipeline empties with the task asleep: it must still
     wake for the stats line (last_gen_throughput falls to 0 once nothing is generated)."""
@@ -346,12 +393,16 @@ def test_pool_full_with_a_step_in_flight_drains_then_retracts_without_waiting():
         await h.step([12, 22])  # the drain: decode 2 processed, then at once: full again with
         # nothing in flight, so by SGLang's rule a (as many outputs as b, the longer prompt) is
         # retracted and b goes on, with no new request or wake-up needed
-        assert len(calls) == 3 and calls[2] == [h.sched.reqs["b"].req_id]
+        a_id, b_id = h.sched.reqs["a"].req_id, h.sched.reqs["b"].req_id
+        assert calls[2] == [b_id]
+        # a's re-prefill was planned behind b's decode; being a prefill of a request in no
+        # other step, the decode after it (b, then a) is planned at once, a third step
+        assert len(calls) == 4 and calls[3] == [b_id, a_id] and len(h.worker.pending) == 3
         assert [r.rid for r in h.sched.waiting] == [] and h.sched.reqs["a"].num_retractions == 1
         assert h.sched.reqs["b"].num_retractions == 0
         # SGLang's new estimate after a retraction: (b's 2 tokens + 20 steps) / its 6, at most
-        # 1; then the decode step planned right after it decayed it once
-        assert h.sched.new_token_ratio == pytest.approx(1.0 - (0.7 - 0.098) / 600)
+        # 1; then the two decode steps planned right after it decayed it twice
+        assert h.sched.new_token_ratio == pytest.approx(1.0 - 2 * (0.7 - 0.098) / 600)
         # a's computed tokens were cached: it resumes by prefilling only its last token
         resume = h.worker.plans[-2] if h.worker.plans[-1].forward_mode.name == "DECODE" else h.worker.plans[-1]
         assert resume.forward_mode.name == "EXTEND" and resume.extend_lens.tolist() == [1]
@@ -395,7 +446,9 @@ def test_new_token_ratio_decays_and_decides_admission():
 
     modes, ratio, init = asyncio.run(body(1.0))
     assert modes == ["EXTEND", "EXTEND"] and init == 0.7
-    assert ratio == 0.7  # no decode planned yet
+    # the two prefills hold no running request, so the decode step of a and b after them is
+    # planned at once (a third step in flight): one decay
+    assert ratio == pytest.approx(0.7 - (0.7 - 0.098) / 600)
     modes, ratio, init = asyncio.run(body(10.0))
     assert modes == ["EXTEND", "DECODE"] and init == 1.0
     assert ratio == pytest.approx(1.0 - (1.0 - 0.14) / 600)  # one decode step planned
