@@ -60,6 +60,9 @@ class ServerArgs:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
     cuda_graph_bs: list[int] | None = None
+    # the garbage collector's thresholds while the engine runs (gc.set_threshold; None: as
+    # the process has them); see docs/architecture.md, "Garbage collection"
+    gc_threshold: tuple[int, ...] | None = (50000, 10, 10)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -117,6 +120,13 @@ class ServerArgs:
             raise bad("cuda_graph_max_bs", f"got {self.cuda_graph_max_bs}; must be >= 1")
         if self.cuda_graph_bs is not None and (not self.cuda_graph_bs or min(self.cuda_graph_bs) <= 0):
             raise bad("cuda_graph_bs", f"got {self.cuda_graph_bs}; must be batch sizes >= 1")
+        if self.gc_threshold is not None:
+            values = list(self.gc_threshold)
+            if not 1 <= len(values) <= 3 or any(not isinstance(v, int) or isinstance(v, bool) or v < 0
+                                                 for v in values):
+                raise bad("gc_threshold", f"got {self.gc_threshold}; must be 1 to 3 integers >= 0 "
+                          "(gc.set_threshold's; 0 first turns automatic collection off)")
+            self.gc_threshold = tuple(values)
 
     def resolved_chunked_prefill_size(self, device_memory_bytes: int | None) -> int | None:
         """The chunk size in tokens, or None when chunked prefill is off (-1). The default
@@ -216,6 +226,10 @@ class ServerArgs:
                "then multiples of 8)")
         a("--cuda-graph-bs", type=int, nargs="+", default=None,
           help="exactly these decode batch sizes are captured")
+        a("--gc-threshold", type=int, nargs="+", default=list(d["gc_threshold"].default), metavar="N",
+          help="the garbage collector's thresholds while serving (gc.set_threshold; default: "
+               "50000 10 10; Python's own are 700 10 10, whose many young-generation "
+               "collections cost the loop more CPU and longer stalls at hundreds of requests)")
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":
