@@ -15,11 +15,11 @@ are released once, after N+1 (`Req.num_inflight`). A length finish is known when
 it costs no extra step.
 
 A prefill (EXTEND) step of newly admitted requests holds no running request, so with overlap
-a third step may join the two in flight when it keeps every request in at most two
-unprocessed steps: a prefill of requests that arrived meanwhile (planned as they arrive), and
-the decode step right behind a prefill that is the newer of the two (planned without waiting
-for the older step's results). So a short prefill step does not leave the device waiting for
-the loop, and no request runs more than one step past its finish. Loop thread only.
+the decode step right behind a prefill that is the newer of two steps in flight is planned
+at once, a third in flight, without waiting for the older step's results: every request is
+still in at most two unprocessed steps (no request runs more than one step past its
+finish), and a short prefill step does not leave the device waiting for the loop. Loop
+thread only.
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ class Scheduler(Retraction):
         (`_step_done`, run by the worker's resolve callback), so a finished step never waits
         behind the loop's other ready callbacks before the device gets its next step."""
         while not self._stopping:
-            if not self.inflight or self.waiting:  # (arrivals may prefill behind the steps)
+            if not self.inflight:
                 self._pump()
             if self._failure is not None:
                 raise self._failure
@@ -217,16 +217,9 @@ class Scheduler(Retraction):
         while not self._stopping:
             self._release_finished()
             self._maybe_log_stats()
-            prefill_only = False
             if len(self.inflight) >= depth and not self._room_behind_prefill():
-                if len(self.inflight) != depth or not self.overlap:
-                    return
-                prefill_only = True  # a third step, if it is a prefill of new requests
-            batch = None if self._need_drain else self._get_next_batch(prefill_only)
-            if prefill_only:
-                if batch is not None:
-                    self._launch(batch)
                 return
+            batch = None if self._need_drain else self._get_next_batch()
             if batch is not None:
                 self._launch(batch)
                 continue
@@ -241,12 +234,11 @@ class Scheduler(Retraction):
             return
 
     def _room_behind_prefill(self) -> bool:
-        """With overlap, whether any third step may follow the two in flight: yes when the
-        newer is a prefill of requests in no other step (no decode rows, no chunk continued).
-        Then no request is in two unprocessed steps, so planning the next one now keeps the
+        """With overlap, whether a third step may follow the two in flight: yes when the newer
+        is a prefill of requests in no other step (no decode rows, no chunk continued). Then
+        no request is in two unprocessed steps yet, so planning the next one now keeps the
         one-step-late bound, and the device, done with the short prefill, need not wait for
-        the older step's results to be processed first. (Otherwise only a prefill of waiting
-        requests may go third: `_get_next_batch(prefill_only=True)`.) At most three in flight."""
+        the older step's results to be processed first. At most three in flight."""
         if not self.overlap or len(self.inflight) != 2:
             return False
         newer = self.inflight[-1].batch
@@ -296,31 +288,12 @@ class Scheduler(Retraction):
             return
         self._process_batch_result(batch, launched.future.result())
 
-    def _get_next_batch(self, prefill_only: bool = False) -> ScheduleBatch | None:
+    def _get_next_batch(self) -> ScheduleBatch | None:
         """The next step: a prefill (EXTEND) of admitted waiting requests if any fit (SGLang's
-        prefill-first order), else the running requests' DECODE step, or None. prefill_only:
-        a third step in flight (`_pump`): only a prefill of newly admitted requests, without
-        decode rows, a chunk continued or a preemption (each would put a request in two
-        unprocessed steps, or retract one under a step in flight), else None."""
+        prefill-first order), else the running requests' DECODE step, or None."""
         chunked = self.chunked_req
         if chunked is not None and chunked.finished:  # aborted mid-prefill: released as usual
             self.chunked_req = chunked = None
-        if prefill_only:
-            if chunked is not None or not self.waiting or len(self.running) >= self.max_running_requests:
-                return None
-            self._order_waiting()
-            adder = PrefillAdder(self.kv_cache, self.running, self.max_running_requests,
-                                 self.max_prefill_tokens, self.chunked_prefill_size, None,
-                                 self.new_token_ratio)
-            admitted = adder.admit_from(self.waiting)
-            if not admitted:
-                return None
-            self.chunked_req = adder.chunked_req
-            self._decode_turn = self.chunked_req is not None
-            batch = self._extend_batch(admitted)
-            if batch is not None:
-                self._share_prompts([r for r in admitted if id(r) in adder.leaders], batch.partial)
-            return batch
         if chunked is not None and self._decode_turn and self.running and not self.enable_mixed_chunk:
             # a long prompt being chunked must not stop the running streams: its chunks and
             # decode steps take turns

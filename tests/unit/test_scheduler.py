@@ -184,44 +184,44 @@ def test_a_step_result_launches_the_next_step_in_its_own_callback():
     run(body())
 
 
-def test_a_prefill_goes_third_behind_two_decodes_and_its_decode_follows_at_once():
-    """With overlap, a request arriving while two decode steps are in flight is prefilled at
-    once as a third step (it is in no other step); once the older decode is processed, the
-    decode after that prefill is planned without waiting for the prefill's results. A
-    request that stops meanwhile is still only one step late: one token dropped, released
-    once."""
+def test_the_decode_behind_a_prefill_is_planned_at_once_as_a_third_step():
+    """With overlap, once a prefill is the newer of two steps in flight, the decode step
+    after it is planned at once (it holds no request that is in two unprocessed steps), not
+    when the older step is processed. A request that stops meanwhile is still only one step
+    late: one token dropped, released once."""
     async def body():
         h = Harness()
         h.sched.add_request(treq("a", [1, 2, 3], max_new_tokens=10, stop={99}))
         await h.start()
-        await h.step([10])  # the extend: decodes 1 and 2 of a are in flight
-        assert [p.forward_mode for p in h.worker.plans] == [ForwardMode.EXTEND, ForwardMode.DECODE,
-                                                             ForwardMode.DECODE]
+        await h.step([10])  # a's prefill: its decodes 1 and 2 are in flight
         a_row = h.worker.plans[0].req_pool_indices.tolist()
         h.sched.add_request(treq("b", [4, 5], max_new_tokens=3))
         await settle()
-        assert len(h.worker.pending) == 3  # b's prefill, third behind the two decodes
-        pre = h.worker.plans[3]
+        assert len(h.worker.pending) == 2  # b waits for the next step boundary, as in SGLang
+        await h.step([11])  # decode 1: b's prefill is planned, and right behind it decode 3
+        assert [p.forward_mode for p in h.worker.plans] == [
+            ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.DECODE]
+        assert len(h.worker.pending) == 3
+        pre, dec = h.worker.plans[3], h.worker.plans[4]
         b_row = pre.req_pool_indices.tolist()
-        assert pre.forward_mode is ForwardMode.EXTEND and pre.num_decode_rows == 0
-        assert pre.input_ids.tolist() == [4, 5] and pre.positions.tolist() == [0, 1]
+        assert pre.input_ids.tolist() == [4, 5] and pre.positions.tolist() == [0, 1] and pre.num_decode_rows == 0
         assert [r.req_pool_idx for r in pre.new_sampling_rows] == b_row and b_row != a_row
-        await h.step([99])  # decode 1: a stops (it is in decode 2 already)
+        assert dec.req_pool_indices.tolist() == a_row + b_row and dec.positions.tolist() == [5, 2]
+        assert dec.seq_lens.tolist() == [6, 3]
+        await h.step([99])  # decode 2: a stops, but it is in decode 3 already
         assert h.outs_of("a")[-1].finish_reason == FinishReason.stop(99)
-        # decode 2 and b's prefill in flight: the prefill holds no running request, so b's
-        # first decode is planned now (a, finished, is not in it)
-        assert len(h.worker.plans) == 5 and len(h.worker.pending) == 3
-        dec = h.worker.plans[4]
-        assert dec.forward_mode is ForwardMode.DECODE and dec.req_pool_indices.tolist() == b_row
-        assert dec.positions.tolist() == [2]
-        await h.step([7])  # decode 2: a's extra token, dropped; a is released now
-        assert [o.ids_delta for o in h.outs_of("a")] == [[10], [99]]
+        assert len(h.worker.pending) == 2  # decode 3 is the newer step: no third step now
+        await h.step([20])  # b's prefill: decode 4 is planned, b alone
+        assert h.worker.plans[5].req_pool_indices.tolist() == b_row
+        assert h.worker.plans[5].positions.tolist() == [3]
+        assert h.kv.num_reqs() == 2  # a is still held: decode 3 writes its KV
+        await h.step([7, 21])  # decode 3: a's extra token is dropped; a is released once
         assert h.kv.num_reqs() == 1
-        await h.step([20])  # b's prefill
-        await h.step([21])  # b's first decode: its input came from the token table
-        assert h.worker.inputs == [[1, 2, 3], [10], [99], [4, 5], [20]]
+        assert [o.ids_delta for o in h.outs_of("a")] == [[10], [11], [99]]
         while h.worker.pending:
             await h.step([22])
+        # decode inputs came from the token table, in the worker's order of steps
+        assert h.worker.inputs == [[1, 2, 3], [10], [11], [4, 5], [99, 20], [21]]
         assert [o.ids_delta for o in h.outs_of("b")] == [[20], [21], [22]]
         assert h.outs_of("b")[-1].finish_reason == FinishReason.length_limit(3)
         await settle()
