@@ -14,6 +14,7 @@ token count. Turning that into token counts is pyserve.bench.serve's job, after 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
@@ -22,6 +23,8 @@ import aiohttp
 import orjson
 
 BACKENDS = ("pyserve", "openai", "openai-chat")
+# how long a stream's end (after its [DONE] event) is waited for before its connection is let go
+DRAIN_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -165,6 +168,7 @@ async def send_request(session: aiohttp.ClientSession, backend: str, base_url: s
     url, body = request_url_and_body(backend, base_url, spec)
     result = RawResult(start_s=time.perf_counter())
     state = _StreamState(backend, result)
+    done_at: float | None = None
     try:
         async with session.post(url, json=body, headers=headers) as resp:
             if resp.status != 200:
@@ -174,14 +178,19 @@ async def send_request(session: aiohttp.ClientSession, backend: str, base_url: s
             if not spec.stream:  # one whole response: it arrives as one chunk
                 state.add_whole(orjson.loads(await resp.read()), time.perf_counter())
                 return result
-            done = False
             async for data in _sse_data(resp.content):
                 if data == b"[DONE]":
-                    done = True
+                    done_at = time.perf_counter()
                     break
                 state.add(orjson.loads(data), time.perf_counter())
-            if not done:
+            if done_at is None:
                 result.error, result.error_detail = "stream_error", "stream ended without [DONE]"
+            else:
+                # read the body to its end (what follows [DONE]: the chunked terminator), so
+                # the connection goes back to the session's pool as a keep-alive client's
+                # does; left half-read, aiohttp closes it and the next request connects anew
+                with contextlib.suppress(asyncio.TimeoutError, aiohttp.ClientError):
+                    await asyncio.wait_for(resp.content.read(), DRAIN_TIMEOUT_S)
     except _StreamError as exc:
         result.error, result.error_detail = "stream_error", str(exc)[:300]
     except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
@@ -191,5 +200,5 @@ async def send_request(session: aiohttp.ClientSession, backend: str, base_url: s
     except aiohttp.ClientError as exc:
         result.error, result.error_detail = "connection", f"{type(exc).__name__}: {exc}"[:300]
     finally:
-        result.end_s = time.perf_counter()
+        result.end_s = done_at if done_at is not None else time.perf_counter()
     return result
