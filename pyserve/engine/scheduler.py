@@ -212,7 +212,8 @@ class Scheduler(Retraction):
 
     def _pump(self) -> None:
         """Launch steps until the pipeline is full (two in flight with overlap: the next is
-        planned while one runs; one without) or nothing can run yet. Loop thread."""
+        planned while one runs; a third behind a prefill, `_room_behind_prefill`; one
+        without) or nothing can run yet. Loop thread."""
         depth = 2 if self.overlap else 1
         while not self._stopping:
             self._release_finished()
