@@ -131,10 +131,7 @@ class PrefillAdder:
         self.max_running_requests = max_running_requests
         self.prefill_budget = max_prefill_tokens
         self.chunk_budget = chunk_size
-        # (reserved_tokens of each running request, inline: this runs per admission pass)
-        clip = CLIP_MAX_NEW_TOKENS
-        self.reserved = int(sum(min(r.max_new_tokens - len(r.output_ids), clip)
-                                for r in running if r.finish_reason is None) * new_token_ratio)
+        self.reserved = int(sum(reserved_tokens(r) for r in running if not r.finished) * new_token_ratio)
         self.admitted: list[Req] = []
         self.chunked_req: Req | None = None
         self._heads: dict[bytes, Req] = {}  # prompt heads admitted this round

@@ -388,8 +388,8 @@ class Scheduler(Retraction):
                                     partial, decodes)
 
     def _decode_batch(self) -> ScheduleBatch | None:
-        while True:  # (Req.decodable, inline: once per request per step)
-            reqs = [r for r in self.running if r.finish_reason is None and r.num_planned < r.max_new_tokens]
+        while True:
+            reqs = [r for r in self.running if r.decodable]
             if not reqs:
                 return None
             arrays = self.kv_cache.prepare_decode([r.req_id for r in reqs])
