@@ -8,15 +8,28 @@ consumer receives, once per streamed chunk or once at the end.
 from __future__ import annotations
 
 import itertools
-import uuid
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, overload
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from pyserve.forward_batch_info import FinishReason
 from pyserve.sampling_params import SamplingParams
+
+# request ids made here: a random 64-bit process prefix and a counter, 32 hex digits as
+# uuid4().hex (unique in the process, and across processes with overwhelming odds), without
+# an os.urandom call per request: that syscall releases the GIL, and the loop thread then
+# waits to take it back from the worker or the stream writer
+_RID_PREFIX = os.urandom(8).hex()
+_rid_counter = itertools.count()
+
+
+def new_rid() -> str:
+    """A fresh request id: 32 lowercase hex digits. Any thread."""
+    return f"{_RID_PREFIX}{next(_rid_counter) & 0xFFFFFFFFFFFFFFFF:016x}"
 
 
 # SGLang request fields pyserve refuses unless left at their default, and the feature each names.
@@ -191,7 +204,7 @@ class GenerateReqInput(BaseModel):
                 input_ids=ids[i],
                 sampling_params=(sps[i] or SamplingParams()).model_copy(),
                 stream=self.stream,
-                rid=rids[i] or uuid.uuid4().hex,
+                rid=rids[i] or new_rid(),
                 logprob=logprob,
                 parent_rid=parent,
                 priority=self.priority,
@@ -226,7 +239,7 @@ class SingleReq:
     input_ids: list[int] | None
     sampling_params: SamplingParams
     stream: bool = False
-    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    rid: str = field(default_factory=new_rid)
     add_special_tokens: bool = True
     logprob: LogprobParams = field(default_factory=LogprobParams)
     # the rid this one was derived from (a batch's rid gives `{rid}-{i}`): aborting the
@@ -240,7 +253,7 @@ class TokenizedGenerateReq:
     """A request as the scheduler receives it."""
 
     rid: str
-    input_ids: list[int]
+    input_ids: np.ndarray  # [n] int32, made once where the prompt was tokenized or parsed
     sampling_params: SamplingParams
     stop_token_ids: frozenset[int]
     logprob: LogprobParams = field(default_factory=LogprobParams)

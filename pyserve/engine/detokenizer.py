@@ -14,7 +14,7 @@ chunks always concatenate to the final text.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from pyserve.engine.scheduler import TokenOut
 from pyserve.forward_batch_info import FinishKind, FinishReason, TokenLogprobs
@@ -144,12 +144,12 @@ class Detokenizer:
         self._stream_backend = stream_backend(tokenizer)
 
     def register(self, rid: str, stop_strs: list[str], skip_special_tokens: bool,
-                 logprob: LogprobParams | None = None, prompt_ids: list[int] | None = None,
+                 logprob: LogprobParams | None = None, prompt_ids: Sequence[int] | None = None,
                  no_stop_trim: bool = False, stream: bool = True, stream_interval: int = 1) -> None:
         """Start tracking `rid`. prompt_ids: the prompt (its last PROMPT_CONTEXT_TOKENS are
         the decoding context). no_stop_trim: keep a matched stop string or token in the text.
         stream: deliver chunks (every `stream_interval` tokens), else only the final output."""
-        tail = list((prompt_ids if prompt_ids is not None else [])[-PROMPT_CONTEXT_TOKENS:])
+        tail = [int(t) for t in (prompt_ids if prompt_ids is not None else [])[-PROMPT_CONTEXT_TOKENS:]]
         self.states[rid] = DecodeState(stop_strs, skip_special_tokens, logprob, tail, no_stop_trim,
                                        stream, stream_interval)
 

@@ -325,7 +325,7 @@ class EngineCore:
     async def _prompt_ids(self, req: SingleReq) -> list[int]:
         if req.input_ids is not None:
             return req.input_ids
-        return await self.tokenizer_manager.encode(req.text or "", req.add_special_tokens)
+        return (await self.tokenizer_manager.encode(req.text or "", req.add_special_tokens)).tolist()
 
     async def prompt_text(self, req: SingleReq) -> str:
         """The prompt as the tokenizer decodes its ids (special tokens skipped): what `echo`

@@ -30,7 +30,8 @@ class Req:
 
     rid: the client's request id (a string, unique among running requests); req_id: the Rust
     core's integer handle while admitted (None while waiting).
-    origin_input_ids: the prompt. output_ids: tokens generated so far (processed results).
+    origin_input_ids: the prompt, [n] int32 (made once, where it was tokenized; a list given
+        here is converted). output_ids: tokens generated so far (processed results).
     prefix_len: tokens with stored KV before its next extend step: the cached prefix reused at
         admission (whole pages), or, while its prompt is prefilled in chunks, what the
         chunks so far stored (the Rust core's count).
@@ -50,11 +51,11 @@ class Req:
         device without a host round trip), so a retracted request continues the same stream.
     """
 
-    def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams,
+    def __init__(self, rid: str, input_ids: np.ndarray | list[int], sampling_params: SamplingParams,
                  max_new_tokens: int, stop_token_ids: frozenset[int],
                  logprob: LogprobParams | None = None, generator_device: str = "cpu") -> None:
         self.rid = rid
-        self.origin_input_ids = input_ids
+        self.origin_input_ids = np.asarray(input_ids, dtype=np.int32)
         self.sampling_params = sampling_params
         self.max_new_tokens = max_new_tokens
         self.stop_token_ids = stop_token_ids
@@ -101,9 +102,12 @@ class Req:
     def remaining_new_tokens(self) -> int:
         return self.max_new_tokens - len(self.output_ids)
 
-    def fill_ids(self) -> list[int]:
-        """Prompt plus output so far: what a (re-)admitted request prefills."""
-        return list(self.origin_input_ids) + self.output_ids
+    def fill_ids(self) -> np.ndarray:
+        """[n] int32: prompt plus output so far, what a (re-)admitted request prefills (the
+        prompt array itself while there is no output: read only)."""
+        if not self.output_ids:
+            return self.origin_input_ids
+        return np.concatenate((self.origin_input_ids, np.asarray(self.output_ids, dtype=np.int32)))
 
     @property
     def wants_input_logprobs(self) -> bool:
@@ -117,7 +121,7 @@ class Req:
         is retracted)."""
         key = self._prefix_key
         if key is None or self._prefix_key_outputs != len(self.output_ids):
-            key = np.asarray(self.fill_ids()[:self.max_prefix_len()], dtype=np.int32)
+            key = self.fill_ids()[:self.max_prefix_len()]
             self._prefix_key, self._prefix_key_outputs = key, len(self.output_ids)
         return key
 
@@ -134,10 +138,14 @@ class Req:
             limit = min(limit, max(self.logprob.logprob_start_len - 1, 0))  # type: ignore[operator]
         return limit
 
-    def kv_token_ids(self, kv_len: int) -> list[int]:
-        """The `kv_len` tokens whose K/V is stored, in order (what the radix cache may keep):
-        the prompt, the outputs, then any sampled after the finish and fed to one more step."""
-        return (self.fill_ids() + self.dropped_ids)[:kv_len]
+    def kv_token_ids(self, kv_len: int) -> np.ndarray:
+        """[kv_len] int32: the tokens whose K/V is stored, in order (what the radix cache may
+        keep): the prompt, the outputs, then any sampled after the finish and fed to one more
+        step."""
+        ids = self.fill_ids()
+        if self.dropped_ids:
+            ids = np.concatenate((ids, np.asarray(self.dropped_ids, dtype=np.int32)))
+        return ids[:kv_len]
 
     def check_finished(self) -> None:
         """Set finish_reason after a new token was appended (EOS/stop ids, then length). The
@@ -156,7 +164,7 @@ class Req:
         sp = self.sampling_params
         seen = None
         if sp.repetition_penalty != 1.0:
-            seen = np.asarray(self.fill_ids(), dtype=np.int32)
+            seen = self.fill_ids()
         outputs = np.asarray(self.output_ids, dtype=np.int32) if sp.has_penalties and self.output_ids else None
         assert self.req_pool_idx is not None
         return SamplingRow(self.req_pool_idx, sp, self.stop_token_ids, seen_ids=seen,
@@ -179,7 +187,7 @@ class ScheduleBatch:
         return self.plan.forward_mode
 
     @classmethod
-    def extend(cls, reqs: list[Req], fill: list[list[int]], arrays: BatchArrays,
+    def extend(cls, reqs: list[Req], fill: list[np.ndarray], arrays: BatchArrays,
                released_rows: list[int], step_id: int, partial: Req | None = None,
                decodes: list[Req] | None = None) -> "ScheduleBatch":
         """An EXTEND step: `fill[i]` are request i's tokens up to the end of this step; those
@@ -187,7 +195,7 @@ class ScheduleBatch:
         not the last) starts its sampling row. `decodes`: running requests that decode one
         token each in the same step (a mixed chunk; rows after `reqs`, inputs on the worker)."""
         decodes = decodes or []
-        input_ids = np.fromiter((t for f, r in zip(fill, reqs) for t in f[r.prefix_len:]), dtype=np.int32)
+        input_ids = np.concatenate([f[r.prefix_len:] for f, r in zip(fill, reqs)], dtype=np.int32)
         for r, row in zip(reqs, arrays.req_pool_indices.tolist()):
             r.req_pool_idx = row
         prefills, reqs = reqs, reqs + decodes

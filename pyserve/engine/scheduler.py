@@ -347,7 +347,7 @@ class Scheduler(Retraction):
             if req is partial or req.req_id is None:
                 continue
             kv_len = self.kv_cache.kv_len(req.req_id)
-            stored = np.asarray(req.fill_ids()[:kv_len], dtype=np.int32)
+            stored = req.fill_ids()[:kv_len]
             if int(self.kv_cache.match_lens([stored])[0]) > req.prefix_len:
                 continue
             self.kv_cache.cache_unfinished_req(req.req_id, stored)
@@ -458,7 +458,7 @@ class Scheduler(Retraction):
         """Attach row i's prompt logprobs (once per request) to its TokenOut."""
         if result.input_logprobs is not None and result.input_logprobs[i] is not None:
             out.input_logprobs = result.input_logprobs[i]
-            out.input_logprob_ids = req.origin_input_ids[req.logprob.logprob_start_len:]
+            out.input_logprob_ids = req.origin_input_ids[req.logprob.logprob_start_len:].tolist()
             req.input_logprobs_done = True
 
     def _end(self, req: Req, reason: FinishReason) -> None:

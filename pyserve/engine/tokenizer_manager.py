@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Sequence
+
+import numpy as np
 
 from pyserve.engine.detokenizer import Detokenizer
 from pyserve.engine.scheduler import Scheduler
@@ -76,8 +78,8 @@ class TokenizerManager:
         self._plain_backend = _encodes_like_backend(tokenizer)
         self.detokenizer = Detokenizer(tokenizer, self._deliver, scheduler.finish_request)
 
-    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`. Texts of requests arriving together are encoded in one
+    async def encode(self, text: str, add_special_tokens: bool = True) -> np.ndarray:
+        """Token ids of `text`, [n] int32. Texts of requests arriving together are encoded in one
         batched call on the executor thread (the tokenizer's `encode_batch`, which runs in
         Rust with the GIL released), so a burst of requests neither holds the GIL against
         the loop and the worker nor pays the per-call overhead once per prompt. If the
@@ -89,29 +91,30 @@ class TokenizerManager:
             loop.call_soon(self._flush_encodes)
         return await future
 
-    def _encode_batch(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
-        """Executor thread: ids of `texts`. A transformers fast tokenizer that adds nothing
+    def _encode_batch(self, texts: list[str], add_special_tokens: bool) -> list[np.ndarray]:
+        """Executor thread: ids of `texts`, [n] int32 each (made here, off the loop). A transformers fast tokenizer that adds nothing
         to its backend's encoding goes straight to `tokenizers.Tokenizer.encode_batch` (its
         encode is that call, and the batch call holds the GIL only to hand back the ids);
         any other tokenizer through its own batched call."""
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is not None and self._plain_backend:
-            return [e.ids for e in backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
-        return self.tokenizer(texts, add_special_tokens=add_special_tokens,
-                              return_attention_mask=False)["input_ids"]
+            return [np.array(e.ids, dtype=np.int32)
+                    for e in backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
+        return [np.array(ids, dtype=np.int32) for ids in self.tokenizer(
+            texts, add_special_tokens=add_special_tokens, return_attention_mask=False)["input_ids"]]
 
     def _flush_encodes(self) -> None:
         pending, self._pending_encodes = self._pending_encodes, []
         loop = asyncio.get_running_loop()
 
-        def work() -> list[list[int] | BaseException]:
-            ids: list[list[int] | BaseException] = [[] for _ in pending]
+        def work() -> list[np.ndarray | BaseException]:
+            ids: list[np.ndarray | BaseException] = [np.zeros(0, dtype=np.int32) for _ in pending]
             for flag in (True, False):
                 picked = [k for k, (_, special, _) in enumerate(pending) if special is flag]
                 if not picked:
                     continue
                 try:
-                    rows: list[list[int] | BaseException] = list(
+                    rows: list[np.ndarray | BaseException] = list(
                         self._encode_batch([pending[k][0] for k in picked], flag))
                 except Exception:  # one bad text: encode them one by one
                     rows = []
@@ -140,15 +143,29 @@ class TokenizerManager:
 
         asyncio.ensure_future(loop.run_in_executor(self.executor, work)).add_done_callback(done)
 
+    def _checked_ids(self, input_ids: Sequence[int]) -> np.ndarray:
+        """Given token ids as [n] int32, made once. Raises InvalidRequestError for an id
+        outside the vocabulary."""
+        try:
+            ids = np.asarray(input_ids, dtype=np.int64)
+        except (OverflowError, TypeError, ValueError):  # an id beyond int64, or not a number
+            ids = None
+        if ids is None or ids.ndim != 1:
+            bad = [t for t in input_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+            raise InvalidRequestError(
+                f"input_ids contains {bad[0] if bad else input_ids!r}, outside the vocabulary "
+                f"[0, {self.vocab_size})", param="input_ids")
+        bad = ids[(ids < 0) | (ids >= self.vocab_size)][:1].tolist()
+        if bad:
+            raise InvalidRequestError(
+                f"input_ids contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})",
+                param="input_ids")
+        return ids.astype(np.int32)
+
     async def tokenize(self, req: SingleReq) -> TokenizedGenerateReq:
         """Token ids of the request, validated. Raises InvalidRequestError."""
         if req.input_ids is not None:
-            ids = list(req.input_ids)
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidRequestError(
-                    f"input_ids contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})",
-                    param="input_ids")
+            ids = self._checked_ids(req.input_ids)
         else:
             text = req.text or ""
             try:
@@ -158,7 +175,7 @@ class TokenizerManager:
                     f"the prompt is not valid Unicode (a lone surrogate at character {exc.start})",
                     param="prompt") from exc
             ids = await self.encode(text, req.add_special_tokens)
-        if not ids:
+        if len(ids) == 0:
             raise InvalidRequestError("the prompt is empty (no tokens)", param="prompt")
         if len(ids) >= self.context_len:
             raise InvalidRequestError(

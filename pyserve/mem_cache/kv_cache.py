@@ -113,7 +113,7 @@ class KVCache:
         and the request re-locks the cached prefix. Returns the new cached prefix length."""
         return self.core.cache_unfinished_req(req_id, np.asarray(token_ids, dtype=np.int32))
 
-    def cache_finished_req(self, req_id: int, token_ids: list[int]) -> bool:
+    def cache_finished_req(self, req_id: int, token_ids: list[int] | np.ndarray) -> bool:
         """Hand the request's stored KV (`token_ids`, exactly the tokens with stored KV) to
         the cache and release it. False if it was released already."""
         return self.core.cache_finished_req(req_id, np.asarray(token_ids, dtype=np.int32))

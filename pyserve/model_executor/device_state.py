@@ -11,10 +11,11 @@ attention backend asks (`ForwardBatch.ensure_kv_indices`). Worker thread only.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pyserve.device_copy import to_device
-from pyserve.forward_batch_info import ForwardBatch, ForwardMode, StepPlan, kv_indptr_of
+from pyserve.forward_batch_info import ForwardBatch, ForwardMode, StepPlan
 from pyserve.model_executor.sampling_rows import SamplingRows
 
 
@@ -34,43 +35,53 @@ class DeviceState:
 
     def forward_batch(self, plan: StepPlan) -> ForwardBatch:
         """Apply `plan` to the tables (row releases and starts, new slots) and return the
-        step's ForwardBatch. Raises ValueError when an EXTEND plan's arrays disagree."""
+        step's ForwardBatch. Raises ValueError when an EXTEND plan's arrays disagree.
+
+        The plan's integer arrays reach the device as one packed int64 copy (`_pack`): the
+        index arithmetic is done on the host in numpy, where the arrays already are, so the
+        device gets its inputs in one transfer and few calls (each torch call costs the worker
+        a GIL release and re-acquire; on CUDA each copy a pinned staging buffer)."""
         self.sampling.release_rows(plan.released_rows)
         self.sampling.set_rows(plan.new_sampling_rows)
-        rows = to_device(plan.req_pool_indices, torch.int64, self.device)
-        seq_lens = to_device(plan.seq_lens, torch.int64, self.device)
-        positions = to_device(plan.positions, torch.int64, self.device)
-        out_cache_loc = to_device(plan.out_cache_loc, torch.int64, self.device)
         batch_size = plan.batch_size
         extend = plan.forward_mode is ForwardMode.EXTEND
+        row_width = self.req_to_token.shape[1]
+        rows_np = plan.req_pool_indices.astype(np.int64)
+        if extend:
+            assert plan.input_ids is not None and plan.row_slots is not None
+            total = int(plan.row_slots.shape[0])
+            if total != int(plan.seq_lens.sum()):
+                raise ValueError("row_slots does not hold seq_lens slots")
+            indptr = np.zeros(batch_size + 1, dtype=np.int64)
+            np.cumsum(plan.seq_lens, out=indptr[1:])
+            # each row's entries, flat in req_to_token: row * width + column, column counted
+            # from the row's start in row_slots
+            flat = np.repeat(rows_np * row_width - indptr[:-1], plan.seq_lens) + np.arange(total)
+            parts = [rows_np, plan.seq_lens, plan.positions, plan.out_cache_loc, indptr,
+                     plan.prefix_lens, plan.extend_lens, plan.input_ids, flat]
+        else:
+            parts = [rows_np, plan.seq_lens, plan.positions, plan.out_cache_loc,
+                     rows_np * row_width + plan.positions]
+        views = _unpack(to_device(_pack(parts), torch.int64, self.device), parts)
+        rows, seq_lens, positions, out_cache_loc = views[:4]
         kv_indptr: torch.Tensor | None = None
         kv_indices: torch.Tensor | None = None
         if extend:
-            kv_indptr = kv_indptr_of(seq_lens)
-            assert plan.input_ids is not None and plan.row_slots is not None
-            if plan.row_slots.shape[0] != int(plan.seq_lens.sum()):
-                raise ValueError("row_slots does not hold seq_lens slots")
+            kv_indptr, prefix_lens, extend_lens, input_ids, flat_t = views[4:]
             kv_indices = to_device(plan.row_slots, torch.int32, self.device)
-            # row and column of every entry of the batch's rows, written in one scatter
-            total = int(plan.row_slots.shape[0])  # host: no device read for the output size
-            row_of = torch.repeat_interleave(rows, seq_lens, output_size=total)
-            col = torch.arange(total, device=rows.device) - torch.repeat_interleave(
-                kv_indptr[:-1], seq_lens, output_size=total)
-            self.req_to_token[row_of, col] = kv_indices
-            input_ids = to_device(plan.input_ids, torch.int64, self.device)
+            self.req_to_token.view(-1)[flat_t] = kv_indices
             if plan.num_decode_rows:  # a mixed chunk: the decoding rows' inputs are on the device
                 input_ids = torch.cat([input_ids, self.token_table[rows[batch_size - plan.num_decode_rows:]]])
-            max_extend_len = int(plan.extend_lens.max()) if plan.extend_lens is not None and batch_size else 0
+            max_extend_len = int(plan.extend_lens.max()) if batch_size else 0
         else:
-            max_extend_len = None
-            self.req_to_token[rows, positions] = out_cache_loc.to(torch.int32)
+            prefix_lens = extend_lens = max_extend_len = None
+            self.req_to_token.view(-1)[views[4]] = out_cache_loc.to(torch.int32)
             input_ids = self.token_table[rows]  # kv_indices: gathered if a backend asks
         return ForwardBatch(
             forward_mode=plan.forward_mode, batch_size=batch_size, input_ids=input_ids,
             positions=positions, out_cache_loc=out_cache_loc, seq_lens=seq_lens,
             kv_indptr=kv_indptr, kv_indices=kv_indices,
-            extend_prefix_lens=to_device(plan.prefix_lens, torch.int64, self.device) if extend else None,
-            extend_seq_lens=to_device(plan.extend_lens, torch.int64, self.device) if extend else None,
+            extend_prefix_lens=prefix_lens, extend_seq_lens=extend_lens,
             sampling_info=self.sampling.batch_info(plan.req_pool_indices, rows, plan.all_greedy),
             logprob_info=plan.logprob_info, req_pool_indices=rows, req_to_token=self.req_to_token,
             max_extend_len=max_extend_len,
@@ -83,3 +94,13 @@ class DeviceState:
         assert rows is not None
         self.token_table[rows] = next_ids
         self.sampling.record_sampled(plan.req_pool_indices, rows, next_ids)
+
+
+def _pack(parts: list[np.ndarray]) -> np.ndarray:
+    """The 1-D integer arrays `parts`, end to end, as one int64 host array."""
+    return np.concatenate(parts, dtype=np.int64, casting="same_kind")
+
+
+def _unpack(packed: torch.Tensor, parts: list[np.ndarray]) -> list[torch.Tensor]:
+    """Views of `packed` (on the device) with the lengths of `parts`, in order."""
+    return list(torch.split(packed, [int(p.shape[0]) for p in parts]))

@@ -21,13 +21,18 @@ from pyserve.forward_batch_info import SamplingBatchInfo, SamplingRow
 # top_k at or above the vocabulary size keeps every token
 ALL_TOKENS = 1 << 30
 
+# the rows of SamplingRows.dense and each one's value for a row without it (no effect)
+_TEMPERATURE, _TOP_P, _MIN_P, _FREQUENCY, _PRESENCE, _REPETITION = range(6)
+_DEFAULTS = (0.0, 1.0, 0.0, 0.0, 0.0, 1.0)
+
 
 class SamplingRows:
     """Sampling state of `num_rows` request rows for a vocabulary of `vocab_size` on `device`.
 
-    Dense state: temperatures [num_rows] float32 (0 = greedy), top_ps [num_rows] float32,
-    top_ks [num_rows] int64, min_ps [num_rows] float32; host flags per row (numpy) say which
-    optional parts a row uses. num_live: rows set and not yet released (the idle leak check
+    Dense state: dense [6, num_rows] float32, one row per field, viewed as temperatures (0 =
+    greedy), top_ps, min_ps, frequency_penalties, presence_penalties and repetition_penalties
+    ([num_rows] each); top_ks [num_rows] int64. Host flags per row (numpy) say which optional
+    parts a row uses. num_live: rows set and not yet released (the idle leak check
     reads it from the loop thread: a plain int).
     """
 
@@ -35,13 +40,13 @@ class SamplingRows:
         self.num_rows = num_rows
         self.vocab_size = vocab_size
         self.device = device
-        def f32(value: float) -> torch.Tensor:
-            return torch.full((num_rows,), value, dtype=torch.float32, device=device)
-
-        self.temperatures, self.top_ps, self.min_ps = f32(0.0), f32(1.0), f32(0.0)
+        # the float fields of every row in one tensor, a field per row of it, so starting
+        # rows and gathering a batch are one indexing call each (every torch call costs the
+        # worker a GIL release); the named fields are views of it
+        self.dense = torch.tensor(_DEFAULTS, dtype=torch.float32, device=device)[:, None].repeat(1, num_rows)
+        (self.temperatures, self.top_ps, self.min_ps, self.frequency_penalties,
+         self.presence_penalties, self.repetition_penalties) = self.dense.unbind(0)
         self.top_ks = torch.full((num_rows,), ALL_TOKENS, dtype=torch.int64, device=device)
-        self.frequency_penalties, self.presence_penalties = f32(0.0), f32(0.0)
-        self.repetition_penalties = f32(1.0)
         self.live = np.zeros(num_rows, dtype=bool)
         self.greedy = np.ones(num_rows, dtype=bool)  # host mirror of temperatures == 0
         self.uses_min_p = np.zeros(num_rows, dtype=bool)
@@ -70,8 +75,8 @@ class SamplingRows:
             self.uses_min_p[row] = self.uses_counts[row] = self.uses_seen[row] = False
 
     def set_rows(self, new_rows: list[SamplingRow]) -> None:
-        """Start the sampling rows of newly admitted requests: one write per dense field for
-        all of them, then the optional parts of the requests that use them."""
+        """Start the sampling rows of newly admitted requests: one write of the dense fields
+        and one of top_k for all of them, then the optional parts of the requests that use them."""
         if not new_rows:
             return
         rows = [item.req_pool_idx for item in new_rows]
@@ -80,21 +85,17 @@ class SamplingRows:
         self.live[rows] = True
         self.num_live += len(rows)
         params = [item.params for item in new_rows]
-        rows_t = to_device(rows, torch.int64, self.device)
-        dense = to_device([[0.0 if p.is_greedy else p.temperature, p.top_p, p.min_p] for p in params],
-                          torch.float32, self.device)
-        self.temperatures[rows_t] = dense[:, 0]
-        self.top_ps[rows_t] = dense[:, 1]
-        self.min_ps[rows_t] = dense[:, 2]
-        self.top_ks[rows_t] = to_device([min(p.top_k, ALL_TOKENS) if p.top_k > 0 else ALL_TOKENS
-                                         for p in params], torch.int64, self.device)
-        self.uses_min_p[rows] = [p.min_p > 0 for p in params]
+        # every field is written, the unused penalties too (0, 0 and 1 are no penalty): a batch
+        # gathers every row's penalties once any row uses them, and a reused row must not
+        # keep its previous request's values
+        dense = np.array([(0.0 if p.is_greedy else p.temperature, p.top_p, p.min_p, p.frequency_penalty,
+                           p.presence_penalty, p.repetition_penalty) for p in params], dtype=np.float32)
+        rows_t = to_device(np.array(rows, dtype=np.int64), torch.int64, self.device)
+        self.dense[:, rows_t] = to_device(np.ascontiguousarray(dense.T), torch.float32, self.device)
+        self.top_ks[rows_t] = to_device(np.array([min(p.top_k, ALL_TOKENS) if p.top_k > 0 else ALL_TOKENS
+                                                  for p in params], dtype=np.int64), torch.int64, self.device)
+        self.uses_min_p[rows] = dense[:, _MIN_P] > 0
         self.greedy[rows] = [p.is_greedy for p in params]
-        # a batch gathers every row's penalties once any row uses them: a reused row must
-        # not keep its previous request's values (0, 0 and 1 are no penalty)
-        self.frequency_penalties[rows_t] = 0.0
-        self.presence_penalties[rows_t] = 0.0
-        self.repetition_penalties[rows_t] = 1.0
         self.num_sampled[rows] = [item.num_sampled for item in new_rows]
         self.min_new_tokens[rows] = [p.min_new_tokens for p in params]
         for item in new_rows:
@@ -109,8 +110,6 @@ class SamplingRows:
                                         to_device(list(values), torch.float32, self.device))
             if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
                 self.uses_counts[row] = True
-                self.frequency_penalties[row] = p.frequency_penalty
-                self.presence_penalties[row] = p.presence_penalty
                 counts = self._counts()
                 counts[row].zero_()
                 if item.output_ids is not None and len(item.output_ids):
@@ -118,7 +117,6 @@ class SamplingRows:
                     counts[row].index_add_(0, ids_t, torch.ones(ids_t.shape[0], device=self.device))
             if p.repetition_penalty != 1.0:
                 self.uses_seen[row] = True
-                self.repetition_penalties[row] = p.repetition_penalty
                 seen = self._seen()
                 seen[row].zero_()
                 if item.seen_ids is not None and len(item.seen_ids):
@@ -140,20 +138,21 @@ class SamplingRows:
     def batch_info(self, rows_np: np.ndarray, rows: torch.Tensor, all_greedy: bool) -> SamplingBatchInfo:
         """The SamplingBatchInfo of a batch whose request i sits in row rows_np[i] (host
         int32 [B]; `rows`: the same as an int64 tensor on the device)."""
+        dense = self.dense[:, rows]  # [fields, B]: each field's row is contiguous
         info = SamplingBatchInfo(
-            temperatures=self.temperatures[rows], top_ps=self.top_ps[rows], top_ks=self.top_ks[rows],
+            temperatures=dense[_TEMPERATURE], top_ps=dense[_TOP_P], top_ks=self.top_ks[rows],
             all_greedy=all_greedy, greedy_rows=self.greedy[rows_np],
         )
         if self.generators:
             info.generators = [self.generators.get(int(r)) for r in rows_np]
         if self.uses_min_p[rows_np].any():
-            info.min_ps = self.min_ps[rows]
+            info.min_ps = dense[_MIN_P]
         if self.uses_counts[rows_np].any():
-            info.frequency_penalties = self.frequency_penalties[rows]
-            info.presence_penalties = self.presence_penalties[rows]
+            info.frequency_penalties = dense[_FREQUENCY]
+            info.presence_penalties = dense[_PRESENCE]
             info.output_token_counts = self._counts()[rows]
         if self.uses_seen[rows_np].any():
-            info.repetition_penalties = self.repetition_penalties[rows]
+            info.repetition_penalties = dense[_REPETITION]
             info.seen_token_mask = self._seen()[rows]
         if self.logit_bias:
             self._sparse(info, rows_np, self.logit_bias, bias=True)

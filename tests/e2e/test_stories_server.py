@@ -157,6 +157,8 @@ def test_generate_stream_is_sse_with_cumulative_text(server):
      "sampling_params.temperature"),
     (json.dumps({"text": "word " * 600}).encode(), 400, "prompt"),
     (json.dumps({"input_ids": [1, 99999]}).encode(), 400, "input_ids"),
+    (json.dumps({"input_ids": [1, 2**70]}).encode(), 400, "input_ids"),
+    (json.dumps({"input_ids": [3, -1, 4]}).encode(), 400, "input_ids"),
     (json.dumps({"sampling_params": {}}).encode(), 400, None),
     (b'{"text": "a", "sampling_params": {"seed": 18446744073709551616}}', 400, "sampling_params.seed"),
     (b'{"text": "a", "sampling_params": {"temperature": Infinity}}', 400, None),

@@ -7,7 +7,7 @@ from pydantic import ValidationError
 
 from pyserve.cli import build_parser
 from pyserve.config import ServerArgs, ServerArgsError
-from pyserve.io_struct import GenerateReqInput
+from pyserve.io_struct import GenerateReqInput, new_rid
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -50,6 +50,14 @@ def test_generate_req_split():
     assert [r.rid for r in reqs] == ["x-0", "x-1"]
     single = GenerateReqInput(input_ids=[1, 2, 3]).split()
     assert len(single) == 1 and single[0].input_ids == [1, 2, 3] and single[0].sampling_params.max_new_tokens == 128
+
+
+def test_request_ids_are_32_hex_digits_unique_and_share_the_process_prefix():
+    rids = [new_rid() for _ in range(1000)] + [r.rid for r in GenerateReqInput(text=["a", "b"]).split()]
+    assert len(set(rids)) == 1002
+    assert all(len(r) == 32 and int(r, 16) >= 0 and r == r.lower() for r in rids)
+    assert len({r[:16] for r in rids}) == 1  # the process's prefix; the counter follows
+    assert int(rids[1][16:], 16) == int(rids[0][16:], 16) + 1
 
 
 @pytest.mark.parametrize("body", [

@@ -9,7 +9,6 @@ Responses follow the OpenAI API's shapes (ids, `object`, `created`, `usage` with
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any, AsyncIterator
 
 from starlette.requests import Request
@@ -18,7 +17,7 @@ from starlette.routing import Route
 
 from pyserve.engine.engine_core import EngineCore
 from pyserve.errors import InvalidRequestError
-from pyserve.io_struct import GenerateOutput, SingleReq
+from pyserve.io_struct import GenerateOutput, SingleReq, new_rid
 from pyserve.server.errors import parse_json
 from pyserve.server.render import SafeJSONResponse
 from pyserve.server.native import anext_or_none, engine_of
@@ -105,7 +104,7 @@ async def chat_completions(request: Request) -> Response:
                                               **body.template_kwargs())
     req = SingleReq(text=prompt, input_ids=None, sampling_params=body.sampling_params(body.max_new_tokens),
                     stream=body.stream, add_special_tokens=body.add_special_tokens,
-                    logprob=body.logprob_params(), rid=body.rid or uuid.uuid4().hex, priority=body.priority)
+                    logprob=body.logprob_params(), rid=body.rid or new_rid(), priority=body.priority)
     rid = f"chatcmpl-{req.rid}"
     created = int(time.time())
     if body.stream:
@@ -157,7 +156,7 @@ async def completions(request: Request) -> Response:
     body.check_supported()
     engine = engine_of(request)
     name = model_name(engine, body.model)
-    base_rid = body.rid or uuid.uuid4().hex
+    base_rid = body.rid or new_rid()
     prompts = body.prompts()
     reqs = [SingleReq(text=text, input_ids=ids, sampling_params=body.sampling_params(body.max_tokens),
                       stream=body.stream, logprob=body.logprob_params(),
