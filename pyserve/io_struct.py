@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
+import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, overload
@@ -19,17 +21,41 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from pyserve.forward_batch_info import FinishReason
 from pyserve.sampling_params import SamplingParams
 
-# request ids made here: a random 64-bit process prefix and a counter, 32 hex digits as
-# uuid4().hex (unique in the process, and across processes with overwhelming odds), without
-# an os.urandom call per request: that syscall releases the GIL, and the loop thread then
-# waits to take it back from the worker or the stream writer
-_RID_PREFIX = os.urandom(8).hex()
-_rid_counter = itertools.count()
+
+class _RidSource:
+    """Random request ids (UUID4s, as 32 hex digits like `uuid4().hex`) from 4 KiB of
+    `os.urandom` at a time: as unpredictable as uuid4 (a client cannot guess the next id and
+    take it first), without a syscall per request on the loop (`os.urandom` releases the GIL,
+    and the loop then waits to take it back from the worker or the stream writer)."""
+
+    _BATCH = 4096
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._buf = b""
+        self._at = 0
+        # a forked child must not hand out the ids left in its parent's batch
+        os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        self._lock = threading.Lock()
+        self._buf, self._at = b"", 0
+
+    def __call__(self) -> str:
+        with self._lock:
+            if self._at + 16 > len(self._buf):
+                self._buf, self._at = os.urandom(self._BATCH), 0
+            raw = self._buf[self._at:self._at + 16]
+            self._at += 16
+        return uuid.UUID(bytes=raw, version=4).hex
+
+
+_rids = _RidSource()
 
 
 def new_rid() -> str:
-    """A fresh request id: 32 lowercase hex digits. Any thread."""
-    return f"{_RID_PREFIX}{next(_rid_counter) & 0xFFFFFFFFFFFFFFFF:016x}"
+    """A fresh random request id: 32 lowercase hex digits (a UUID4). Any thread."""
+    return _rids()
 
 
 # SGLang request fields pyserve refuses unless left at their default, and the feature each names.

@@ -146,6 +146,8 @@ class TokenizerManager:
     def _checked_ids(self, input_ids: Sequence[int]) -> np.ndarray:
         """Given token ids as [n] int32, made once. Raises InvalidRequestError for an id
         outside the vocabulary."""
+        if not isinstance(input_ids, (list, tuple, np.ndarray)):
+            input_ids = list(input_ids)  # any other iterable of ids, read once
         try:
             ids = np.asarray(input_ids, dtype=np.int64)
         except (OverflowError, TypeError, ValueError):  # an id beyond int64, or not a number

@@ -35,17 +35,20 @@ class DeviceState:
 
     def forward_batch(self, plan: StepPlan) -> ForwardBatch:
         """Apply `plan` to the tables (row releases and starts, new slots) and return the
-        step's ForwardBatch. Raises ValueError when an EXTEND plan's arrays disagree.
+        step's ForwardBatch. Raises ValueError when an EXTEND plan's arrays disagree or a
+        request would not fit its row.
 
         The plan's integer arrays reach the device as one packed int64 copy (`_pack`): the
         index arithmetic is done on the host in numpy, where the arrays already are, so the
         device gets its inputs in one transfer and few calls (each torch call costs the worker
         a GIL release and re-acquire; on CUDA each copy a pinned staging buffer)."""
+        batch_size = plan.batch_size
+        row_width = self.req_to_token.shape[1]
+        if batch_size and int(plan.seq_lens.max()) > row_width:  # the flat index would spill
+            raise ValueError(f"a request's {int(plan.seq_lens.max())} tokens exceed its row of {row_width}")
         self.sampling.release_rows(plan.released_rows)
         self.sampling.set_rows(plan.new_sampling_rows)
-        batch_size = plan.batch_size
         extend = plan.forward_mode is ForwardMode.EXTEND
-        row_width = self.req_to_token.shape[1]
         rows_np = plan.req_pool_indices.astype(np.int64)
         if extend:
             assert plan.input_ids is not None and plan.row_slots is not None

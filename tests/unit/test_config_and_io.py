@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import uuid
+
 import pytest
 from pydantic import ValidationError
 
@@ -52,12 +55,20 @@ def test_generate_req_split():
     assert len(single) == 1 and single[0].input_ids == [1, 2, 3] and single[0].sampling_params.max_new_tokens == 128
 
 
-def test_request_ids_are_32_hex_digits_unique_and_share_the_process_prefix():
-    rids = [new_rid() for _ in range(1000)] + [r.rid for r in GenerateReqInput(text=["a", "b"]).split()]
-    assert len(set(rids)) == 1002
-    assert all(len(r) == 32 and int(r, 16) >= 0 and r == r.lower() for r in rids)
-    assert len({r[:16] for r in rids}) == 1  # the process's prefix; the counter follows
-    assert int(rids[1][16:], 16) == int(rids[0][16:], 16) + 1
+def test_request_ids_are_random_uuid4_hex_also_across_batches_and_forks():
+    rids = [new_rid() for _ in range(600)] + [r.rid for r in GenerateReqInput(text=["a", "b"]).split()]
+    assert len(set(rids)) == 602  # 600 spans three 4 KiB batches of randomness
+    assert all(len(r) == 32 and r == r.lower() and uuid.UUID(hex=r).version == 4 for r in rids)
+    # nothing shared to guess the next id from: no common prefix, no counter
+    assert len({r[:8] for r in rids}) > 590
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child's next id must not be the parent's next one
+        os.write(write, new_rid().encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    child = os.read(read, 64).decode()
+    assert len(child) == 32 and child != new_rid() and child not in rids
 
 
 @pytest.mark.parametrize("body", [
