@@ -92,10 +92,11 @@ class TokenizerManager:
         return await future
 
     def _encode_batch(self, texts: list[str], add_special_tokens: bool) -> list[np.ndarray]:
-        """Executor thread: ids of `texts`, [n] int32 each (made here, off the loop). A transformers fast tokenizer that adds nothing
-        to its backend's encoding goes straight to `tokenizers.Tokenizer.encode_batch` (its
-        encode is that call, and the batch call holds the GIL only to hand back the ids);
-        any other tokenizer through its own batched call."""
+        """Executor thread: ids of `texts`, [n] int32 each (made here, off the loop). A
+        transformers fast tokenizer that adds nothing to its backend's encoding goes straight
+        to `tokenizers.Tokenizer.encode_batch` (its encode is that call, and the batch call
+        holds the GIL only to hand back the ids); any other tokenizer through its own batched
+        call."""
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is not None and self._plain_backend:
             return [np.array(e.ids, dtype=np.int32)
@@ -152,16 +153,16 @@ class TokenizerManager:
             ids = np.asarray(input_ids, dtype=np.int64)
         except (OverflowError, TypeError, ValueError):  # an id beyond int64, or not a number
             ids = None
-        if ids is None or ids.ndim != 1:
-            bad = [t for t in input_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
-            raise InvalidRequestError(
-                f"input_ids contains {bad[0] if bad else input_ids!r}, outside the vocabulary "
-                f"[0, {self.vocab_size})", param="input_ids")
-        bad = ids[(ids < 0) | (ids >= self.vocab_size)][:1].tolist()
+        if ids is not None and ids.ndim == 1:
+            bad = ids[(ids < 0) | (ids >= self.vocab_size)][:1].tolist()
+        else:  # not a flat list of integers: name the first bad item, or the whole value
+            in_vocab = [isinstance(t, int) and 0 <= t < self.vocab_size for t in input_ids]
+            bad = [t for t, ok in zip(input_ids, in_vocab) if not ok][:1] or [input_ids]
         if bad:
             raise InvalidRequestError(
                 f"input_ids contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})",
                 param="input_ids")
+        assert ids is not None
         return ids.astype(np.int32)
 
     async def tokenize(self, req: SingleReq) -> TokenizedGenerateReq:

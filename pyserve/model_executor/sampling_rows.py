@@ -29,10 +29,10 @@ _DEFAULTS = (0.0, 1.0, 0.0, 0.0, 0.0, 1.0)
 class SamplingRows:
     """Sampling state of `num_rows` request rows for a vocabulary of `vocab_size` on `device`.
 
-    Dense state: dense [6, num_rows] float32, one row per field, viewed as temperatures (0 =
-    greedy), top_ps, min_ps, frequency_penalties, presence_penalties and repetition_penalties
-    ([num_rows] each); top_ks [num_rows] int64. Host flags per row (numpy) say which optional
-    parts a row uses. num_live: rows set and not yet released (the idle leak check
+    Dense state: dense [6, num_rows] float32, one row per field (temperature (0 = greedy),
+    top_p, min_p, frequency, presence and repetition penalty, in the order of the _FIELD
+    constants); top_ks [num_rows] int64. Host flags per row (numpy) say which optional parts
+    a row uses. num_live: rows set and not yet released (the idle leak check
     reads it from the loop thread: a plain int).
     """
 
@@ -42,10 +42,8 @@ class SamplingRows:
         self.device = device
         # the float fields of every row in one tensor, a field per row of it, so starting
         # rows and gathering a batch are one indexing call each (every torch call costs the
-        # worker a GIL release); the named fields are views of it
+        # worker a GIL release)
         self.dense = torch.tensor(_DEFAULTS, dtype=torch.float32, device=device)[:, None].repeat(1, num_rows)
-        (self.temperatures, self.top_ps, self.min_ps, self.frequency_penalties,
-         self.presence_penalties, self.repetition_penalties) = self.dense.unbind(0)
         self.top_ks = torch.full((num_rows,), ALL_TOKENS, dtype=torch.int64, device=device)
         self.live = np.zeros(num_rows, dtype=bool)
         self.greedy = np.ones(num_rows, dtype=bool)  # host mirror of temperatures == 0
