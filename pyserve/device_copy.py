@@ -24,7 +24,7 @@ def to_device(data: Any, dtype: torch.dtype, device: str | torch.device) -> torc
     else:
         host = torch.tensor(data, dtype=dtype)
     same = host.dtype == dtype  # no conversion call (each torch call costs a GIL release)
-    if torch.device(device).type == "cpu":
+    if device == "cpu" or torch.device(device).type == "cpu":
         return host if same else host.to(dtype)
     moved = host.pin_memory().to(device, non_blocking=True)
     return moved if same else moved.to(dtype)

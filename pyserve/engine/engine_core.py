@@ -52,10 +52,11 @@ class EngineCore:
     async def start(self) -> None:
         """Load the tokenizer and model, size the KV pool, start the scheduler. Raises what
         loading raises (missing files, unsupported architecture)."""
-        # One rayon pool serves every tokenizers call in the process: a burst's encode_batch
-        # on the executor thread would hold it while the loop's per-step decode_batch waits,
-        # stalling the whole loop (measured: 140 ms gaps at 256 clients). Single-threaded,
-        # both run side by side. An explicit setting wins.
+        # One rayon pool serves every batched tokenizers call in the process: a burst's
+        # encode_batch on the executor thread would spread over every core and hold the pool
+        # while any other batched call waits (measured, when the loop still decoded with
+        # decode_batch: 140 ms gaps at 256 clients). Single-threaded, the tokenizer thread
+        # takes one core and leaves the loop its own. An explicit setting wins.
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self._load)

@@ -9,6 +9,7 @@ stored-token count (`kv_len`), so nothing here recomputes it. A decode plan is O
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 import torch
@@ -23,6 +24,11 @@ from pyserve.forward_batch_info import (
 from pyserve.io_struct import LogprobParams
 from pyserve.mem_cache.kv_cache import BatchArrays
 from pyserve.sampling_params import SamplingParams
+
+
+# (attrgetters: the per-step passes over a decode batch's requests run in C)
+_GREEDY = attrgetter("greedy")
+_RETURN_LOGPROB = attrgetter("return_logprob")
 
 
 class Req:
@@ -220,8 +226,9 @@ class ScheduleBatch:
             ForwardMode.DECODE, req_pool_indices=arrays.req_pool_indices.astype(np.int32),
             seq_lens=arrays.seq_lens.astype(np.int32), positions=arrays.positions,
             out_cache_loc=arrays.out_cache_loc, released_rows=released_rows,
-            all_greedy=all(r.greedy for r in reqs),
-            logprob_info=_logprob_info(reqs, extend=False), step_id=step_id)
+            all_greedy=all(map(_GREEDY, reqs)),
+            logprob_info=_logprob_info(reqs, extend=False) if any(map(_RETURN_LOGPROB, reqs)) else None,
+            step_id=step_id)
         return cls(reqs, plan)
 
 

@@ -30,6 +30,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Callable
 
 import numpy as np
@@ -42,6 +43,7 @@ from pyserve.forward_batch_info import FinishReason, ForwardMode, StepOutput, To
 from pyserve.io_struct import TokenizedGenerateReq
 from pyserve.mem_cache.kv_cache import KVCache
 
+_REQ_ID = attrgetter("req_id")  # (a decode plan's pass over its requests runs in C)
 logger = logging.getLogger(__name__)
 
 # SGLang's defaults for the new-token ratio
@@ -389,10 +391,11 @@ class Scheduler(Retraction):
 
     def _decode_batch(self) -> ScheduleBatch | None:
         while True:
-            reqs = [r for r in self.running if r.decodable]
+            # `Req.decodable`, inlined: this runs over every running request each step
+            reqs = [r for r in self.running if r.finish_reason is None and r.num_planned < r.max_new_tokens]
             if not reqs:
                 return None
-            arrays = self.kv_cache.prepare_decode([r.req_id for r in reqs])
+            arrays = self.kv_cache.prepare_decode(np.fromiter(map(_REQ_ID, reqs), dtype=np.int64, count=len(reqs)))
             if arrays is not None:
                 self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay,
                                            self.min_new_token_ratio)

@@ -138,6 +138,10 @@ class ModelWorker:
             return
         finally:
             self._ready.set()
+        with torch.inference_mode():  # thread-local: once for every step (not a switch each)
+            self._serve(runner, stream)
+
+    def _serve(self, runner: Any, stream: Any) -> None:
         num_launched = 0
         while True:
             item = self._queue.get()
@@ -170,27 +174,28 @@ class ModelWorker:
                 loop.call_soon_threadsafe(_resolve, future, done, ok, result)
 
     def _step(self, plan: StepPlan) -> tuple[StepOutput, Any]:
-        """Run one step; returns its output and, for an asynchronous runner, the function that
-        waits until the output is on the host (None for a CPU runner: it already is)."""
+        """Run one step (in inference mode: `_run` holds it for the thread); returns its
+        output and, for an asynchronous runner, the function that waits until the output is
+        on the host (None for a CPU runner: it already is)."""
         runner = self.model_runner
-        with torch.inference_mode():
-            batch = self.state.forward_batch(plan)
-            logits = runner.forward(batch)
-            next_ids, failed = runner.sample_next(logits, batch)
-            self.state.record_sampled(plan, batch, next_ids)
-            if not self._cuda:
-                out = StepOutput(next_token_ids=next_ids.to(torch.int32).numpy(),
-                                 failed_rows=np.flatnonzero(failed.numpy()).tolist())
-                runner.add_logprobs(out, logits, batch, next_ids)
-                return out, (runner.step_done_waiter() if self._async else None)
-            ids_host = torch.empty(next_ids.shape, dtype=torch.int32, pin_memory=True)
-            ids_host.copy_(next_ids, non_blocking=True)
-            failed_host = torch.empty(failed.shape, dtype=torch.bool, pin_memory=True)
-            failed_host.copy_(failed, non_blocking=True)
-            copied = torch.cuda.Event(blocking=True)  # the completer sleeps, not spins, on it
-            copied.record()
-            out = StepOutput(next_token_ids=ids_host.numpy())
+        batch = self.state.forward_batch(plan)
+        logits = runner.forward(batch)
+        next_ids, failed = runner.sample_next(logits, batch)
+        self.state.record_sampled(plan, batch, next_ids)
+        if not self._cuda:
+            failed_np = failed.numpy()
+            out = StepOutput(next_token_ids=next_ids.to(torch.int32).numpy(),
+                             failed_rows=np.flatnonzero(failed_np).tolist() if failed_np.any() else [])
             runner.add_logprobs(out, logits, batch, next_ids)
+            return out, (runner.step_done_waiter() if self._async else None)
+        ids_host = torch.empty(next_ids.shape, dtype=torch.int32, pin_memory=True)
+        ids_host.copy_(next_ids, non_blocking=True)
+        failed_host = torch.empty(failed.shape, dtype=torch.bool, pin_memory=True)
+        failed_host.copy_(failed, non_blocking=True)
+        copied = torch.cuda.Event(blocking=True)  # the completer sleeps, not spins, on it
+        copied.record()
+        out = StepOutput(next_token_ids=ids_host.numpy())
+        runner.add_logprobs(out, logits, batch, next_ids)
 
         def wait() -> None:  # completer thread: the copies landed, then the failed rows
             copied.synchronize()

@@ -132,7 +132,7 @@ class KVCache:
         return self.core.prepare_extend(np.asarray(req_ids, dtype=np.int64),
                                         np.asarray(extend_lens, dtype=np.int64))
 
-    def prepare_decode(self, req_ids: list[int]) -> BatchArrays | None:
+    def prepare_decode(self, req_ids: list[int] | np.ndarray) -> BatchArrays | None:
         """Allocate one token per request (a new page only at page boundaries, evicting if
         needed); None if they do not fit. O(batch): the arrays hold no kv_indices."""
         return self.core.prepare_decode(np.asarray(req_ids, dtype=np.int64))

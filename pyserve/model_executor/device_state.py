@@ -30,6 +30,7 @@ class DeviceState:
     def __init__(self, num_rows: int, row_width: int, vocab_size: int, device: str) -> None:
         self.device = device
         self.req_to_token = torch.zeros(num_rows, row_width, dtype=torch.int32, device=device)
+        self._req_to_token_flat = self.req_to_token.view(-1)  # the same memory, indexed flat
         self.token_table = torch.zeros(num_rows, dtype=torch.int64, device=device)
         self.sampling = SamplingRows(num_rows, vocab_size, device)
 
@@ -72,14 +73,15 @@ class DeviceState:
         if extend:
             kv_indptr, prefix_lens, extend_lens, input_ids, flat_t = views[4:]
             kv_indices = to_device(plan.row_slots, torch.int32, self.device)
-            self.req_to_token.view(-1)[flat_t] = kv_indices
+            self._req_to_token_flat.index_copy_(0, flat_t, kv_indices)
             if plan.num_decode_rows:  # a mixed chunk: the decoding rows' inputs are on the device
-                input_ids = torch.cat([input_ids, self.token_table[rows[batch_size - plan.num_decode_rows:]]])
+                decode_rows = rows[batch_size - plan.num_decode_rows:]
+                input_ids = torch.cat([input_ids, self.token_table.index_select(0, decode_rows)])
             max_extend_len = int(plan.extend_lens.max()) if batch_size else 0
         else:
             prefix_lens = extend_lens = max_extend_len = None
-            self.req_to_token.view(-1)[views[4]] = out_cache_loc.to(torch.int32)
-            input_ids = self.token_table[rows]  # kv_indices: gathered if a backend asks
+            self._req_to_token_flat.index_copy_(0, views[4], out_cache_loc.to(torch.int32))
+            input_ids = self.token_table.index_select(0, rows)  # kv_indices: gathered if a backend asks
         return ForwardBatch(
             forward_mode=plan.forward_mode, batch_size=batch_size, input_ids=input_ids,
             positions=positions, out_cache_loc=out_cache_loc, seq_lens=seq_lens,
@@ -95,7 +97,7 @@ class DeviceState:
         input) and into its penalty counts. next_ids: [B] int64 on the device."""
         rows = batch.req_pool_indices
         assert rows is not None
-        self.token_table[rows] = next_ids
+        self.token_table.index_copy_(0, rows, next_ids)
         self.sampling.record_sampled(plan.req_pool_indices, rows, next_ids)
 
 
@@ -104,6 +106,6 @@ def _pack(parts: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(parts, dtype=np.int64, casting="same_kind")
 
 
-def _unpack(packed: torch.Tensor, parts: list[np.ndarray]) -> list[torch.Tensor]:
+def _unpack(packed: torch.Tensor, parts: list[np.ndarray]) -> tuple[torch.Tensor, ...]:
     """Views of `packed` (on the device) with the lengths of `parts`, in order."""
-    return list(torch.split(packed, [int(p.shape[0]) for p in parts]))
+    return packed.split_with_sizes([p.shape[0] for p in parts])

@@ -50,7 +50,10 @@ class SamplingRows:
         self.uses_min_p = np.zeros(num_rows, dtype=bool)
         self.uses_counts = np.zeros(num_rows, dtype=bool)  # frequency or presence penalty
         self.uses_seen = np.zeros(num_rows, dtype=bool)  # repetition penalty
-        self.num_sampled = np.zeros(num_rows, dtype=np.int64)
+        # live rows using each optional part: a batch looks at its own rows' flags only when
+        # some live row uses the part (usually none does: nothing is checked per step)
+        self.num_min_p = self.num_counts = self.num_seen = 0
+        self.num_sampled = np.zeros(num_rows, dtype=np.int64)  # kept for rows with a ban only
         self.min_new_tokens = np.zeros(num_rows, dtype=np.int64)
         self.output_counts: torch.Tensor | None = None  # [num_rows, vocab] float32
         self.seen_mask: torch.Tensor | None = None  # [num_rows, vocab] bool
@@ -70,6 +73,9 @@ class SamplingRows:
             self.logit_bias.pop(row, None)
             self.banned.pop(row, None)
             self.generators.pop(row, None)
+            self.num_min_p -= int(self.uses_min_p[row])
+            self.num_counts -= int(self.uses_counts[row])
+            self.num_seen -= int(self.uses_seen[row])
             self.uses_min_p[row] = self.uses_counts[row] = self.uses_seen[row] = False
 
     def set_rows(self, new_rows: list[SamplingRow]) -> None:
@@ -89,10 +95,13 @@ class SamplingRows:
         dense = np.array([(0.0 if p.is_greedy else p.temperature, p.top_p, p.min_p, p.frequency_penalty,
                            p.presence_penalty, p.repetition_penalty) for p in params], dtype=np.float32)
         rows_t = to_device(np.array(rows, dtype=np.int64), torch.int64, self.device)
-        self.dense[:, rows_t] = to_device(np.ascontiguousarray(dense.T), torch.float32, self.device)
-        self.top_ks[rows_t] = to_device(np.array([min(p.top_k, ALL_TOKENS) if p.top_k > 0 else ALL_TOKENS
-                                                  for p in params], dtype=np.int64), torch.int64, self.device)
-        self.uses_min_p[rows] = dense[:, _MIN_P] > 0
+        self.dense.index_copy_(1, rows_t, to_device(np.ascontiguousarray(dense.T), torch.float32, self.device))
+        self.top_ks.index_copy_(0, rows_t, to_device(np.array([min(p.top_k, ALL_TOKENS) if p.top_k > 0 else ALL_TOKENS
+                                                               for p in params], dtype=np.int64),
+                                                     torch.int64, self.device))
+        uses_min_p = dense[:, _MIN_P] > 0
+        self.uses_min_p[rows] = uses_min_p
+        self.num_min_p += int(uses_min_p.sum())
         self.greedy[rows] = [p.is_greedy for p in params]
         self.num_sampled[rows] = [item.num_sampled for item in new_rows]
         self.min_new_tokens[rows] = [p.min_new_tokens for p in params]
@@ -108,6 +117,7 @@ class SamplingRows:
                                         to_device(list(values), torch.float32, self.device))
             if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
                 self.uses_counts[row] = True
+                self.num_counts += 1
                 counts = self._counts()
                 counts[row].zero_()
                 if item.output_ids is not None and len(item.output_ids):
@@ -115,6 +125,7 @@ class SamplingRows:
                     counts[row].index_add_(0, ids_t, torch.ones(ids_t.shape[0], device=self.device))
             if p.repetition_penalty != 1.0:
                 self.uses_seen[row] = True
+                self.num_seen += 1
                 seen = self._seen()
                 seen[row].zero_()
                 if item.seen_ids is not None and len(item.seen_ids):
@@ -135,21 +146,23 @@ class SamplingRows:
     # ---- per step --------------------------------------------------------------------------
     def batch_info(self, rows_np: np.ndarray, rows: torch.Tensor, all_greedy: bool) -> SamplingBatchInfo:
         """The SamplingBatchInfo of a batch whose request i sits in row rows_np[i] (host
-        int32 [B]; `rows`: the same as an int64 tensor on the device)."""
-        dense = self.dense[:, rows]  # [fields, B]: each field's row is contiguous
+        int32 [B]; `rows`: the same as an int64 tensor on the device). greedy_rows (host)
+        only when not all_greedy; the optional parts only when a row of the batch uses them."""
+        dense = self.dense.index_select(1, rows)  # [fields, B]: each field's row is contiguous
         info = SamplingBatchInfo(
-            temperatures=dense[_TEMPERATURE], top_ps=dense[_TOP_P], top_ks=self.top_ks[rows],
-            all_greedy=all_greedy, greedy_rows=self.greedy[rows_np],
+            temperatures=dense[_TEMPERATURE], top_ps=dense[_TOP_P],
+            top_ks=self.top_ks.index_select(0, rows),
+            all_greedy=all_greedy, greedy_rows=None if all_greedy else self.greedy[rows_np],
         )
         if self.generators:
             info.generators = [self.generators.get(int(r)) for r in rows_np]
-        if self.uses_min_p[rows_np].any():
+        if self.num_min_p and self.uses_min_p[rows_np].any():
             info.min_ps = dense[_MIN_P]
-        if self.uses_counts[rows_np].any():
+        if self.num_counts and self.uses_counts[rows_np].any():
             info.frequency_penalties = dense[_FREQUENCY]
             info.presence_penalties = dense[_PRESENCE]
             info.output_token_counts = self._counts()[rows]
-        if self.uses_seen[rows_np].any():
+        if self.num_seen and self.uses_seen[rows_np].any():
             info.repetition_penalties = dense[_REPETITION]
             info.seen_token_mask = self._seen()[rows]
         if self.logit_bias:
@@ -173,9 +186,9 @@ class SamplingRows:
 
     def record_sampled(self, rows_np: np.ndarray, rows: torch.Tensor, next_ids: torch.Tensor) -> None:
         """Count the batch's new tokens (next_ids [B] int64 on the device) into the rows'
-        penalty state; lift min_new_tokens bans that are now met."""
-        self.num_sampled[rows_np] += 1
-        if self.output_counts is not None or self.seen_mask is not None:
+        penalty state; lift min_new_tokens bans that are now met (the sampled count is
+        kept only for rows with a ban: nothing else reads it)."""
+        if self.num_counts or self.num_seen:
             use_counts = self.uses_counts[rows_np]
             use_seen = self.uses_seen[rows_np]
             if use_counts.any():
@@ -186,7 +199,9 @@ class SamplingRows:
                 sel = to_device(np.flatnonzero(use_seen), torch.int64, self.device)
                 self._seen()[rows[sel], next_ids[sel]] = True
         if self.banned:
-            for r in rows_np:
-                r = int(r)
-                if r in self.banned and self.num_sampled[r] >= self.min_new_tokens[r]:
-                    del self.banned[r]
+            banned, num_sampled, min_new = self.banned, self.num_sampled, self.min_new_tokens
+            for r in rows_np.tolist():
+                if r in banned:
+                    num_sampled[r] += 1
+                    if num_sampled[r] >= min_new[r]:
+                        del banned[r]

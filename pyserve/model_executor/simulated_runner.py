@@ -26,6 +26,9 @@ import torch
 
 from pyserve.forward_batch_info import ForwardBatch, ForwardMode, StepOutput
 
+# ids drawn ahead for sample_next (the largest batch it serves)
+_STREAM_LEN = 1 << 20
+
 
 @dataclass
 class SimulatedModelConfig:
@@ -65,8 +68,12 @@ class SimulatedRunner:
         self.extend_us_per_token = extend_us_per_token
         self.decode_base_ms = decode_base_ms
         self.decode_us_per_req = decode_us_per_req
-        self._ids = np.array([t for t in range(vocab_size) if t not in eos_token_ids], dtype=np.int64)
-        self._rng = np.random.default_rng(seed)
+        ids = np.array([t for t in range(vocab_size) if t not in eos_token_ids], dtype=np.int64)
+        # the id stream, drawn once: a step takes the next batch_size of it (wrapping around),
+        # so its host cost is a slice, as a sampling kernel's launch is, not a numpy draw
+        self._stream = ids[np.random.default_rng(seed).integers(0, len(ids), size=_STREAM_LEN)]
+        self._cursor = 0
+        self._no_failures = torch.zeros(_STREAM_LEN, dtype=torch.bool)
         self._lock = threading.Lock()
         self._busy_s = 0.0
         self._device_free_at = 0.0
@@ -99,9 +106,19 @@ class SimulatedRunner:
         return wait
 
     def sample_next(self, logits: None, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B] int64 seeded ids, never EOS; the failed-row mask [B] bool (all False)."""
-        ids = self._ids[self._rng.integers(0, len(self._ids), size=batch.batch_size)]
-        return torch.from_numpy(ids), torch.zeros(batch.batch_size, dtype=torch.bool)
+        """[B] int64 seeded ids, never EOS (the next B of the seeded stream); the failed-row
+        mask [B] bool (all False). Raises ValueError for B > the stream's length."""
+        size, start = batch.batch_size, self._cursor
+        if size > _STREAM_LEN:
+            raise ValueError(f"a batch of {size} exceeds the simulated id stream ({_STREAM_LEN})")
+        end = start + size
+        if end <= _STREAM_LEN:
+            ids = self._stream[start:end]
+        else:
+            end -= _STREAM_LEN
+            ids = np.concatenate((self._stream[start:], self._stream[:end]))
+        self._cursor = end
+        return torch.from_numpy(ids), self._no_failures[:size]
 
     def add_logprobs(self, out: StepOutput, logits: None, batch: ForwardBatch, next_ids: torch.Tensor) -> None:
         """Logprobs are not simulated."""

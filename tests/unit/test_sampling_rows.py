@@ -51,3 +51,27 @@ def test_min_new_tokens_ban_lifts_after_enough_tokens():
     assert gather(rows, [1]).banned_ids.tolist() == [5]
     rows.record_sampled(np.array([1], dtype=np.int32), torch.tensor([1]), torch.tensor([0]))
     assert gather(rows, [1]).banned_ids is None
+
+
+def test_optional_parts_follow_the_live_rows_that_use_them():
+    rows = SamplingRows(4, VOCAB, "cpu")
+    rows.set_rows([SamplingRow(0, SamplingParams(min_p=0.2), frozenset()),
+                   SamplingRow(1, SamplingParams(presence_penalty=0.5), frozenset()),
+                   SamplingRow(2, SamplingParams(repetition_penalty=1.5), frozenset()),
+                   SamplingRow(3, SamplingParams(), frozenset())])
+    assert (rows.num_min_p, rows.num_counts, rows.num_seen) == (1, 1, 1)
+    info = gather(rows, [3, 0, 1, 2])
+    assert info.min_ps.tolist() == [0.0, 0.20000000298023224, 0.0, 0.0]
+    assert info.presence_penalties.tolist() == [0.0, 0.0, 0.5, 0.0]
+    assert info.repetition_penalties.tolist() == [1.0, 1.0, 1.0, 1.5]
+    plain = gather(rows, [3])  # a batch of rows without them gathers none of them
+    assert plain.min_ps is None and plain.presence_penalties is None and plain.repetition_penalties is None
+    # the penalties count the tokens of their own rows only
+    rows.record_sampled(np.array([1, 2, 3], dtype=np.int32), torch.tensor([1, 2, 3]), torch.tensor([4, 5, 4]))
+    assert rows.output_counts[1].tolist() == [0, 0, 0, 0, 1, 0] and rows.output_counts[3].tolist() == [0] * VOCAB
+    assert rows.seen_mask[2].tolist() == [False] * 5 + [True]
+    rows.release_rows([0, 1, 2, 0])
+    assert (rows.num_min_p, rows.num_counts, rows.num_seen) == (0, 0, 0)
+    rows.set_rows([SamplingRow(0, SamplingParams(), frozenset())])  # reused without them
+    info = gather(rows, [0, 3])
+    assert info.min_ps is None and info.presence_penalties is None and info.repetition_penalties is None

@@ -46,6 +46,17 @@ def test_step_times_ids_and_busy_accounting():
     assert runner.busy_s() == 0.0 and runner.num_steps == 0
 
 
+def test_ids_come_from_one_seeded_stream_that_wraps_around():
+    runner = SimulatedRunner(vocab_size=50, eos_token_ids={7}, max_total_tokens=64, context_len=32, seed=11)
+    step = _Batch(ForwardMode.DECODE, 1000, 1000)
+    ids = torch.cat([runner.sample_next(None, step)[0] for _ in range(1050)])  # past 2^20 ids
+    stream_len = 1 << 20
+    assert torch.equal(ids[stream_len:], ids[:ids.shape[0] - stream_len])  # the stream again
+    assert 7 not in set(ids[:stream_len].tolist()) and len(set(ids[:stream_len].tolist())) == 49
+    ids_, failed = runner.sample_next(None, _Batch(ForwardMode.DECODE, 3, 3))
+    assert failed.tolist() == [False] * 3 and ids_.dtype == torch.int64
+
+
 def test_bench_host_small_run(tmp_path, stories_path):
     out = tmp_path / "host.jsonl"
     proc = subprocess.run([
