@@ -43,11 +43,13 @@ class DeviceState:
         index arithmetic is done on the host in numpy, where the arrays already are, so the
         device gets its inputs in one transfer and few calls (each torch call costs the worker
         a GIL release and re-acquire; on CUDA each copy a pinned staging buffer)."""
+        # the requests that left are gone whether or not this plan holds: a refused plan must
+        # not keep their sampling rows live (a later request on the row could not start)
+        self.sampling.release_rows(plan.released_rows)
         batch_size = plan.batch_size
         row_width = self.req_to_token.shape[1]
         if batch_size and int(plan.seq_lens.max()) > row_width:  # the flat index would spill
             raise ValueError(f"a request's {int(plan.seq_lens.max())} tokens exceed its row of {row_width}")
-        self.sampling.release_rows(plan.released_rows)
         self.sampling.set_rows(plan.new_sampling_rows)
         extend = plan.forward_mode is ForwardMode.EXTEND
         rows_np = plan.req_pool_indices.astype(np.int64)

@@ -59,10 +59,13 @@ def test_extend_then_decode_write_exact_rows_and_inputs():
 
 def test_plans_that_disagree_or_spill_past_a_row_are_refused():
     state = DeviceState(num_rows=2, row_width=4, vocab_size=8, device="cpu")
+    state.sampling.set_rows([SamplingRow(0, SamplingParams(), frozenset())])
+    # the plan also says row 0's request left: refused or not, its sampling row is released
     spill = StepPlan(ForwardMode.DECODE, req_pool_indices=i32(1), seq_lens=i32(5), positions=i64(4),
-                     out_cache_loc=i64(7))
+                     out_cache_loc=i64(7), released_rows=[0])
     with torch.inference_mode(), pytest.raises(ValueError, match="5 tokens exceed its row of 4"):
         state.forward_batch(spill)
+    assert state.sampling.num_live == 0 and not state.sampling.live[0]
     short = StepPlan(ForwardMode.EXTEND, req_pool_indices=i32(0), seq_lens=i32(2), positions=i64(0, 1),
                      out_cache_loc=i64(3, 4), input_ids=i32(1, 2), prefix_lens=i32(0), extend_lens=i32(2),
                      row_slots=i32(3))
