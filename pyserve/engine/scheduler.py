@@ -35,7 +35,7 @@ from typing import Callable
 
 import numpy as np
 
-from pyserve.engine.schedule_batch import Req, ScheduleBatch
+from pyserve.engine.schedule_batch import Req, ScheduleBatch, decodable
 from pyserve.engine.retraction import Retraction
 from pyserve.engine.schedule_policy import PrefillAdder, SchedulePolicy
 from pyserve.engine.worker import ModelWorker
@@ -359,7 +359,7 @@ class Scheduler(Retraction):
         can, unless logprobs are wanted by any (as SGLang, which does not mix them)."""
         if not self.enable_mixed_chunk or not self.running:
             return []
-        decodes = [r for r in self.running if r.decodable]
+        decodes = decodable(self.running)
         if any(r.logprob.return_logprob for r in decodes) or any(r.logprob.return_logprob for r in admitted):
             return []
         return decodes
@@ -391,11 +391,11 @@ class Scheduler(Retraction):
 
     def _decode_batch(self) -> ScheduleBatch | None:
         while True:
-            # `Req.decodable`, inlined: this runs over every running request each step
-            reqs = [r for r in self.running if r.finish_reason is None and r.num_planned < r.max_new_tokens]
+            reqs = decodable(self.running)
             if not reqs:
                 return None
-            arrays = self.kv_cache.prepare_decode(np.fromiter(map(_REQ_ID, reqs), dtype=np.int64, count=len(reqs)))
+            req_ids = np.fromiter(map(_REQ_ID, reqs), dtype=np.int64, count=len(reqs))
+            arrays = self.kv_cache.prepare_decode(req_ids)
             if arrays is not None:
                 self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay,
                                            self.min_new_token_ratio)
