@@ -82,19 +82,39 @@ def start_server(tmp_path_factory: pytest.TempPathFactory, name: str, args: list
 CHAT_TEMPLATE = REPO / "tests" / "data" / "stories_chat_template.jinja"
 
 
+def is_idle(info: dict) -> bool:
+    """True when a /get_server_info (or Engine.get_server_info) dict shows nothing running,
+    waiting or holding KV, and no request or sampling row still live on the worker."""
+    return (info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0 and info["kv_protected_slots"] == 0
+            and info["num_req_rows_used"] == 0 and info["num_sampling_rows_live"] == 0)
+
+
 def wait_idle(base_url: str, timeout_s: float = 30.0) -> dict:
-    """/get_server_info once nothing runs, waits or holds KV (raises AssertionError after
-    timeout_s)."""
+    """/get_server_info once `is_idle` holds (raises AssertionError after timeout_s)."""
     import httpx
 
     deadline = time.monotonic() + timeout_s
     while True:
         info = httpx.get(base_url + "/get_server_info").json()
-        if (info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0 and info["kv_protected_slots"] == 0
-                and info["num_req_rows_used"] == 0 and info["num_sampling_rows_live"] == 0):
+        if is_idle(info):
             return info
         assert time.monotonic() < deadline, info
         time.sleep(0.05)
+
+
+def wait_engine_idle(engine, timeout_s: float = 30.0) -> dict:
+    """engine.get_server_info() once `is_idle` holds (raises AssertionError after timeout_s).
+
+    A finished request's output reaches the caller before its rows are released on the worker
+    thread (the release is a queued item the worker takes in turn), so a test that checks the
+    counters right after `generate` returns must wait for them."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = engine.get_server_info()
+        if is_idle(info):
+            return info
+        assert time.monotonic() < deadline, info
+        time.sleep(0.02)
 
 
 def stories_chat_server(tmp_path_factory: pytest.TempPathFactory, stories_path: Path, name: str,

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from tests.conftest import start_server
+from tests.conftest import wait_idle as conftest_wait_idle
 
 POOL_TOKENS = 4096
 
@@ -56,13 +57,7 @@ def post(server, path: str, body, timeout: float = 120) -> httpx.Response:
 
 
 def wait_idle(server, timeout_s: float = 30) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        info = httpx.get(server.base_url + "/get_server_info").json()
-        if info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0:
-            return info
-        assert time.monotonic() < deadline, info
-        time.sleep(0.05)
+    return conftest_wait_idle(server.base_url, timeout_s)
 
 
 def test_greedy_equals_hf_reference(any_server, stories_reference):

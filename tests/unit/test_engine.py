@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from pyserve import InvalidRequestError, ModelStepError
-from tests.conftest import make_stories_engine
+from tests.conftest import make_stories_engine, wait_engine_idle
 
 POOL = 2048
 
@@ -24,22 +24,11 @@ def engine(request, stories_path):
     eng.shutdown()
 
 
-def wait_idle(engine) -> dict:
-    for _ in range(500):
-        info = engine.get_server_info()
-        if (info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0
-                and info["kv_protected_slots"] == 0 and info["num_req_rows_used"] == 0
-                and info["num_sampling_rows_live"] == 0):
-            return info
-        asyncio.run(asyncio.sleep(0.02))
-    return info
-
-
 @pytest.fixture(autouse=True)
 def no_kv_leak(engine):
     """After each test, once idle, every KV slot is free or evictable (none leaked)."""
     yield
-    info = wait_idle(engine)
+    info = wait_engine_idle(engine)
     assert info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0
     assert info["kv_protected_slots"] == 0
     assert info["num_req_rows_used"] == 0 and info["num_sampling_rows_live"] == 0
@@ -147,7 +136,7 @@ def test_abort_frees_kv_and_idle_accounting(engine):
         return got
 
     assert asyncio.run(stream_then_drop()) == 3
-    info = wait_idle(engine)
+    info = wait_engine_idle(engine)
     assert info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0
     assert info["kv_protected_slots"] == 0
     assert info["kv_free_slots"] + info["kv_evictable_slots"] == POOL
