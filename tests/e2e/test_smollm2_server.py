@@ -100,7 +100,7 @@ def test_openai_client_chat_stream_and_not(client):
 def test_greedy_equals_hf_transformers(server):
     """10 prompts x 64 tokens in one batched request equal HF's greedy ids. The HF ids of all 10
     are stored (tests/data/make_smollm2_reference.py regenerates them; HF takes minutes on a
-    CPU); two prompts are also re-run through HF live, so the stored file cannot go stale."""
+    CPU); the first prompt is also re-run through HF live, so the stored file cannot go stale."""
     import json
 
     from transformers import AutoTokenizer
@@ -116,7 +116,7 @@ def test_greedy_equals_hf_transformers(server):
     gguf = smollm2_gguf()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = load_hf_gguf(str(gguf))
-    for case in cases[:2]:
+    for case in cases[:1]:
         assert tok(case["prompt"]).input_ids == case["input_ids"]
         assert hf_greedy(model, case["input_ids"], 64) == case["output_ids"]
 
