@@ -93,13 +93,7 @@ def wait_idle(base_url: str, timeout_s: float = 30.0) -> dict:
     """/get_server_info once `is_idle` holds (raises AssertionError after timeout_s)."""
     import httpx
 
-    deadline = time.monotonic() + timeout_s
-    while True:
-        info = httpx.get(base_url + "/get_server_info").json()
-        if is_idle(info):
-            return info
-        assert time.monotonic() < deadline, info
-        time.sleep(0.05)
+    return _poll_until_idle(lambda: httpx.get(base_url + "/get_server_info").json(), timeout_s, 0.05)
 
 
 def wait_engine_idle(engine, timeout_s: float = 30.0) -> dict:
@@ -108,13 +102,17 @@ def wait_engine_idle(engine, timeout_s: float = 30.0) -> dict:
     A finished request's output reaches the caller before its rows are released on the worker
     thread (the release is a queued item the worker takes in turn), so a test that checks the
     counters right after `generate` returns must wait for them."""
+    return _poll_until_idle(engine.get_server_info, timeout_s, 0.02)
+
+
+def _poll_until_idle(get_info, timeout_s: float, period_s: float) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
-        info = engine.get_server_info()
+        info = get_info()
         if is_idle(info):
             return info
         assert time.monotonic() < deadline, info
-        time.sleep(0.02)
+        time.sleep(period_s)
 
 
 def stories_chat_server(tmp_path_factory: pytest.TempPathFactory, stories_path: Path, name: str,

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from tests.conftest import CHAT_TEMPLATE as TEMPLATE
 from tests.conftest import stories_chat_server
-from tests.conftest import wait_idle as conftest_wait_idle
+from tests.conftest import wait_idle
 from tests.e2e.text_exact import _sse, check_all, expected_continuation
 
 POOL = 4096
@@ -59,9 +59,6 @@ def tok(stories_path):
 def post(server, path: str, body) -> httpx.Response:
     return httpx.post(server.base_url + path, json=body, timeout=120)
 
-
-def wait_idle(server, timeout_s: float = 30) -> dict:
-    return conftest_wait_idle(server.base_url, timeout_s)
 
 
 def test_every_sglang_default_field_is_accepted(server):
@@ -260,7 +257,7 @@ def test_flush_cache(server):
     body = {"text": "The little red hen baked some bread", "sampling_params": {"max_new_tokens": 2}}
     post(server, "/generate", body)
     assert post(server, "/generate", body).json()["meta_info"]["cached_tokens"] > 0
-    wait_idle(server)
+    wait_idle(server.base_url)
     for method in ("POST", "GET"):
         r = httpx.request(method, server.base_url + "/flush_cache", timeout=30)
         assert r.status_code == 200, r.text
@@ -284,7 +281,7 @@ def test_flush_cache(server):
 
 
 def test_abort_request_ends_a_stream_and_frees_its_kv(server):
-    wait_idle(server)
+    wait_idle(server.base_url)
     events: list[dict] = []
     body = {"text": "Once upon a time", "rid": "abort-me", "stream": True,
             "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}}
@@ -307,7 +304,7 @@ def test_abort_request_ends_a_stream_and_frees_its_kv(server):
     last = events[-1]["meta_info"]
     assert last["finish_reason"]["type"] == "abort"
     assert last["completion_tokens"] < 500
-    info = wait_idle(server)
+    info = wait_idle(server.base_url)
     assert info["kv_free_slots"] + info["kv_evictable_slots"] == POOL
     # abort_all, and an unknown rid
     assert post(server, "/abort_request", {"rid": "nobody"}).json()["num_aborted"] == 0
@@ -396,7 +393,7 @@ def _stream_in_thread(server, path: str, body: dict, events: list) -> threading.
 
 def test_abort_by_rid_reaches_derived_requests(server):
     """A rid also names what is derived from it: the prompts of a batch, the n samples."""
-    wait_idle(server)
+    wait_idle(server.base_url)
     results: dict[str, httpx.Response] = {}
     bodies = {
         "batch": ("/v1/completions", {"prompt": ["Tom", "Lily"], "rid": "rr", "max_tokens": 400,
@@ -423,7 +420,7 @@ def test_abort_by_rid_reaches_derived_requests(server):
     assert [c["finish_reason"] for c in results["batch"].json()["choices"]] == ["abort", "abort"]
     assert [o["meta_info"]["finish_reason"]["type"] for o in results["native"].json()] == ["abort"] * 2
     assert [o["meta_info"]["finish_reason"]["type"] for o in results["n"].json()] == ["abort"] * 2
-    wait_idle(server)
+    wait_idle(server.base_url)
 
 
 def test_openai_nulls_mean_defaults_and_more_options(server):
@@ -499,7 +496,7 @@ def test_router_facing_routes(server, stories_path):
     assert httpx.get(server.base_url + "/model_info").json() == httpx.get(server.base_url + "/get_model_info").json()
     info = httpx.get(server.base_url + "/server_info").json()
     assert info["internal_states"] and info["max_total_num_tokens"] == POOL
-    wait_idle(server)
+    wait_idle(server.base_url)
     load = httpx.get(server.base_url + "/get_load").json()
     assert load == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
 
@@ -557,7 +554,7 @@ def test_parameters_that_leave_nothing_to_sample_fail_only_their_request(server)
     for key in ("good0", "good1"):
         assert results[key][-1]["text"] == want
         assert results[key][-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 120}
-    wait_idle(server)
+    wait_idle(server.base_url)
 
 
 def test_abort_names_only_what_it_derived(server):

