@@ -11,6 +11,21 @@ import pytest
 from pyserve import InvalidRequestError
 from tests.conftest import make_stories_engine
 
+# The request that holds the one running slot: the reference's longest case (its prompt is
+# the BOS token alone), run far past its 200 reference tokens so that it is still running
+# when the later requests come, however fast the machine (a 60-token one finished within the
+# tests' old fixed sleeps on a fast machine); its output is checked against the reference's
+# 200 tokens (greedy: a prefix).
+BUSY_NEW_TOKENS = 480
+
+
+async def _until(eng, what: str, pred) -> None:
+    """Poll eng.get_server_info() (on the engine's loop thread) until pred(info) holds."""
+    deadline = asyncio.get_running_loop().time() + 30
+    while not pred(info := eng.get_server_info()):
+        assert asyncio.get_running_loop().time() < deadline, (what, info)
+        await asyncio.sleep(0.002)
+
 
 def test_waiting_requests_run_most_urgent_first(stories_path, stories_reference):
     eng = make_stories_engine(stories_path, 2048, max_running_requests=1, enable_priority_scheduling=True)
@@ -26,10 +41,19 @@ def test_waiting_requests_run_most_urgent_first(stories_path, stories_reference)
                 done.append(rid)
                 return out
 
-            first = asyncio.ensure_future(one("busy", 0, 60))  # holds the one slot
-            await asyncio.sleep(0.2)
+            busy_case = stories_reference[0]
+
+            async def busy() -> dict:
+                out = await eng.async_generate(input_ids=busy_case["input_ids"], rid="busy", priority=0,
+                                               sampling_params=dict(params, max_new_tokens=BUSY_NEW_TOKENS))
+                done.append("busy")
+                return out
+
+            first = asyncio.ensure_future(busy())  # holds the one slot
+            await _until(eng, "busy running", lambda i: i["num_running_reqs"] == 1)
             outs = await asyncio.gather(one("p1", 1), one("p9", 9), one("p5", 5), first)
-            assert all(o["output_ids"] == case["output_ids"][:len(o["output_ids"])] for o in outs)
+            assert outs[3]["output_ids"][:200] == busy_case["output_ids"]
+            assert all(o["output_ids"] == case["output_ids"][:12] for o in outs[:3])
             return done
 
         assert asyncio.run(body()) == ["busy", "p9", "p5", "p1"]
@@ -63,10 +87,12 @@ def test_a_full_queue_lets_the_least_urgent_go_for_a_more_urgent_one(stories_pat
                 return await eng.async_generate(input_ids=case["input_ids"], rid=rid, priority=priority,
                                                 sampling_params={"temperature": 0, "max_new_tokens": max_new,
                                                                  "ignore_eos": True})
-            busy = asyncio.ensure_future(one("busy", 5, 60))  # runs
-            await asyncio.sleep(0.05)
+            busy = asyncio.ensure_future(eng.async_generate(
+                input_ids=stories_reference[0]["input_ids"], rid="busy", priority=5,
+                sampling_params={"temperature": 0, "max_new_tokens": BUSY_NEW_TOKENS, "ignore_eos": True}))  # runs
+            await _until(eng, "busy running", lambda i: i["num_running_reqs"] == 1)
             low = asyncio.ensure_future(one("low", 1))  # waits: the queue is full now
-            await asyncio.sleep(0.02)
+            await _until(eng, "low waiting", lambda i: i["num_waiting_reqs"] == 1)
             with pytest.raises(QueueFullError):
                 await one("lower", 0)  # not more urgent than low: refused
             high = await one("high", 9)  # more urgent: low is let go, high runs
@@ -75,7 +101,8 @@ def test_a_full_queue_lets_the_least_urgent_go_for_a_more_urgent_one(stories_pat
             return await busy, high
 
         busy, high = asyncio.run(body())
-        assert busy["output_ids"] == case["output_ids"][:60] and high["output_ids"] == case["output_ids"][:12]
+        assert busy["output_ids"][:200] == stories_reference[0]["output_ids"]
+        assert len(busy["output_ids"]) == BUSY_NEW_TOKENS and high["output_ids"] == case["output_ids"][:12]
     finally:
         eng.shutdown()
 
