@@ -12,6 +12,9 @@ GREEDY_TEMPERATURE = 1e-5
 # Parallel samples per prompt at most (OpenAI's limit for n is 128).
 MAX_N = 128
 
+# the largest finite float32 (the dtype of the worker's sampling rows)
+FLOAT32_MAX = 3.4028234663852886e38
+
 
 class SamplingParams(BaseModel):
     """How to sample one request's output. Validation errors become HTTP 400.
@@ -47,7 +50,8 @@ class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     max_new_tokens: int | None = Field(default=128, ge=0)
-    temperature: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
+    # (the worker keeps temperatures as float32: a larger one would become inf, uniform sampling)
+    temperature: float = Field(default=1.0, ge=0.0, le=FLOAT32_MAX, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = -1
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
