@@ -19,6 +19,13 @@ from tests.conftest import make_stories_engine
 BUSY_NEW_TOKENS = 480
 
 
+async def _busy(eng, busy_case: dict, priority: int) -> dict:
+    """The long greedy request that holds the one running slot (see BUSY_NEW_TOKENS)."""
+    return await eng.async_generate(input_ids=busy_case["input_ids"], rid="busy", priority=priority,
+                                    sampling_params={"temperature": 0, "max_new_tokens": BUSY_NEW_TOKENS,
+                                                     "ignore_eos": True})
+
+
 async def _until(eng, what: str, pred) -> None:
     """Poll eng.get_server_info() (on the engine's loop thread) until pred(info) holds."""
     deadline = asyncio.get_running_loop().time() + 30
@@ -44,8 +51,7 @@ def test_waiting_requests_run_most_urgent_first(stories_path, stories_reference)
             busy_case = stories_reference[0]
 
             async def busy() -> dict:
-                out = await eng.async_generate(input_ids=busy_case["input_ids"], rid="busy", priority=0,
-                                               sampling_params=dict(params, max_new_tokens=BUSY_NEW_TOKENS))
+                out = await _busy(eng, busy_case, 0)
                 done.append("busy")
                 return out
 
@@ -87,9 +93,7 @@ def test_a_full_queue_lets_the_least_urgent_go_for_a_more_urgent_one(stories_pat
                 return await eng.async_generate(input_ids=case["input_ids"], rid=rid, priority=priority,
                                                 sampling_params={"temperature": 0, "max_new_tokens": max_new,
                                                                  "ignore_eos": True})
-            busy = asyncio.ensure_future(eng.async_generate(
-                input_ids=stories_reference[0]["input_ids"], rid="busy", priority=5,
-                sampling_params={"temperature": 0, "max_new_tokens": BUSY_NEW_TOKENS, "ignore_eos": True}))  # runs
+            busy = asyncio.ensure_future(_busy(eng, stories_reference[0], 5))  # runs
             await _until(eng, "busy running", lambda i: i["num_running_reqs"] == 1)
             low = asyncio.ensure_future(one("low", 1))  # waits: the queue is full now
             await _until(eng, "low waiting", lambda i: i["num_waiting_reqs"] == 1)
