@@ -28,14 +28,9 @@ CACHE=${PYSERVE_GPU_CACHE:-$HOME/.cache/pyserve-gpu-pack}
 # A target folder of its own: the pyo3 extension-module build would otherwise invalidate the
 # shared one's `cargo test --release` artifacts (other clones and `make test` use it).
 export CARGO_TARGET_DIR=$CACHE/target
+HOST_WHEELS=$CACHE/host-wheels  # the pinned set for this interpreter (the dry run's)
 BUDGET_MIB=55      # what .gpu/ aims at; the GGUF gets whatever the rest leaves
 LIMIT_MIB=60       # hard stop
-# pyserve's runtime dependencies (pyproject.toml) that the device image lacks
-# (device_packages.txt), with what they need in turn (their Requires-Dist; check_wheel_deps.py
-# below verifies the closure). typing-extensions is on the device, but pydantic needs >= 4.16
-# and the device's version is unknown, so it travels too.
-DEPS=(gguf starlette uvicorn httptools pydantic pydantic-core annotated-types
-      typing-inspection typing-extensions orjson)
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64
            manylinux2014_x86_64 manylinux1_x86_64)
 
@@ -48,26 +43,31 @@ rm -rf "$CACHE/build" && mkdir -p "$CACHE/build"
 "$MATURIN" build --release --quiet -i "$PY" -o "$CACHE/build" 2>&1 | tail -n 3
 (cd kernels && "$MATURIN" build --release --quiet -i "$PY" -o "$CACHE/build") 2>&1 | tail -n 3
 
-echo "== dependency wheels for CPython 3.12 (versions of the local venv)"
+echo "== dependency wheels, pinned to the venv's versions (benches/gpu/pins.py)"
+# pyserve's runtime closure minus what the device image has, at the versions the tests ran
+# with: for CPython 3.12 (.gpu/wheels, the device's set) and for this venv's interpreter
+# (HOST_WHEELS, what `run.sh --dry-run` installs here: the same pins).
+pins=$("$PY" benches/gpu/pins.py closure) || { echo "pack.sh: cannot pin pyserve's closure" >&2; exit 1; }
+echo "  $(echo $pins)"
 platform_args=()
 for p in "${PLATFORMS[@]}"; do platform_args+=(--platform "$p"); done
-pins=$("$PY" - "${DEPS[@]}" <<'EOF'
-import importlib.metadata as md, sys
-print(" ".join(f"{name}=={md.version(name)}" for name in sys.argv[1:]))
-EOF
-)
 # shellcheck disable=SC2086
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     "${platform_args[@]}" -d "$CACHE/deps" $pins
+rm -rf "$HOST_WHEELS" && mkdir -p "$HOST_WHEELS"
+# shellcheck disable=SC2086
+"$PY" -m pip download -q --no-deps --only-binary=:all: -d "$HOST_WHEELS" $pins
 rm -f "$GPU"/wheels/*.whl
 cp "$CACHE"/build/*.whl "$GPU/wheels/"
 for pin in $pins; do
     name=${pin%%==*}; version=${pin##*==}
-    # wheel file names use the normalized name with '_' (PEP 427)
-    file=$(ls "$CACHE/deps/${name//-/_}-${version}-"*.whl 2>/dev/null | head -n 1 || true)
-    [[ -n $file ]] || { echo "pack.sh: no wheel for $pin in $CACHE/deps" >&2; exit 1; }
+    # wheel file names use the normalized name with '_' (PEP 427); cp312 or pure Python
+    file=$(ls "$CACHE/deps/${name//-/_}-${version}-"*{cp312,py3,abi3}*.whl 2>/dev/null | head -n 1 || true)
+    [[ -n $file ]] || { echo "pack.sh: no CPython 3.12 wheel of $pin in $CACHE/deps" >&2; exit 1; }
     cp "$file" "$GPU/wheels/"
 done
+"$PY" benches/gpu/pins.py check "$GPU/wheels" || exit 1
+"$PY" benches/gpu/pins.py check "$HOST_WHEELS" || exit 1
 "$PY" benches/gpu/check_wheel_deps.py "$GPU/wheels"
 
 echo "== stories260k"

@@ -13,16 +13,20 @@
 # changed since pack.sh built them.
 #
 # Steps, each under its own `timeout`, all of them within TOTAL_S (default 460 s, so the
-# script ends inside 8 minutes):
-#   (a) pytest -q -m gpu tests/            the GPU-marked tests          (cap PYTEST_S=90)
-#   (b) benches/gpu/check_greedy.py        backends agree on greedy ids  (cap GREEDY_S=100)
-#   (c) benches/gpu/bench_decode.py        kernels, decode, throughput   (cap BENCH_S=270)
+# script ends inside 8 minutes); a step gets its cap or what is left, whichever is less:
+#   (a) pytest -q -m gpu tests/            the GPU-marked tests          (cap PYTEST_S=80)
+#   (b) benches/gpu/check_greedy.py        backends agree on greedy ids  (cap GREEDY_S=90)
+#   (c) benches/gpu/bench_decode.py        kernels, decode, throughput   (cap BENCH_S=180)
+#   (d) pyserve bench host                 the host path on a simulated 2 ms device, 64 and
+#                                          256 clients, streamed and whole, overlap on and
+#                                          off, the client on cores of its own (cap HOST_S=110)
 # Logs and results go under ${OUT:-/tmp/out} (at most 8 files: what the device tool returns);
-# the summary table is printed last.
+# the summary table is printed last, one line per step. benches/gpu/README.md tells the rest.
 #
-# --dry-run: installs into a temporary --target (all wheels for CPython 3.12, as there, and
-# separately those this interpreter can load, which pyserve is then imported from), collects
-# the GPU tests without running them, and runs (b) and (c) with --device cpu --tiny.
+# --dry-run (here, with the project's venv): installs into a temporary --target (the whole
+# set for CPython 3.12, as there, and separately the same pins for this interpreter, which
+# pyserve is then imported from), collects the GPU tests without running them, and runs (b)
+# and (c) with --device cpu --tiny and (d) with 4 clients and short requests.
 set -uo pipefail
 
 cd "$(dirname "$0")/../.."
@@ -36,7 +40,12 @@ esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export OUT PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
+# there the image's python3; here (dry run) the project's venv, which has torch and the rest
+if [[ $DRY == 1 && -x $HOME/.cache/pyserve-venv/bin/python ]]; then
+    PY=${PYTHON:-$HOME/.cache/pyserve-venv/bin/python}
+else
+    PY=${PYTHON:-python3}
+fi
 TOTAL_S=${TOTAL_S:-460}
 start_s=$SECONDS
 SUMMARY=$OUT/summary.txt
@@ -53,6 +62,9 @@ packed=$(awk '/^rust_sources_sha256/ {print $2}' .gpu/manifest.txt 2>/dev/null |
 if [[ $packed != "$(bash benches/gpu/rust_hash.sh)" ]]; then
     say "WARNING: the Rust sources differ from those .gpu/wheels was built from: re-run pack.sh"
 fi
+
+declare -a NAMES RCS SECS STATES  # one summary row per step, the install included
+install_t0=$SECONDS
 
 # ---------------------------------------------------------------- install
 pip_install() {  # pip_install TARGET WHEEL... [extra pip flags via PIP_EXTRA]
@@ -77,15 +89,19 @@ if [[ $DRY == 1 ]]; then
 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 --platform manylinux1_x86_64 --platform manylinux_2_5_x86_64 --only-binary=:all:" \
         pip_install "$SITE/py312" .gpu/wheels/*.whl || die "the wheels do not install for CPython 3.12 (see $OUT/install.log)"
-    # what this interpreter can load (the cp312-only ones come from its own environment)
-    loadable=()
-    for w in .gpu/wheels/*.whl; do [[ $w == *-cp312-cp312-* ]] || loadable+=("$w"); done
+    # the same pins for this interpreter (pack.sh downloaded them), with pyserve's own wheels
+    host_wheels=${PYSERVE_GPU_CACHE:-$HOME/.cache/pyserve-gpu-pack}/host-wheels
+    "$PY" benches/gpu/pins.py check "$host_wheels" >>"$OUT/install.log" 2>&1 \
+        || die "$host_wheels is not the venv's pinned set: re-run pack.sh (see $OUT/install.log)"
+    loadable=(.gpu/wheels/pyserve-*.whl .gpu/wheels/pyserve_kernels-*.whl "$host_wheels"/*.whl)
     pip_install "$SITE/site" "${loadable[@]}" || die "install failed (see $OUT/install.log)"
     overlay_sources "$SITE/site" || die "could not lay the tree's sources over the wheels"
     export PYTHONPATH=$SITE/site
-    where=$(cd /tmp && "$PY" -c "import pyserve, pyserve_kernels, pyserve._rs, pyserve_kernels._cpu; print(pyserve.__file__)")
+    where=$(cd /tmp && "$PY" -c "import pyserve, pyserve_kernels, pyserve._rs, pyserve_kernels._cpu, pydantic; print(pyserve.__file__)" 2>>"$OUT/install.log") \
+        || die "pyserve does not import from the wheels: $(tail -n 1 "$OUT/install.log")"
     [[ $where == "$SITE/site/"* ]] || die "pyserve imported from $where, not from the wheels"
-    say "installed ${#loadable[@]} of $(ls .gpu/wheels/*.whl | wc -l) wheels into $SITE/site; pyserve from there"
+    install_note="CPython 3.12 set, and ${#loadable[@]} pinned wheels here; pyserve from them"
+    say "installed the pinned set for this interpreter (${#loadable[@]} wheels) into $SITE/site; pyserve from there"
 else
     SITE=/tmp/site
     pip_install "$SITE" .gpu/wheels/*.whl || die "install failed (see $OUT/install.log)"
@@ -95,13 +111,15 @@ else
         && cp "$SITE"/pyserve_kernels/_cpu*.so kernels/pyserve_kernels/ \
         || die "could not lay the tree's sources over the wheels"
     export PYTHONPATH=$SITE
+    install_note="$(ls .gpu/wheels/*.whl | wc -l) wheels; the tree's sources with their native modules"
     say "installed $(ls .gpu/wheels/*.whl | wc -l) wheels into $SITE; the tree's sources run with their native modules"
 fi
 export PYSERVE_SHARED=$REPO/.gpu/shared
 say "$("$PY" -c 'import sys, torch, triton, transformers; print(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}, cuda {torch.cuda.is_available()}")' 2>&1)"
 
+NAMES+=("install"); RCS+=(0); SECS+=($(( SECONDS - install_t0 ))); STATES+=("passed ($install_note)")
+
 # ---------------------------------------------------------------- steps
-declare -a NAMES RCS SECS STATES
 run_step() {  # run_step NAME CAP_S LOG CMD...
     local name=$1 cap=$2 log=$3; shift 3
     local left=$(( TOTAL_S - (SECONDS - start_s) ))
@@ -125,20 +143,34 @@ run_step() {  # run_step NAME CAP_S LOG CMD...
     grep -v -e '^nanobind' -e '^ - ' -e '^See https://nanobind' "$log" | tail -n 2
 }
 
+# The host path against a simulated 2 ms device: streamed and whole, overlap on and off, the
+# tokenizer of the packed SmolLM2. On a machine with cores to spare the load generator gets
+# cores of its own (taskset), so it does not starve the server.
+host_args=(--model-path "$(ls .gpu/models/smollm2-*.gguf | head -n 1)" --decode-step-ms 2
+           --stream both --overlap both)
+client_cpus=()
+ncpu=$(nproc)
+(( ncpu >= 8 )) && client_cpus=(--client-cpus "$(( ncpu * 3 / 4 ))-$(( ncpu - 1 ))")
+
 if [[ $DRY == 1 ]]; then
-    run_step "pytest -m gpu (collect only)" "${PYTEST_S:-90}" "$OUT/pytest.log" \
+    run_step "pytest -m gpu (collect only)" "${PYTEST_S:-80}" "$OUT/pytest.log" \
         "$PY" -m pytest -q -m gpu --collect-only -p no:cacheprovider tests/
-    run_step "check_greedy --device cpu --tiny" "${GREEDY_S:-100}" "$OUT/check_greedy.log" \
+    run_step "check_greedy --device cpu --tiny" "${GREEDY_S:-90}" "$OUT/check_greedy.log" \
         "$PY" benches/gpu/check_greedy.py --device cpu --tiny
-    run_step "bench_decode --device cpu --tiny" "${BENCH_S:-270}" "$OUT/bench_decode.log" \
+    run_step "bench_decode --device cpu --tiny" "${BENCH_S:-180}" "$OUT/bench_decode.log" \
         "$PY" benches/gpu/bench_decode.py --device cpu --tiny
+    run_step "bench host (tiny, CPU)" "${HOST_S:-110}" "$OUT/bench_host.log" \
+        "$PY" -m pyserve bench host "${host_args[@]}" --clients 4 --input-len 32 --output-len 16
 else
-    run_step "pytest -m gpu" "${PYTEST_S:-90}" "$OUT/pytest.log" \
+    run_step "pytest -m gpu" "${PYTEST_S:-80}" "$OUT/pytest.log" \
         "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/
-    run_step "check_greedy" "${GREEDY_S:-100}" "$OUT/check_greedy.log" \
+    run_step "check_greedy" "${GREEDY_S:-90}" "$OUT/check_greedy.log" \
         "$PY" benches/gpu/check_greedy.py
-    run_step "bench_decode" "${BENCH_S:-270}" "$OUT/bench_decode.log" \
+    run_step "bench_decode" "${BENCH_S:-180}" "$OUT/bench_decode.log" \
         "$PY" benches/gpu/bench_decode.py
+    run_step "bench host" "${HOST_S:-110}" "$OUT/bench_host.log" \
+        "$PY" -m pyserve bench host "${host_args[@]}" --clients 64 256 \
+        "${client_cpus[@]}" --requests-per-client 2
 fi
 
 # ---------------------------------------------------------------- summary
@@ -157,6 +189,11 @@ table_of() {  # table_of LOG TITLE: the table a script printed last, or its prog
     echo
     table_of "$OUT/bench_decode.log" "bench_decode on"
     echo
+    if [[ -f $OUT/bench_host.log ]]; then
+        echo "== bench host (simulated device; loop and writer CPU per generated token)"
+        grep -e '^ *overlap' -e '^---' -e '^ *o[nf]f* ' "$OUT/bench_host.log" | tail -n 12
+        echo
+    fi
     echo "== summary ($(( SECONDS - start_s )) s in all; logs in $OUT)"
     printf '%-36s | %-4s | %-6s | %s\n' step rc time status
     for i in "${!NAMES[@]}"; do

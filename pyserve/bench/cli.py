@@ -138,6 +138,14 @@ def check_args(args: argparse.Namespace) -> str | None:
         for name in ("decode_us_per_req", "extend_us_per_token"):
             if not getattr(args, name) >= 0:
                 return f"--{name.replace('_', '-')}: got {getattr(args, name)}; must be >= 0"
+        if args.client_cpus is not None:
+            from pyserve.bench.host import parse_cpu_list
+            from pyserve.bench.serve import BenchError
+
+            try:
+                parse_cpu_list(args.client_cpus)
+            except BenchError as exc:
+                return str(exc)
     if args.bench_command == "serve":
         if not args.request_rate > 0:
             return f"--request-rate: got {args.request_rate}; must be > 0 (inf: all at once)"

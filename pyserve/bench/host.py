@@ -16,6 +16,8 @@ import argparse
 import asyncio
 import itertools
 import json
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -51,7 +53,27 @@ def add_host_args(p: argparse.ArgumentParser) -> None:
            "the clients so they do not run in lockstep (default: %(default)s: all at once)")
     a("--overlap", choices=["on", "off", "both"], default="both",
       help="overlap scheduling on and/or off (--disable-overlap-schedule) (default: %(default)s)")
+    a("--client-cpus", default=None, metavar="LIST",
+      help="run the load generator on these CPUs (taskset's list, e.g. 12-15) and the server on the "
+           "others, so the client does not take the server's cores (default: both on all)")
     a("--output-file", default=None, help="append one JSON line per case")
+
+
+def parse_cpu_list(text: str) -> set[int]:
+    """CPU numbers of a taskset-style list ("0-3,8,10-11"). Raises BenchError on a malformed
+    list or one naming CPUs this process may not run on."""
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            first, _, last = part.partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise BenchError(f"--client-cpus {text!r}: expected a list like 12-15 or 2,3") from None
+    allowed = os.sched_getaffinity(0)
+    if not cpus or not cpus < allowed:
+        raise BenchError(f"--client-cpus {text!r}: must be a proper subset of the CPUs this process "
+                         f"may use ({min(allowed)}-{max(allowed)}, {len(allowed)} of them)")
+    return cpus
 
 
 class HostServer:
@@ -137,6 +159,8 @@ def run_case(server: HostServer, clients: int, stream: bool, decode_ms: float, o
                "--random-range-ratio", "1", "--warmup-requests", "0", "--disable-tqdm",
                "--request-rate", str(args.request_rate),
                "--output-file", str(out)] + ([] if stream else ["--disable-stream"])
+        if args.client_cpus:
+            cmd = ["taskset", "-c", args.client_cpus] + cmd
         runner.reset_busy()
         cpu_before, writer_before = server.loop_cpu_s(), server.writer_cpu_s()
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -164,6 +188,13 @@ def run_host(args: Any) -> list[dict[str, Any]]:
     """All cases of `pyserve bench host`; prints a table, returns the JSON-able rows."""
     streams = {"on": [True], "off": [False], "both": [True, False]}[args.stream]
     context_len = args.input_len + args.output_len + 8
+    if args.client_cpus:
+        if shutil.which("taskset") is None:
+            raise BenchError("--client-cpus needs taskset (util-linux), which is not on PATH")
+        # the server's threads (the loop, the worker, torch's) keep off the client's CPUs
+        server_cpus = os.sched_getaffinity(0) - parse_cpu_list(args.client_cpus)
+        os.sched_setaffinity(0, server_cpus)
+        print(f"load generator on CPUs {args.client_cpus}, server on the other {len(server_cpus)}")
     most = max(args.clients)
     server = HostServer(args.model_path, most, context_len, max_total_tokens=most * context_len + 4096)
     rows = []

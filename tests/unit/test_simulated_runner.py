@@ -5,10 +5,12 @@ run serves every request through the real server with figures that add up."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from pyserve.forward_batch_info import ForwardMode
@@ -85,6 +87,24 @@ def test_bench_host_bad_flags_exit_2(capsys):
     assert "--clients: got 0; must be > 0" in capsys.readouterr().err
     assert main(["host", "--decode-step-ms", "-1"]) == 2
     assert main(["host", "--input-len", "0"]) == 2
+    assert main(["host", "--client-cpus", "2-x"]) == 2
+    assert "--client-cpus '2-x': expected a list like 12-15 or 2,3" in capsys.readouterr().err
+    every = ",".join(str(cpu) for cpu in sorted(os.sched_getaffinity(0)))
+    assert main(["host", "--client-cpus", every]) == 2  # the server would have no CPU left
+    assert "must be a proper subset of the CPUs this process may use" in capsys.readouterr().err
+
+
+def test_client_cpu_list(monkeypatch):
+    from pyserve.bench.host import parse_cpu_list
+    from pyserve.bench.serve import BenchError
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert parse_cpu_list("12-15") == {12, 13, 14, 15}
+    assert parse_cpu_list("0-1,8,10-11") == {0, 1, 8, 10, 11}
+    with pytest.raises(BenchError, match="must be a proper subset"):
+        parse_cpu_list("14-16")  # 16 is not ours
+    with pytest.raises(BenchError, match="expected a list like"):
+        parse_cpu_list("")
 
 
 def test_submit_returns_once_the_worker_launched_the_step():
