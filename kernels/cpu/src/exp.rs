@@ -9,7 +9,10 @@
 
 const LOG2_E: f32 = std::f32::consts::LOG2_E;
 // ln 2 = LN2_HI + LN2_LO, LN2_HI having few enough mantissa bits that n * LN2_HI is exact.
+// Written out in full (clippy allowed): the decimal is the f32 value exactly, which is the point.
+#[allow(clippy::excessive_precision)]
 const LN2_HI: f32 = 0.693_145_751_953_125;
+#[allow(clippy::excessive_precision)]
 const LN2_LO: f32 = 1.428_606_765_330_187e-6;
 // 1.5 * 2^23: adding and subtracting it rounds a float below 2^22 to the nearest integer.
 const ROUND_MAGIC: f32 = 12_582_912.0;

@@ -21,7 +21,7 @@ fn normalize_row(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
 /// Panics unless x and out have the same length, a multiple of weight.len() (> 0).
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32], num_threads: usize) {
     let hidden = weight.len();
-    assert!(hidden > 0 && x.len() == out.len() && x.len() % hidden == 0, "rms_norm: bad lengths");
+    assert!(hidden > 0 && x.len() == out.len() && x.len().is_multiple_of(hidden), "rms_norm: bad lengths");
     for_row_chunks(out, hidden, threads_for(x.len(), num_threads), |first, chunk| {
         rms_norm_rows(&x[first * hidden..first * hidden + chunk.len()], weight, eps, chunk);
     });
@@ -31,7 +31,7 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32], num_thread
 /// Panics unless x and residual have the same length, a multiple of weight.len() (> 0).
 pub fn fused_add_rms_norm(x: &mut [f32], residual: &mut [f32], weight: &[f32], eps: f32, num_threads: usize) {
     let hidden = weight.len();
-    assert!(hidden > 0 && x.len() == residual.len() && x.len() % hidden == 0, "fused_add_rms_norm: bad lengths");
+    assert!(hidden > 0 && x.len() == residual.len() && x.len().is_multiple_of(hidden), "fused_add_rms_norm: bad lengths");
     for_row_chunks2(x, residual, hidden, hidden, threads_for(x.len(), num_threads), |_, x, residual| {
         add_rms_norm_rows(x, residual, weight, eps);
     });

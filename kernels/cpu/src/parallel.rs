@@ -113,7 +113,7 @@ pub fn for_row_chunks2<F>(a: &mut [f32], b: &mut [f32], a_row_len: usize, b_row_
 where
     F: Fn(usize, &mut [f32], &mut [f32]) + Sync,
 {
-    let rows = if a_row_len == 0 { 0 } else { a.len() / a_row_len };
+    let rows = a.len().checked_div(a_row_len).unwrap_or(0);
     let threads = threads.clamp(1, rows.max(1));
     if threads == 1 {
         return f(0, a, b);

@@ -21,11 +21,11 @@ pub fn rotary_embedding(
     sin: &[f32],
     num_threads: usize,
 ) {
-    assert!(head_dim > 0 && head_dim % 2 == 0, "rotary_embedding: head_dim {head_dim} must be even");
+    assert!(head_dim > 0 && head_dim.is_multiple_of(2), "rotary_embedding: head_dim {head_dim} must be even");
     if x.is_empty() || num_heads == 0 {
         return;
     }
-    assert!(row_len >= num_heads * head_dim && row_len > 0 && x.len() % row_len == 0, "rotary_embedding: bad row length");
+    assert!(row_len >= num_heads * head_dim && row_len > 0 && x.len().is_multiple_of(row_len), "rotary_embedding: bad row length");
     let num_tokens = x.len() / row_len;
     assert!(cos.len() == num_tokens * head_dim && sin.len() == cos.len(), "rotary_embedding: cos/sin must be [num_tokens, head_dim]");
     let work = num_tokens * num_heads * head_dim;

@@ -166,7 +166,7 @@ impl RowOps for Avx512 {
         use std::arch::x86_64::*;
         let d = k.len();
         assert_eq!(q.len(), G * d);
-        if d % 16 != 0 {
+        if !d.is_multiple_of(16) {
             // head_dim 8, 24, ...: AVX2's 8-float chunks cover it (AVX-512F CPUs have AVX2 and
             // FMA); 16-float chunks would leave it to the scalar tail.
             return Avx2::dot_heads::<G>(q, k);
