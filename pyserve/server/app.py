@@ -13,17 +13,6 @@ from pyserve.engine.engine_core import EngineCore
 from pyserve.server import native
 from pyserve.server.errors import EXCEPTION_HANDLERS
 from pyserve.server.openai import serving
-from pyserve.server.sse import RAW_SEND_KEY
-
-
-class PyserveApp(Starlette):
-    """Starlette, keeping the ASGI server's own `send` in the scope for SSE bodies (see
-    pyserve.server.sse.SSEResponse)."""
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            scope[RAW_SEND_KEY] = send
-        await super().__call__(scope, receive, send)
 
 
 def create_app(server_args: ServerArgs | None = None, model_runner: Any = None) -> Starlette:
@@ -45,5 +34,5 @@ def create_app(server_args: ServerArgs | None = None, model_runner: Any = None) 
                 hub.close()
             await engine.shutdown()
 
-    return PyserveApp(routes=native.ROUTES + serving.ROUTES, lifespan=lifespan,
+    return Starlette(routes=native.ROUTES + serving.ROUTES, lifespan=lifespan,
                      exception_handlers=EXCEPTION_HANDLERS)

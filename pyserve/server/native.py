@@ -10,11 +10,11 @@ from starlette.routing import Route
 
 from pyserve.engine.engine_core import EngineCore
 from pyserve.errors import InvalidRequestError
-from pyserve.io_struct import GenerateOutput, GenerateReqInput
+from pyserve.io_struct import GenerateReqInput, SingleReq
 from pyserve.server.errors import parse_json
 from pyserve.server.render import NativeStreamEncoder, SafeJSONResponse
-from pyserve.server.sse import sse_response, until_disconnect
-from pyserve.server.stream_hub import HubSSEResponse, StreamHub
+from pyserve.server.sse import until_disconnect
+from pyserve.server.stream_hub import StreamEncoder, StreamHub, StreamResponse, outputs_response
 
 
 def stream_hub_of(request: Request) -> StreamHub:
@@ -30,35 +30,33 @@ def engine_of(request: Request) -> EngineCore:
     return request.app.state.engine
 
 
-async def generate(request: Request) -> Response | HubSSEResponse:
+async def stream_response(request: Request, req: SingleReq, encode: StreamEncoder) -> StreamResponse:
+    """The streamed response of `req` through the app's StreamHub, its events made by `encode`.
+    A request the TokenizerManager refuses (invalid, queue full) raises here, before anything
+    is sent; n > 1 requests are validated at their first step (an error response then)."""
+    engine = engine_of(request)
+    hub = stream_hub_of(request)
+    if req.sampling_params.n > 1:
+        return outputs_response(hub, encode, engine.generate(req))
+    tm = engine.tokenizer_manager
+    treq = await tm.tokenize(req)
+    tm.check_can_start(req)
+    return StreamResponse(hub, encode, lambda stream: tm.start_stream(req, treq, stream.push),
+                          lambda: tm.abort_request(req.rid))
+
+
+async def generate(request: Request) -> Response | StreamResponse:
     """POST /generate: text or input_ids, single or a list; SSE when stream is true."""
     obj = GenerateReqInput.model_validate(await parse_json(request))
     engine = engine_of(request)
     engine.resolve_model(obj.model)
     reqs = obj.split()
     if obj.stream:
-        req = reqs[0]
-        if req.sampling_params.n == 1:  # the fast path: written by the stream hub
-            tm = engine.tokenizer_manager
-            treq = await tm.tokenize(req)  # errors surface here, before the 200 is sent
-            tm.check_can_start(req)
-            return HubSSEResponse(stream_hub_of(request), NativeStreamEncoder(),
-                                  lambda sink: tm.start_stream(req, treq, sink),
-                                  lambda: tm.abort_request(req.rid))
-        stream = engine.generate(req)
-        first = await anext_or_none(stream)  # errors surface here, before the 200 is sent
-        return sse_response(stream, first, GenerateOutput.to_native)
+        return await stream_response(request, reqs[0], NativeStreamEncoder())
     outs = await until_disconnect(request, engine.generate_all(reqs))
     dicts = [o.to_native() for o in outs]
     # a list for a list of prompts or n > 1 samples (SGLang's shape), else one object
     return SafeJSONResponse(dicts if obj.is_batch or len(dicts) > 1 else dicts[0])
-
-
-async def anext_or_none(it):  # type: ignore[no-untyped-def]
-    try:
-        return await it.__anext__()
-    except StopAsyncIteration:
-        return None
 
 
 async def health(request: Request) -> Response:

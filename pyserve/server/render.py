@@ -97,7 +97,7 @@ class NativeStreamEncoder:
         if len(text) != self._text_len + len(delta):  # not an extension (a stop string cut it)
             self._text = bytearray(json_bytes(text)[1:-1])
         elif delta:
-            self._text += _string_body(delta)
+            self._text += string_body(delta)
         self._text_len = len(text)
         num_ids, new = len(out.output_ids), out.ids_delta
         if num_ids != self._num_ids + len(new):
@@ -119,8 +119,12 @@ class NativeStreamEncoder:
         return b"".join((b'data: {"text":"', self._text, b'","output_ids":[', self._ids,
                          b'],"meta_info":', meta, b"}\n\n"))
 
+    def end(self) -> bytes:
+        """Nothing follows the last output's event but `data: [DONE]`."""
+        return b""
 
-def _string_body(text: str) -> bytes:
+
+def string_body(text: str) -> bytes:
     """`text` as the inside of a JSON string (what `json_bytes(text)` puts between quotes)."""
     try:
         return orjson.dumps(text)[1:-1]

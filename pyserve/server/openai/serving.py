@@ -9,27 +9,22 @@ Responses follow the OpenAI API's shapes (ids, `object`, `created`, `usage` with
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncIterator
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from pyserve.engine.engine_core import EngineCore
-from pyserve.errors import InvalidRequestError
 from pyserve.io_struct import GenerateOutput, SingleReq, new_rid
 from pyserve.server.errors import parse_json
-from pyserve.server.render import SafeJSONResponse
-from pyserve.server.native import anext_or_none, engine_of
-from pyserve.server.openai.logprobs import chat_logprobs, completion_logprobs, text_end
+from pyserve.server.native import engine_of, stream_response
+from pyserve.server.openai.logprobs import chat_logprobs, completion_logprobs
 from pyserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest
-from pyserve.server.sse import sse_response, until_disconnect
-
-
-def finish_reason(out: GenerateOutput) -> str | None:
-    if out.finish_reason is None:
-        return None
-    return out.finish_reason.kind.value
+from pyserve.server.openai.stream_encoders import ChatStreamEncoder, CompletionStreamEncoder, finish_reason
+from pyserve.server.render import SafeJSONResponse
+from pyserve.server.sse import until_disconnect
+from pyserve.server.stream_hub import StreamResponse
 
 
 def usage(outs: list[GenerateOutput], n: int = 1) -> dict[str, Any]:
@@ -50,52 +45,7 @@ def model_name(engine: EngineCore, requested: str | None) -> str:
     return engine.resolve_model(requested)
 
 
-def _index(out: GenerateOutput) -> int:
-    return out.index or 0
-
-
-class _StreamState:
-    """Per-choice progress of a stream: which outputs are latest, logprobs already sent."""
-
-    def __init__(self, first: GenerateOutput | None) -> None:
-        # the first output stands for every choice until each has its own (usage so far)
-        self.latest: dict[int, GenerateOutput] = {} if first is None else {_index(first): first}
-        self.sent_logprobs: dict[int, int] = {}
-
-    def usage(self) -> dict[str, Any]:
-        """Usage of the choices so far (the prompt counted once)."""
-        return _prompt_once([self.latest[i] for i in sorted(self.latest)])
-
-    def chunk(self, body: "ChatCompletionRequest | CompletionRequest", base: dict[str, Any],
-              choice: dict[str, Any]) -> dict[str, Any]:
-        """One streamed chunk: `base` (id, object, created, model) with one choice and the
-        usage the request's stream_options ask for."""
-        out = {**base, "choices": [choice]}
-        if body.continuous_usage:
-            out["usage"] = self.usage()
-        elif body.include_usage:
-            out["usage"] = None  # as OpenAI: only the last chunk carries usage
-        return out
-
-    def update(self, out: GenerateOutput) -> tuple[int, int]:
-        """Record `out`; returns (its choice index, output logprobs sent before it)."""
-        i = _index(out)
-        self.latest[i] = out
-        sent = self.sent_logprobs.get(i, 0)
-        if out.logprobs is not None:
-            self.sent_logprobs[i] = len(out.logprobs["output_token_logprobs"])
-        return i, sent
-
-
-def _prompt_once(outs: list[GenerateOutput]) -> dict[str, Any]:
-    """Usage fields of the samples of one prompt so far (prompt counted once)."""
-    prompt = outs[0].prompt_tokens if outs else 0
-    completion = sum(len(o.output_ids) for o in outs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": max((o.cached_tokens for o in outs), default=0)}}
-
-
-async def chat_completions(request: Request) -> Response:
+async def chat_completions(request: Request) -> Response | StreamResponse:
     body = ChatCompletionRequest.model_validate(await parse_json(request))
     body.check_supported()
     engine = engine_of(request)
@@ -108,9 +58,7 @@ async def chat_completions(request: Request) -> Response:
     rid = f"chatcmpl-{req.rid}"
     created = int(time.time())
     if body.stream:
-        stream = engine.generate(req)
-        first = await anext_or_none(stream)
-        return sse_response(_chat_chunks(first, stream, rid, created, name, body))
+        return await stream_response(request, req, ChatStreamEncoder(body, rid, created, name))
     outs = await until_disconnect(request, engine.generate_all([req]))
     return SafeJSONResponse({
         "id": rid, "object": "chat.completion", "created": created, "model": name,
@@ -122,36 +70,7 @@ async def chat_completions(request: Request) -> Response:
     })
 
 
-async def _chat_chunks(first: GenerateOutput | None, rest: AsyncIterator[GenerateOutput], rid: str,
-                       created: int, name: str, body: ChatCompletionRequest) -> AsyncIterator[dict[str, Any]]:
-    state = _StreamState(first)
-    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name}
-
-    def chunk(index: int, delta: dict[str, Any], reason: str | None, logprobs: Any = None) -> dict[str, Any]:
-        return state.chunk(body, base, {"index": index, "delta": delta, "logprobs": logprobs,
-                                        "finish_reason": reason})
-
-    try:
-        for i in range(body.n):
-            yield chunk(i, {"role": "assistant", "content": ""}, None)
-        out = first
-        while out is not None:
-            i, sent = state.update(out)
-            # a chunk carries the logprobs of the tokens it adds (even with no text yet)
-            new_logprobs = out.logprobs is not None and out.num_logprobs_delta > 0
-            if out.text_delta or new_logprobs:
-                logprobs = chat_logprobs(out, sent) if new_logprobs else None
-                yield chunk(i, {"content": out.text_delta}, None, logprobs)
-            if out.finished:
-                yield chunk(i, {}, finish_reason(out))
-            out = await anext_or_none(rest)
-        if body.include_usage:
-            yield {**base, "choices": [], "usage": state.usage()}
-    finally:
-        await rest.aclose()  # type: ignore[attr-defined]
-
-
-async def completions(request: Request) -> Response:
+async def completions(request: Request) -> Response | StreamResponse:
     body = CompletionRequest.model_validate(await parse_json(request))
     body.check_supported()
     engine = engine_of(request)
@@ -166,11 +85,11 @@ async def completions(request: Request) -> Response:
             for k, (text, ids) in enumerate(prompts)]
     rid = f"cmpl-{base_rid}"
     created = int(time.time())
-    if body.stream:
-        stream = engine.generate(reqs[0])
-        first = await anext_or_none(stream)  # validates the prompt before echoing it
+    if body.stream:  # (one prompt: check_supported)
+        if body.echo:  # a prompt is echoed only once it was found valid
+            await engine.tokenizer_manager.tokenize(reqs[0])
         echo = await _echo(engine, reqs[0], body)
-        return sse_response(_completion_chunks(first, stream, rid, created, name, body, echo))
+        return await stream_response(request, reqs[0], CompletionStreamEncoder(body, rid, created, name, echo))
     outs = await until_disconnect(request, engine.generate_all(reqs))
     echoes = [await _echo(engine, r, body) for r in reqs]
     choices = []
@@ -192,46 +111,6 @@ async def _echo(engine: EngineCore, req: SingleReq, body: CompletionRequest) -> 
     if body.logprobs is None:
         return await engine.prompt_text(req), None
     return await engine.prompt_text_offsets(req)
-
-
-async def _completion_chunks(first: GenerateOutput | None, rest: AsyncIterator[GenerateOutput],
-                             rid: str, created: int, name: str, body: CompletionRequest,
-                             echoed: tuple[str, list[int] | None]) -> AsyncIterator[dict[str, Any]]:
-    state = _StreamState(first)
-    echo, prompt_offsets = echoed
-    base = {"id": rid, "object": "text_completion", "created": created, "model": name}
-
-    def chunk(index: int, text: str, reason: str | None, logprobs: Any = None) -> dict[str, Any]:
-        return state.chunk(body, base, {"index": index, "text": text, "logprobs": logprobs,
-                                        "finish_reason": reason})
-
-    try:
-        # character offset of each choice's next token (logprobs): where the last sent
-        # token's text ends, whatever text is still held back for a stop string
-        offsets = [len(echo)] * body.n
-        if body.echo:
-            # the prompt's logprobs (echo) go with the echoed prompt
-            prompt_lp = None
-            if first is not None and first.logprobs is not None:
-                prompt_lp = completion_logprobs(first, 0, 0, echo=True, prompt_offsets=prompt_offsets)
-            for i in range(body.n):
-                yield chunk(i, echo, None, prompt_lp)
-        out = first
-        while out is not None:
-            i, sent = state.update(out)
-            new_logprobs = out.logprobs is not None and out.num_logprobs_delta > 0
-            if out.text_delta or out.finished or new_logprobs:
-                logprobs = None
-                if out.logprobs is not None:
-                    logprobs = completion_logprobs(out, sent, text_offset=offsets[i])
-                    if logprobs["tokens"]:
-                        offsets[i] = text_end(logprobs)
-                yield chunk(i, out.text_delta, finish_reason(out), logprobs)
-            out = await anext_or_none(rest)
-        if body.include_usage:
-            yield {**base, "choices": [], "usage": state.usage()}
-    finally:
-        await rest.aclose()  # type: ignore[attr-defined]
 
 
 def _model_card(engine: EngineCore) -> dict[str, Any]:

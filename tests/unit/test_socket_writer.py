@@ -1,4 +1,4 @@
-"""The StreamWriter on a real uvicorn server (httptools, uvloop) and real sockets: streams it
+"""The SocketWriter on a real uvicorn server (httptools, uvloop) and real sockets: streams it
 writes are byte for byte what the ASGI path writes; a reader too slow for the socket buffer
 still gets every byte in order (the stream goes back to the ASGI send); a client that leaves
 mid-stream aborts its request; a TLS connection is never written to directly; streams still
@@ -21,8 +21,9 @@ import uvicorn
 from pyserve.forward_batch_info import FinishReason
 from pyserve.io_struct import GenerateOutput
 from pyserve.server.http1 import HTTP1Protocol
+from pyserve.server.socket_writer import UVICORN_CYCLE_MODULE
 from pyserve.server.sse import DONE_EVENT
-from pyserve.server.stream_hub import HubSSEResponse, SSEStream, StreamHub
+from pyserve.server.stream_hub import Stream, StreamHub, StreamResponse
 
 
 def event(k: int, size: int) -> bytes:
@@ -55,25 +56,29 @@ class StreamServer:
 
     async def app(self, scope, receive, send) -> None:
         if self.hub is None:
-            self.hub = StreamHub(direct_writes=self.direct_writes)
+            self.hub = StreamHub(socket_writes=self.direct_writes)
             self.loop = asyncio.get_running_loop()
         query = dict(p.split("=") for p in scope["query_string"].decode().split("&"))
         n, size, pause = int(query["n"]), int(query["size"]), float(query.get("pause", 0))
         count = iter(range(n))
 
-        def encode(out: GenerateOutput) -> bytes:
-            return event(next(count), size)
+        class Encoder:
+            def __call__(self, out: GenerateOutput) -> bytes:
+                return event(next(count), size)
 
-        def start(sink) -> None:
+            def end(self) -> bytes:
+                return b""
+
+        def start(stream) -> None:
             async def produce() -> None:
                 for k in range(n):
-                    sink(GenerateOutput(rid="r", text="", text_delta="", output_ids=[], ids_delta=[],
+                    stream.push(GenerateOutput(rid="r", text="", text_delta="", output_ids=[], ids_delta=[],
                                         prompt_tokens=0, cached_tokens=0,
                                         finish_reason=FinishReason.length_limit(n) if k == n - 1 else None))
                     await asyncio.sleep(pause)
             asyncio.ensure_future(produce())
 
-        await HubSSEResponse(self.hub, encode, start, self.aborted.set)(scope, receive, send)
+        await StreamResponse(self.hub, Encoder(), start, self.aborted.set)(scope, receive, send)
 
     def stop(self) -> None:
         self.server.should_exit = True
@@ -85,8 +90,8 @@ def expected(n: int, size: int) -> bytes:
 
 
 def fds_closed(server) -> bool:
-    """Every socket fd the StreamWriter duplicated is closed again."""
-    writer = server.hub.writer
+    """Every socket fd the SocketWriter duplicated is closed again."""
+    writer = server.hub.socket_writer
     return writer is None or writer.open_fds == 0
 
 
@@ -111,7 +116,7 @@ def test_streams_are_written_byte_for_byte_and_every_fd_is_closed(server):
             assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
             assert r.content == expected(n, size)
         wait_for(lambda: fds_closed(server))
-    writer = server.hub.writer
+    writer = server.hub.socket_writer
     if server.direct_writes:
         assert writer.chunks_sent > 0 and writer.diverted == 0
     else:
@@ -126,7 +131,7 @@ def test_a_reader_slower_than_the_socket_gets_every_byte_in_order(server):
         body = r.read()
     assert body == expected(n, size)
     if server.direct_writes:
-        assert server.hub.writer.diverted == 1
+        assert server.hub.socket_writer.diverted == 1
     wait_for(lambda: fds_closed(server))
     assert not server.aborted.is_set()
 
@@ -141,7 +146,7 @@ def test_a_client_that_leaves_mid_stream_aborts_its_request(server):
     assert server.aborted.wait(10)
     wait_for(lambda: fds_closed(server))
     if server.direct_writes:
-        assert server.hub.writer.chunks_sent > 0  # it was written directly until the client left
+        assert server.hub.socket_writer.chunks_sent > 0  # it was written directly until the client left
 
 
 def test_a_tls_connection_is_never_written_directly(tmp_path):
@@ -155,7 +160,7 @@ def test_a_tls_connection_is_never_written_directly(tmp_path):
         with httpx.Client(verify=False, timeout=30) as client:
             for n, size in ((5, 10), (200, 1000)):
                 assert client.get(srv.url + f"?n={n}&size={size}").content == expected(n, size)
-        assert srv.hub.writer.chunks_sent == 0 and srv.hub.writer.open_fds == 0
+        assert srv.hub.socket_writer.chunks_sent == 0 and srv.hub.socket_writer.open_fds == 0
     finally:
         srv.stop()
 
@@ -188,10 +193,18 @@ def test_attach_refuses_what_it_cannot_write_plainly():
         async def send(self, message):
             pass
 
+        async def receive(self):
+            return {"type": "http.disconnect"}
+
+    Cycle.__module__ = UVICORN_CYCLE_MODULE  # stands for uvicorn's RequestResponseCycle
+
+    def stream_of(cycle, send=None) -> Stream:
+        return Stream(bytes, receive=cycle.receive, send=send or cycle.send)
+
     async def body():
         a, b = socket.socketpair()
         hub = StreamHub()
-        writer = hub.writer
+        writer = hub.socket_writer
         cases = {
             "https scheme": Cycle(Transport(a), scheme="https"),
             "TLS transport": Cycle(Transport(a, ssl_context=ssl.create_default_context())),
@@ -201,13 +214,18 @@ def test_attach_refuses_what_it_cannot_write_plainly():
             "client gone": Cycle(Transport(a), disconnected=True),
         }
         for name, cycle in cases.items():
-            stream = SSEStream(hub, bytes)
-            assert not writer.attach(stream, cycle.send) and stream.direct is None, name
-        assert not writer.attach(SSEStream(hub, bytes), FakeSendFn)  # not uvicorn's at all
-        stream = SSEStream(hub, bytes)
-        assert writer.attach(stream, Cycle(Transport(a)).send) and writer.open_fds == 1
+            stream = stream_of(cycle)
+            assert not writer.attach(stream) and stream.writer_state is None, name
+        ok = Cycle(Transport(a))
+        assert not writer.attach(stream_of(ok, FakeSendFn))  # a send that is not uvicorn's at all
+
+        async def wrapper(message):  # a middleware's send that might change the body
+            await ok.send(message)
+        assert not writer.attach(stream_of(ok, wrapper))
+        stream = stream_of(ok)
+        assert writer.attach(stream) and writer.open_fds == 1 and stream.writer is writer
         writer.release(stream)
-        assert stream.direct is None and writer.open_fds == 0
+        assert writer.open_fds == 0
         hub.close()
         a.close()
         b.close()
@@ -227,12 +245,12 @@ def test_streams_still_going_at_close_finish_from_the_loop():
             got, parts = b"", r.iter_raw()
             for part in parts:
                 got += part
-                if len(got) > 20 * size and srv.hub.writer._thread is not None:
+                if len(got) > 20 * size and srv.hub.socket_writer._thread is not None:
                     break
             srv.loop.call_soon_threadsafe(srv.hub.close)  # (what the app's lifespan end does)
             got += b"".join(parts)
         assert got == expected(n, size)
-        writer = srv.hub.writer
+        writer = srv.hub.socket_writer
         wait_for(lambda: not writer._thread.is_alive())
         assert writer.open_fds == 0 and not srv.aborted.is_set()
     finally:

@@ -1,0 +1,114 @@
+"""The ASGI writer of the stream hub: a slow reader holds up only its own stream (its chunks
+queue behind its write, in order, and go out joined), a failed write ends that stream alone,
+and a stream's first chunk and its end go through the hub's `attach`."""
+
+from __future__ import annotations
+
+import asyncio
+
+from pyserve.forward_batch_info import FinishReason
+from pyserve.io_struct import GenerateOutput
+from pyserve.server.sse import DONE_EVENT
+from pyserve.server.stream_hub import Stream, StreamHub
+
+
+class FakeSend:
+    """An ASGI send recording bodies; `gate` (a future) makes writes wait while it is set."""
+
+    def __init__(self) -> None:
+        self.bodies: list[bytes] = []
+        self.gate: asyncio.Future | None = None
+        self.broken = False
+
+    async def __call__(self, message: dict) -> None:
+        if self.broken:
+            raise ConnectionResetError("gone")
+        if self.gate is not None:
+            await self.gate
+        self.bodies.append(message["body"])
+
+
+class Encoder:
+    """Each output's text delta as the event's bytes; nothing after the last."""
+
+    def __call__(self, out: GenerateOutput) -> bytes:
+        return out.text_delta.encode()
+
+    def end(self) -> bytes:
+        return b""
+
+
+def output(delta: str, last: bool = False) -> GenerateOutput:
+    return GenerateOutput(rid="r", text="", text_delta=delta, output_ids=[], ids_delta=[], prompt_tokens=0,
+                          cached_tokens=0, finish_reason=FinishReason.length_limit(1) if last else None)
+
+
+async def settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+def started(hub: StreamHub) -> Stream:
+    stream = Stream(Encoder(), receive=None, send=FakeSend())
+    hub.attach(stream)
+    return stream
+
+
+def test_a_slow_reader_holds_up_only_its_own_stream():
+    async def body():
+        hub = StreamHub(socket_writes=False)
+        slow, fast = started(hub), started(hub)
+        slow.push(output("s1"))
+        fast.push(output("f1"))
+        await settle()
+        slow.send.gate = asyncio.get_running_loop().create_future()  # the client stops reading
+        for k in (2, 3):
+            slow.push(output(f"s{k}"))
+            fast.push(output(f"f{k}"))
+            await settle()
+        slow.push(output("s4", last=True))
+        fast.push(output("f4", last=True))
+        await settle()
+        assert fast.send.bodies == [b"f1", b"f2", b"f3", b"f4" + DONE_EVENT] and fast.done.done()
+        assert slow.send.bodies == [b"s1"] and not slow.done.done()
+        slow.send.gate.set_result(None)  # it reads again
+        slow.send.gate = None
+        await settle()
+        # s2 was mid-write; s3 and the end queued behind it and went out as one body
+        assert slow.send.bodies == [b"s1", b"s2", b"s3s4" + DONE_EVENT] and slow.done.done()
+        assert not slow.failed and slow.writer_state.task is None
+        hub.close()
+
+    asyncio.run(body())
+
+
+def test_a_broken_connection_ends_its_stream_only():
+    async def body():
+        hub = StreamHub(socket_writes=False)
+        gone, ok = started(hub), started(hub)
+        gone.send.broken = True
+        gone.push(output("g1"))
+        ok.push(output("o1", last=True))
+        await settle()
+        assert gone.failed and gone.done.done() and gone.closed
+        assert ok.send.bodies == [b"o1" + DONE_EVENT] and ok.done.done() and not ok.failed
+        gone.push(output("g2"))  # later output of a closed stream is dropped
+        await settle()
+        assert gone.send.bodies == []
+        hub.close()
+
+    asyncio.run(body())
+
+
+def test_outputs_before_the_start_go_out_first_and_whole():
+    async def body():
+        hub = StreamHub(socket_writes=False)
+        stream = Stream(Encoder(), receive=None, send=FakeSend())
+        stream.push(output("a"))
+        stream.push(output("b", last=True))
+        assert stream.first.result() is None and not stream.done.done()
+        hub.attach(stream)
+        await settle()
+        assert stream.send.bodies == [b"ab" + DONE_EVENT] and stream.done.done()
+
+    asyncio.run(body())
