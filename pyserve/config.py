@@ -226,7 +226,7 @@ class ServerArgs:
                "then multiples of 8)")
         a("--cuda-graph-bs", type=int, nargs="+", default=None,
           help="exactly these decode batch sizes are captured")
-        a("--gc-threshold", type=int, nargs="+", default=list(d["gc_threshold"].default), metavar="N",
+        a("--gc-threshold", type=int, nargs="+", default=list(ServerArgs.gc_threshold or ()), metavar="N",
           help="the garbage collector's thresholds while serving (gc.set_threshold; default: "
                "50000 10 10; Python's own are 700 10 10, whose many young-generation "
                "collections cost the loop more CPU and longer stalls at hundreds of requests)")

@@ -13,7 +13,7 @@ import threading
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any, overload
+from typing import Annotated, Any, cast, overload
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -185,13 +185,14 @@ class GenerateReqInput(BaseModel):
     def is_batch(self) -> bool:
         if self.text is not None:
             return isinstance(self.text, list)
-        return bool(self.input_ids) and isinstance(self.input_ids[0], list)
+        ids = self.input_ids
+        return ids is not None and len(ids) > 0 and isinstance(ids[0], list)
 
     @property
     def batch_size(self) -> int:
         if not self.is_batch:
             return 1
-        return len(self.text if self.text is not None else self.input_ids)  # type: ignore[arg-type]
+        return len(self.text) if self.text is not None else len(self.input_ids or ())
 
     def split(self) -> list["SingleReq"]:
         """One SingleReq per prompt, each with its own rid and sampling params."""
@@ -200,7 +201,9 @@ class GenerateReqInput(BaseModel):
         if self.input_ids is None:
             ids: list[list[int] | None] = [None] * n
         else:
-            ids = self.input_ids if self.is_batch else [self.input_ids]  # type: ignore[list-item]
+            # the validator checked the shape: a list of id lists in a batch, one id list else
+            ids = (list(cast("list[list[int]]", self.input_ids)) if self.is_batch
+                   else [cast("list[int]", self.input_ids)])
         sps = self.sampling_params if isinstance(self.sampling_params, list) else [self.sampling_params] * n
         parent = None
         if isinstance(self.rid, list):
@@ -214,7 +217,7 @@ class GenerateReqInput(BaseModel):
 
         token_ids = self.token_ids_logprob
         if token_ids and not isinstance(token_ids[0], list):
-            token_ids = [token_ids] * n  # type: ignore[list-item]
+            token_ids = [token_ids] * n
         out = []
         for i in range(n):
             start = per_prompt(self.logprob_start_len, i)

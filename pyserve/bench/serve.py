@@ -31,8 +31,7 @@ def run_async(coro: Any) -> Any:
         import uvloop
     except ImportError:  # Windows
         return asyncio.run(coro)
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(coro)
+    return uvloop.run(coro)
 
 
 class BenchError(Exception):

@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 from pyserve.engine.scheduler import TokenOut
 from pyserve.forward_batch_info import FinishKind, FinishReason, TokenLogprobs
 from pyserve.io_struct import GenerateOutput, IdsPrefix, LogprobParams, json_safe_logprob
@@ -101,7 +103,7 @@ class DecodeState:
         self.no_stop_trim = no_stop_trim
         self.logprob = logprob if logprob is not None and logprob.return_logprob else None
         # SGLang meta_info lists, filled only when logprobs were asked for
-        self.logprobs: dict[str, list] = {}
+        self.logprobs: dict[str, list | None] = {}
         self.sent_logprobs = 0
         self.prefix_offset = 0
         self.read_offset = len(self.decode_ids)
@@ -141,7 +143,7 @@ class Detokenizer:
         self._stream_backend = stream_backend(tokenizer)
 
     def register(self, rid: str, stop_strs: list[str], skip_special_tokens: bool,
-                 logprob: LogprobParams | None = None, prompt_ids: Sequence[int] | None = None,
+                 logprob: LogprobParams | None = None, prompt_ids: Sequence[int] | np.ndarray | None = None,
                  no_stop_trim: bool = False, stream: bool = True, stream_interval: int = 1) -> None:
         """Start tracking `rid`. prompt_ids: the prompt (its last PROMPT_CONTEXT_TOKENS are
         the decoding context). no_stop_trim: keep a matched stop string or token in the text.
@@ -294,7 +296,9 @@ class Detokenizer:
         num_logprobs_delta = 0
         if state.logprob is not None:
             logprobs = {k: list(v) if v is not None else None for k, v in state.logprobs.items()}
-            num_logprobs_delta = len(state.logprobs["output_token_logprobs"]) - state.sent_logprobs
+            output_lists = state.logprobs["output_token_logprobs"]
+            assert output_lists is not None  # set by the first _add_logprobs
+            num_logprobs_delta = len(output_lists) - state.sent_logprobs
             state.sent_logprobs += num_logprobs_delta
         self.deliver(GenerateOutput(
             rid=out.rid, text=state.text[:state.sent_len], text_delta=delta,
@@ -344,9 +348,11 @@ class Detokenizer:
         return [json_safe_logprob(logprob), token_id, self.token_text(token_id) if with_text else None]
 
     def _entries(self, items: TokenLogprobs, ids: list[int], prefix: str, with_text: bool,
-                 lists: dict[str, list]) -> None:
-        lists.setdefault(f"{prefix}_token_logprobs", []).extend(
-            self._entry(lp, t, with_text) for lp, t in zip(items.token_logprobs, ids))
+                 lists: dict[str, list | None]) -> None:
+        chosen = lists.get(f"{prefix}_token_logprobs")
+        if chosen is None:
+            chosen = lists[f"{prefix}_token_logprobs"] = []
+        chosen.extend(self._entry(lp, t, with_text) for lp, t in zip(items.token_logprobs, ids))
         for key, alts in ((f"{prefix}_top_logprobs", items.top_logprobs),
                           (f"{prefix}_token_ids_logprobs", items.token_ids_logprobs)):
             if alts is None:

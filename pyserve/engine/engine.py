@@ -73,7 +73,7 @@ class Engine:
         return dicts if obj.is_batch or len(dicts) > 1 else dicts[0]
 
     def _stream_sync(self, obj: GenerateReqInput) -> Iterator[dict[str, Any]]:
-        agen = self.core.generate(obj.split()[0]).__aiter__()
+        agen = self.core.generate(obj.split()[0])
         try:
             while True:
                 try:
@@ -99,7 +99,7 @@ class Engine:
         return dicts if obj.is_batch or len(dicts) > 1 else dicts[0]
 
     async def _stream_async(self, obj: GenerateReqInput) -> AsyncIterator[dict[str, Any]]:
-        agen = self.core.generate(obj.split()[0]).__aiter__()
+        agen = self.core.generate(obj.split()[0])
 
         async def on_engine(coro: Any) -> Any:
             return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))

@@ -13,7 +13,7 @@ import gc
 import logging
 import os
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator, AsyncIterator, cast
 
 import torch
 
@@ -177,7 +177,7 @@ class EngineCore:
         self.tokenizer_manager.detokenizer.queue.put_nowait(outs)
 
     # ---- requests ----------------------------------------------------------------------------
-    def generate(self, req: SingleReq) -> AsyncIterator[GenerateOutput]:
+    def generate(self, req: SingleReq) -> AsyncGenerator[GenerateOutput, None]:
         """Outputs of one request (all chunks if req.stream, else the final one); with
         sampling_params.n > 1 those of its n samples as they come, each with its `index`
         (one final output per sample). Raises InvalidRequestError at the first step when
@@ -188,7 +188,7 @@ class EngineCore:
             return self.tokenizer_manager.generate(req)
         return self._generate_samples(req)
 
-    async def _generate_samples(self, req: SingleReq) -> AsyncIterator[GenerateOutput]:
+    async def _generate_samples(self, req: SingleReq) -> AsyncGenerator[GenerateOutput, None]:
         treq = await self.tokenizer_manager.tokenize(req)
         self._check_free_rids(req)
         samples = parallel_sampling.expand(req, treq)
@@ -334,7 +334,7 @@ class EngineCore:
         request was validated."""
         ids = await self._prompt_ids(req)
         return await asyncio.get_running_loop().run_in_executor(
-            self.tokenizer_manager.executor, lambda: self.tokenizer.decode(ids, skip_special_tokens=True))
+            self.tokenizer_manager.executor, lambda: cast(str, self.tokenizer.decode(ids, skip_special_tokens=True)))
 
     async def prompt_text_offsets(self, req: SingleReq) -> tuple[str, list[int]]:
         """`prompt_text(req)` and the character offset in it where each prompt token's text
@@ -342,7 +342,7 @@ class EngineCore:
         ids = await self._prompt_ids(req)
 
         def work() -> tuple[str, list[int]]:
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            text = cast(str, self.tokenizer.decode(ids, skip_special_tokens=True))  # one sequence: one str
             offsets, at = [], 0
             for delta in token_deltas(self.tokenizer, ids):
                 offsets.append(min(at, len(text)))
@@ -364,8 +364,8 @@ class EngineCore:
         try:
             return await loop.run_in_executor(
                 self.tokenizer_manager.executor,
-                lambda: self.tokenizer.apply_chat_template(
-                    messages, tokenize=False, **({"add_generation_prompt": True} | kwargs)))
+                lambda: cast(str, self.tokenizer.apply_chat_template(  # tokenize=False: the text
+                    messages, tokenize=False, **({"add_generation_prompt": True} | kwargs))))
         except Exception as exc:  # jinja errors: the template refused these messages
             raise InvalidRequestError(f"chat template failed: {exc}", param="messages") from exc
 

@@ -99,7 +99,7 @@ class Retraction:
             self._decode_turn = False
         else:
             self.running.remove(req)
-        assert req.req_id is not None
+        assert req.req_id is not None and req.req_pool_idx is not None
         if req.kv_invalid:
             self.kv_cache.abort_req(req.req_id)
         else:
@@ -168,6 +168,7 @@ class Retraction:
                 break
             chosen.append(victim)
             rows_short = False
+            assert victim.req_id is not None  # running requests hold their KV
             short -= self.kv_cache.kv_len(victim.req_id) + int(reserved_tokens(victim) * self.new_token_ratio)
         if not chosen or short > 0:
             return False

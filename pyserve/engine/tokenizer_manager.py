@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncGenerator, AsyncIterator, Callable, Sequence
 
 import numpy as np
 
@@ -232,7 +232,7 @@ class TokenizerManager:
         return TokenizedGenerateReq(req.rid, ids, sp, frozenset(stop_ids), lp, quiet=quiet, priority=priority)
 
     async def generate(self, req: SingleReq,
-                       tokenized: TokenizedGenerateReq | None = None) -> AsyncIterator[GenerateOutput]:
+                       tokenized: TokenizedGenerateReq | None = None) -> AsyncGenerator[GenerateOutput, None]:
         """Yield outputs: every chunk when req.stream, else only the final one.
 
         `tokenized`: the result of `tokenize(req)` when the caller already has it.

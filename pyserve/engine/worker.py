@@ -148,6 +148,7 @@ class ModelWorker:
             if item is _STOP:
                 return
             plan, loop, future, done = item
+            result: StepOutput | Exception
             if future is None:  # a release without a step
                 self.state.sampling.release_rows(plan)
                 continue
@@ -181,15 +182,15 @@ class ModelWorker:
         batch = self.state.forward_batch(plan)
         logits = runner.forward(batch)
         next_ids, failed = runner.sample_next(logits, batch)
-        self.state.record_sampled(plan, batch, next_ids)
+        ids = self.state.record_sampled(plan, batch, next_ids)  # [B] int32, what the host gets
         if not self._cuda:
             failed_np = failed.numpy()
-            out = StepOutput(next_token_ids=next_ids.to(torch.int32).numpy(),
+            out = StepOutput(next_token_ids=ids.numpy(),
                              failed_rows=np.flatnonzero(failed_np).tolist() if failed_np.any() else [])
             runner.add_logprobs(out, logits, batch, next_ids)
             return out, (runner.step_done_waiter() if self._async else None)
         ids_host = torch.empty(next_ids.shape, dtype=torch.int32, pin_memory=True)
-        ids_host.copy_(next_ids, non_blocking=True)
+        ids_host.copy_(ids, non_blocking=True)
         failed_host = torch.empty(failed.shape, dtype=torch.bool, pin_memory=True)
         failed_host.copy_(failed, non_blocking=True)
         copied = torch.cuda.Event(blocking=True)  # the completer sleeps, not spins, on it

@@ -17,6 +17,7 @@ def last_token_indices(forward_batch: ForwardBatch) -> torch.Tensor:
     """
     if forward_batch.forward_mode == ForwardMode.DECODE:
         return torch.arange(forward_batch.batch_size, device=forward_batch.input_ids.device)
+    assert forward_batch.extend_seq_lens is not None  # set in EXTEND mode
     return torch.cumsum(forward_batch.extend_seq_lens, dim=0) - 1
 
 

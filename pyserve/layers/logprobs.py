@@ -36,7 +36,7 @@ def logprobs_of_rows(logits: torch.Tensor, token_ids: torch.Tensor, top_nums: li
     for (first, count), top_num, wanted in zip(row_groups, top_nums, token_ids_logprob):
         rows = range(first, first + count)
         item = TokenLogprobs(token_logprobs=[chosen[r] for r in rows])
-        if top_num > 0 and top_vals is not None:
+        if top_num > 0 and top_vals is not None and top_ids is not None:
             item.top_logprobs = [_pairs(top_vals[r][:top_num], top_ids[r][:top_num]) for r in rows]
         if wanted:
             ids_t = torch.tensor(wanted, dtype=torch.int64, device=logits.device)

@@ -27,6 +27,7 @@ def apply_logit_adjustments(logits: torch.Tensor, info: SamplingBatchInfo) -> to
     """
     out = logits
     if info.logit_bias_rows is not None:
+        assert info.logit_bias_ids is not None and info.logit_bias_values is not None
         out = out.clone()
         out.index_put_((info.logit_bias_rows, info.logit_bias_ids), info.logit_bias_values, accumulate=True)
     if info.repetition_penalties is not None and info.seen_token_mask is not None:
@@ -34,6 +35,7 @@ def apply_logit_adjustments(logits: torch.Tensor, info: SamplingBatchInfo) -> to
         penalized = torch.where(out > 0, out / penalty, out * penalty)
         out = torch.where(info.seen_token_mask, penalized, out)
     if info.frequency_penalties is not None and info.output_token_counts is not None:
+        assert info.presence_penalties is not None  # set with the frequency penalties
         counts = info.output_token_counts
         penalty = (info.frequency_penalties[:, None] * counts
                    + info.presence_penalties[:, None] * (counts > 0).to(logits.dtype))

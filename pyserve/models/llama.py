@@ -14,12 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from pyserve.layers.activation import get_act_fn
+from pyserve.layers.attention.base import AttentionBackend
 from pyserve.layers.layernorm import RMSNorm
 from pyserve.layers.linear import linear, prepack, prepack_supported
 from pyserve.layers.logits_processor import LogitsProcessor
@@ -58,6 +59,13 @@ def layer_sliding_window(config: Any, layer_id: int) -> int | None:
     if layer_types:
         return int(window) if layer_types[layer_id] == "sliding_attention" else None
     return int(window)
+
+
+def _fuse_weight(layers: list[nn.Linear]) -> torch.Tensor:
+    """`_fuse` of the layers' weights (which every nn.Linear has)."""
+    fused = _fuse(layers, "weight")
+    assert fused is not None
+    return fused
 
 
 def _fuse(layers: list[nn.Linear], attr: str) -> torch.Tensor | None:
@@ -106,6 +114,8 @@ class LlamaAttention(nn.Module):
         self.k_proj = _linear(hidden, self.num_kv_heads * self.head_dim, qkv_bias, dtype, device)
         self.v_proj = _linear(hidden, self.num_kv_heads * self.head_dim, qkv_bias, dtype, device)
         self.o_proj = _linear(self.num_heads * self.head_dim, hidden, o_bias, dtype, device)
+        self.q_norm: RMSNorm | None
+        self.k_norm: RMSNorm | None
         if spec.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
@@ -117,14 +127,14 @@ class LlamaAttention(nn.Module):
         """Store q/k/v weights (and biases) in one [q + 2 kv, hidden] tensor, the projections'
         parameters becoming views of it: one GEMM instead of three (about 10% faster on CPU
         for prefill), same HF parameter names, no extra memory."""
-        self.qkv_weight = _fuse([self.q_proj, self.k_proj, self.v_proj], "weight")
+        self.qkv_weight = _fuse_weight([self.q_proj, self.k_proj, self.v_proj])
         self.qkv_bias = _fuse([self.q_proj, self.k_proj, self.v_proj], "bias")
         # oneDNN-packed copies (LlamaForCausalLM.prepack_linear_weights), else None
         self.qkv_packed: torch.Tensor | None = None
         self.o_packed: torch.Tensor | None = None
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                forward_batch: ForwardBatch, attn_backend: Any) -> torch.Tensor:
+                forward_batch: ForwardBatch, attn_backend: AttentionBackend) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = linear(hidden, self.qkv_weight, self.qkv_bias, self.qkv_packed)
@@ -134,7 +144,7 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = apply_rotary_pos_emb(self.q_norm(q), self.k_norm(k), cos, sin)
         out = attn_backend.forward(q, k, v, self.layer_id, self.scaling, forward_batch,
                                    sliding_window=self.sliding_window)
@@ -154,7 +164,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = _linear(inter, hidden, bias, dtype, device)
         self.act_fn = get_act_fn(getattr(config, "hidden_act", "silu"))
         # gate and up as one GEMM whose output is already [gate | up] (parameters are views)
-        self.gate_up_weight = _fuse([self.gate_proj, self.up_proj], "weight")
+        self.gate_up_weight = _fuse_weight([self.gate_proj, self.up_proj])
         self.gate_up_bias = _fuse([self.gate_proj, self.up_proj], "bias")
         # oneDNN-packed copies (LlamaForCausalLM.prepack_linear_weights), else None
         self.gate_up_packed: torch.Tensor | None = None
@@ -185,7 +195,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
-                sin: torch.Tensor, forward_batch: ForwardBatch, attn_backend: Any
+                sin: torch.Tensor, forward_batch: ForwardBatch, attn_backend: AttentionBackend
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden
@@ -214,7 +224,11 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings,
                                           rope_parameters(config), device=device)
 
-    def forward(self, forward_batch: ForwardBatch, attn_backend: Any) -> torch.Tensor:
+    def decoder_layers(self) -> list[LlamaDecoderLayer]:
+        """The decoder layers, typed (nn.ModuleList yields plain Modules)."""
+        return cast("list[LlamaDecoderLayer]", list(self.layers))
+
+    def forward(self, forward_batch: ForwardBatch, attn_backend: AttentionBackend) -> torch.Tensor:
         hidden = self.embed_tokens(forward_batch.input_ids)
         cos, sin = self.rotary_emb.get_cos_sin(forward_batch.positions)
         residual = None
@@ -263,7 +277,7 @@ class LlamaForCausalLM(nn.Module):
             added += weight.numel() * weight.element_size()
             return prepack(weight)
 
-        for layer in self.model.layers:
+        for layer in self.model.decoder_layers():
             attn, mlp = layer.self_attn, layer.mlp
             attn.qkv_packed, attn.o_packed = pack(attn.qkv_weight), pack(attn.o_proj.weight)
             mlp.gate_up_packed, mlp.down_packed = pack(mlp.gate_up_weight), pack(mlp.down_proj.weight)
@@ -271,7 +285,7 @@ class LlamaForCausalLM(nn.Module):
         return added
 
     def _drop_packed_weights(self) -> None:
-        for layer in self.model.layers:
+        for layer in self.model.decoder_layers():
             layer.self_attn.qkv_packed = layer.self_attn.o_packed = None
             layer.mlp.gate_up_packed = layer.mlp.down_packed = None
         self.lm_head_packed = None
@@ -281,7 +295,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     @torch.inference_mode()
-    def forward(self, forward_batch: ForwardBatch, attn_backend: Any) -> torch.Tensor:
+    def forward(self, forward_batch: ForwardBatch, attn_backend: AttentionBackend) -> torch.Tensor:
         """Run the new tokens of `forward_batch` through the model.
 
         attn_backend: e.g. TorchNativeAttnBackend over the KV pool, already given

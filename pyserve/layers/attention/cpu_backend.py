@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 from pyserve_kernels import native_available
-from pyserve_kernels._native import _cpu
+from pyserve_kernels._native import _cpu, as_int_array
 
 import dataclasses
 
@@ -53,11 +53,11 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         return k.device.type == "cpu" and k.dtype == torch.float32 and native_available()
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        """EXTEND: as `TorchNativeAttnBackend`. DECODE: keeps kv_indptr (int64) and kv_indices
-        (int32) for the kernel. Raises ValueError if a DECODE batch's kv_indptr does not span
+        """EXTEND: as `TorchNativeAttnBackend`. DECODE: keeps kv_indptr, kv_indices and
+        out_cache_loc (int32 numpy views) for the kernels. Raises ValueError if a DECODE batch's kv_indptr does not span
         its seq_lens."""
         self.decode = forward_batch.forward_mode == ForwardMode.DECODE
-        self.split = None
+        self.split: tuple[ForwardBatch, torch.Tensor, torch.Tensor] | None = None
         if not self.decode:
             extend_lens = forward_batch.extend_seq_lens
             single = None if extend_lens is None else extend_lens == 1
@@ -100,14 +100,16 @@ class CpuAttnBackend(TorchNativeAttnBackend):
     def _init_decode(self, forward_batch: ForwardBatch) -> None:
         forward_batch.ensure_kv_indices()
         assert forward_batch.kv_indptr is not None and forward_batch.kv_indices is not None
-        kv_indptr = forward_batch.kv_indptr.to(torch.int64)
+        kv_indptr = forward_batch.kv_indptr
         if kv_indptr.shape[0] != forward_batch.batch_size + 1 or not torch.equal(
-                kv_indptr[1:] - kv_indptr[:-1], forward_batch.seq_lens.to(torch.int64)):
+                kv_indptr[1:] - kv_indptr[:-1], forward_batch.seq_lens):
             raise ValueError("kv_indptr does not match seq_lens / batch_size")
-        # The kernel checks these again on every call (cheap); only their layout is set here.
-        self._kv_indptr = kv_indptr.contiguous().numpy()
-        self._kv_indices = forward_batch.kv_indices.to(torch.int32).contiguous().numpy()
-        self._out_cache_loc = forward_batch.out_cache_loc.to(torch.int64).contiguous().numpy()
+        # The kernels take int32, which a worker-built batch already is (no copy then); a
+        # hand-built int64 batch is converted here, range-checked. The kernel checks the
+        # values again on every call (cheap); only their layout is set here.
+        self._kv_indptr = as_int_array(kv_indptr, torch.int32, "kv_indptr")
+        self._kv_indices = as_int_array(forward_batch.kv_indices, torch.int32, "kv_indices")
+        self._out_cache_loc = as_int_array(forward_batch.out_cache_loc, torch.int32, "out_cache_loc")
         self._num_threads = torch.get_num_threads()
 
     def forward(

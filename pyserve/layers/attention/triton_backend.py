@@ -32,9 +32,10 @@ NUM_KV_SPLITS = 8
 class TritonAttnBackend(CapturableAttentionBackend):
     """Paged attention through `pyserve_kernels.triton_ops` over an `MHATokenToKVPool`.
 
-    Per batch: EXTEND keeps qo_indptr ([B + 1] int64, the new tokens' CSR offsets, computed
-    on the device) and the host int max_extend_len of the plan; DECODE keeps nothing but the
-    batch's own tensors (req_to_token rows, req_pool_indices, seq_lens).
+    Per batch: EXTEND keeps qo_indptr ([B + 1], the new tokens' CSR offsets, computed on the
+    device in extend_seq_lens' dtype: int32 from the worker) and the host int max_extend_len
+    of the plan; DECODE keeps nothing but the batch's own tensors (req_to_token rows,
+    req_pool_indices, seq_lens).
     """
 
     name = "triton"
@@ -73,8 +74,8 @@ class TritonAttnBackend(CapturableAttentionBackend):
             raise ValueError("EXTEND batch needs extend_seq_lens and extend_prefix_lens")
         if forward_batch.max_extend_len is None:
             raise ValueError("EXTEND batch needs max_extend_len (the host maximum of extend_seq_lens)")
-        self.qo_indptr = torch.zeros(lens.shape[0] + 1, dtype=torch.int64, device=lens.device)
-        torch.cumsum(lens, dim=0, out=self.qo_indptr[1:])
+        self.qo_indptr = torch.zeros(lens.shape[0] + 1, dtype=lens.dtype, device=lens.device)
+        torch.cumsum(lens, dim=0, dtype=lens.dtype, out=self.qo_indptr[1:])
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 scaling: float, forward_batch: ForwardBatch,
@@ -85,15 +86,17 @@ class TritonAttnBackend(CapturableAttentionBackend):
         v_buf = self.kv_pool.get_value_buffer(layer_id)
         self._store(k_buf, v_buf, forward_batch.out_cache_loc, k, v)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        req_to_token, rows = forward_batch.req_to_token, forward_batch.req_pool_indices
+        # (init_forward_metadata raised if any of these were missing; this narrows the types)
+        assert req_to_token is not None and rows is not None
         if self.decode:
-            return self._decode(q, k_buf, v_buf, forward_batch.req_to_token,
-                                forward_batch.req_pool_indices, forward_batch.seq_lens, scaling,
+            return self._decode(q, k_buf, v_buf, req_to_token, rows, forward_batch.seq_lens, scaling,
                                 sliding_window=sliding_window, num_kv_splits=NUM_KV_SPLITS, out=out)
-        return self._extend(q, k_buf, v_buf, forward_batch.req_to_token,
-                            forward_batch.req_pool_indices, forward_batch.extend_prefix_lens,
-                            forward_batch.extend_seq_lens, self.qo_indptr,
-                            forward_batch.max_extend_len, scaling, sliding_window=sliding_window,
-                            out=out)
+        prefix_lens, extend_lens = forward_batch.extend_prefix_lens, forward_batch.extend_seq_lens
+        max_extend_len = forward_batch.max_extend_len
+        assert prefix_lens is not None and extend_lens is not None and max_extend_len is not None
+        return self._extend(q, k_buf, v_buf, req_to_token, rows, prefix_lens, extend_lens, self.qo_indptr,
+                            max_extend_len, scaling, sliding_window=sliding_window, out=out)
 
     # ---- CUDA graphs ---------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int) -> None:
