@@ -7,7 +7,9 @@ would (no GIL shared with the server). For each case it prints generated tokens/
 busy fraction (simulated busy time / the client's timed duration) and the loop thread's CPU
 time per generated token (the thread's own CPU clock, read from outside it), with the stream
 writer thread's CPU per token beside it (it sends the SSE chunks with the GIL released; see
-pyserve.server.stream_writer), and with `--output-file` appends one JSON line per case.
+pyserve.server.socket_writer), and with `--output-file` appends one JSON line per case.
+`--backend` picks the route the load uses (native /generate, OpenAI chat or completions);
+several backends run as cases of the same run, against the same server.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 
 import httpx
 
+from pyserve.bench.backends import BACKENDS
 from pyserve.bench.serve import BenchError
 
 # What the host path must keep up with: an H200 decode step of a 0.5B model at 256 requests
@@ -44,6 +47,9 @@ def add_host_args(p: argparse.ArgumentParser) -> None:
       help="simulated decode step time of the whole batch, per case (default: %(default)s)")
     a("--decode-us-per-req", type=float, default=0.0, help="extra decode time per running request (default: %(default)s)")
     a("--extend-us-per-token", type=float, default=1.0, help="simulated prefill time per token (default: %(default)s)")
+    a("--backend", choices=BACKENDS, nargs="+", default=["pyserve"],
+      help="the API the load uses, per case: pyserve (/generate), openai (/v1/completions), "
+           "openai-chat (/v1/chat/completions) (default: %(default)s)")
     a("--stream", choices=["on", "off", "both"], default="both", help="streamed and/or whole responses (default: %(default)s)")
     a("--input-len", type=int, default=256, help="prompt tokens per request (default: %(default)s)")
     a("--output-len", type=int, default=256, help="output tokens per request (default: %(default)s)")
@@ -122,7 +128,7 @@ class HostServer:
 
     def writer_cpu_s(self) -> float:
         """CPU seconds the stream writer thread has used (0 before it started)."""
-        from pyserve.server.stream_writer import THREAD_NAME
+        from pyserve.server.socket_writer import THREAD_NAME
 
         for thread in threading.enumerate():
             if thread.name == THREAD_NAME and thread.ident is not None:
@@ -142,7 +148,7 @@ class HostServer:
 
 
 def run_case(server: HostServer, clients: int, stream: bool, decode_ms: float, overlap: bool,
-             args: Any) -> dict[str, Any]:
+             args: Any, backend: str = "pyserve") -> dict[str, Any]:
     """One case: the runner's timing and the scheduler's overlap set, the cache flushed,
     `bench serve` run against it."""
     runner = server.runner
@@ -153,7 +159,7 @@ def run_case(server: HostServer, clients: int, stream: bool, decode_ms: float, o
     num = clients * args.requests_per_client
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "serve.jsonl"
-        cmd = [sys.executable, "-m", "pyserve", "bench", "serve", "--backend", "pyserve",
+        cmd = [sys.executable, "-m", "pyserve", "bench", "serve", "--backend", backend,
                "--port", str(server.port), "--num-prompts", str(num), "--max-concurrency", str(clients),
                "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
                "--random-range-ratio", "1", "--warmup-requests", "0", "--disable-tqdm",
@@ -172,7 +178,7 @@ def run_case(server: HostServer, clients: int, stream: bool, decode_ms: float, o
         metrics = json.loads(out.read_text().splitlines()[-1])["metrics"]
     tokens = metrics["total_output_tokens"]
     return {
-        "kind": "host", "clients": clients, "stream": stream, "decode_step_ms": decode_ms,
+        "kind": "host", "backend": backend, "clients": clients, "stream": stream, "decode_step_ms": decode_ms,
         "input_len": args.input_len, "output_len": args.output_len, "requests": num,
         "completed": metrics["completed"], "failed": metrics["failed"],
         "output_tok_s": metrics["output_throughput"],
@@ -187,7 +193,8 @@ def run_case(server: HostServer, clients: int, stream: bool, decode_ms: float, o
 def run_host(args: Any) -> list[dict[str, Any]]:
     """All cases of `pyserve bench host`; prints a table, returns the JSON-able rows."""
     streams = {"on": [True], "off": [False], "both": [True, False]}[args.stream]
-    context_len = args.input_len + args.output_len + 8
+    # (a chat template adds its own tokens around the prompt: room for them)
+    context_len = args.input_len + args.output_len + (8 if args.backend == ["pyserve"] else 256)
     if args.client_cpus:
         if shutil.which("taskset") is None:
             raise BenchError("--client-cpus needs taskset (util-linux), which is not on PATH")
@@ -199,17 +206,17 @@ def run_host(args: Any) -> list[dict[str, Any]]:
     server = HostServer(args.model_path, most, context_len, max_total_tokens=most * context_len + 4096)
     rows = []
     overlaps = {"on": [True], "off": [False], "both": [True, False]}[args.overlap]
-    header = (f"{'overlap':>7} {'clients':>7} {'stream':>6} {'step ms':>7} {'out tok/s':>10} {'busy':>6} "
+    header = (f"{'backend':>11} {'overlap':>7} {'clients':>7} {'stream':>6} {'step ms':>7} {'out tok/s':>10} {'busy':>6} "
               f"{'loop us/tok':>11} {'writer us/tok':>13} {'done/fail':>9}")
     print(header)
     print("-" * len(header))
     try:
-        for decode_ms, stream, clients, overlap in itertools.product(
-                args.decode_step_ms, streams, args.clients, overlaps):
-            row = run_case(server, clients, stream, decode_ms, overlap, args)
+        for decode_ms, stream, clients, overlap, backend in itertools.product(
+                args.decode_step_ms, streams, args.clients, overlaps, args.backend):
+            row = run_case(server, clients, stream, decode_ms, overlap, args, backend)
             rows.append(row)
             busy = row["device_busy_fraction"]
-            print(f"{'on' if overlap else 'off':>7} {clients:>7} {'on' if stream else 'off':>6} {decode_ms:>7.1f} {row['output_tok_s']:>10.0f} "
+            print(f"{backend:>11} {'on' if overlap else 'off':>7} {clients:>7} {'on' if stream else 'off':>6} {decode_ms:>7.1f} {row['output_tok_s']:>10.0f} "
                   f"{busy:>6.3f} {row['loop_cpu_us_per_token']:>11.1f} {row['writer_cpu_us_per_token']:>13.1f} "
                   f"{row['completed']:>4}/{row['failed']:<4}",
                   flush=True)

@@ -64,18 +64,20 @@ def test_bench_host_small_run(tmp_path, stories_path):
     proc = subprocess.run([
         sys.executable, "-m", "pyserve", "bench", "host", "--model-path", str(stories_path),
         "--clients", "3", "--decode-step-ms", "2", "--input-len", "16", "--output-len", "8",
-        "--output-file", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+        "--backend", "pyserve", "openai", "--output-file", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [(r["clients"], r["stream"], r["overlap"]) for r in rows] == [
-        (3, s, o) for s in (True, False) for o in (True, False)]
+    assert [(r["clients"], r["stream"], r["overlap"], r["backend"]) for r in rows] == [
+        (3, s, o, b) for s in (True, False) for o in (True, False) for b in ("pyserve", "openai")]
     for r in rows:
         assert r["completed"] == r["requests"] == r["clients"] and r["failed"] == 0
         # one prefill step and 7 decode steps at least (the first token comes from the prefill)
         assert r["device_steps"] >= 8
         assert 0.0 < r["device_busy_fraction"] <= 1.0
         assert r["loop_cpu_us_per_token"] > 0 and r["output_tok_s"] > 0
-        # streamed chunks are sent by the stream writer thread; whole responses never use it
+        # streamed chunks of every route are sent by the socket writer thread; whole responses
+        # never use it
         assert (r["writer_cpu_us_per_token"] > 0) if r["stream"] else (r["writer_cpu_us_per_token"] == 0.0)
     assert "loop us/tok" in proc.stdout and "writer us/tok" in proc.stdout
 
@@ -125,8 +127,8 @@ def test_submit_returns_once_the_worker_launched_the_step():
 
     def plan(position: int) -> StepPlan:
         return StepPlan(ForwardMode.DECODE, req_pool_indices=rows, seq_lens=np.full(2, position + 1, np.int32),
-                        positions=np.full(2, position, np.int64),
-                        out_cache_loc=np.array([2 * position + 1, 2 * position + 2], np.int64))
+                        positions=np.full(2, position, np.int32),
+                        out_cache_loc=np.array([2 * position + 1, 2 * position + 2], np.int32))
 
     async def body() -> None:
         done = []
