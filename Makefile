@@ -14,7 +14,7 @@ export CARGO_TARGET_DIR ?= $(HOME)/.cache/pyserve-cargo-target
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-rust test-stubs test-python bench clean-venv client-venv
+.PHONY: setup serve test test-rust test-stubs test-python lint bench clean-venv client-venv
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,17 @@ test-rust:
 # The .pyi stub of the native module must match what the module really exports.
 test-stubs: setup
 	$(PY) -m mypy.stubtest pyserve._rs
+
+# The quality gates (.ci/run runs them before the tests); settings in pyproject.toml. Clippy
+# checks in a target folder of its own: its debug build would otherwise evict `cargo test
+# --release`'s artifacts from the shared one.
+LINT_PATHS := pyserve tests benches kernels/pyserve_kernels
+lint: setup
+	$(PY) -m ruff check $(LINT_PATHS)
+	$(PY) -m ruff format --check $(LINT_PATHS)
+	$(PY) -m mypy
+	cargo fmt --all --check
+	CARGO_TARGET_DIR=$(HOME)/.cache/pyserve-clippy-target cargo clippy --workspace --all-targets -- -D warnings
 
 # Rust core vs a pure-Python radix cache (prints the README's benchmark table).
 bench: setup
