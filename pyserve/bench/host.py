@@ -206,8 +206,8 @@ def run_host(args: Any) -> list[dict[str, Any]]:
     server = HostServer(args.model_path, most, context_len, max_total_tokens=most * context_len + 4096)
     rows = []
     overlaps = {"on": [True], "off": [False], "both": [True, False]}[args.overlap]
-    header = (f"{'backend':>11} {'overlap':>7} {'clients':>7} {'stream':>6} {'step ms':>7} {'out tok/s':>10} {'busy':>6} "
-              f"{'loop us/tok':>11} {'writer us/tok':>13} {'done/fail':>9}")
+    header = (f"{'backend':>11} {'overlap':>7} {'clients':>7} {'stream':>6} {'step ms':>7} {'out tok/s':>10} "
+              f"{'busy':>6} {'loop us/tok':>11} {'writer us/tok':>13} {'done/fail':>9}")
     print(header)
     print("-" * len(header))
     try:
@@ -216,8 +216,9 @@ def run_host(args: Any) -> list[dict[str, Any]]:
             row = run_case(server, clients, stream, decode_ms, overlap, args, backend)
             rows.append(row)
             busy = row["device_busy_fraction"]
-            print(f"{backend:>11} {'on' if overlap else 'off':>7} {clients:>7} {'on' if stream else 'off':>6} {decode_ms:>7.1f} {row['output_tok_s']:>10.0f} "
-                  f"{busy:>6.3f} {row['loop_cpu_us_per_token']:>11.1f} {row['writer_cpu_us_per_token']:>13.1f} "
+            print(f"{backend:>11} {'on' if overlap else 'off':>7} {clients:>7} {'on' if stream else 'off':>6} "
+                  f"{decode_ms:>7.1f} {row['output_tok_s']:>10.0f} {busy:>6.3f} "
+                  f"{row['loop_cpu_us_per_token']:>11.1f} {row['writer_cpu_us_per_token']:>13.1f} "
                   f"{row['completed']:>4}/{row['failed']:<4}",
                   flush=True)
             if args.output_file:

@@ -47,8 +47,9 @@ def test_chat_events_are_exactly_openais():
 
     want = [chunk({"role": "assistant", "content": ""})]
     want += [chunk({"content": d}) for d in DELTAS if d]
-    want += [chunk({}, "stop"), sse_event({**base, "choices": [], "usage": {
-        "prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11, "prompt_tokens_details": {"cached_tokens": 2}}})]
+    usage = {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11,
+             "prompt_tokens_details": {"cached_tokens": 2}}
+    want += [chunk({}, "stop"), sse_event({**base, "choices": [], "usage": usage})]
     assert got == b"".join(want)
 
 
