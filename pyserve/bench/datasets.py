@@ -24,7 +24,10 @@ import json
 import random
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 _BYTE_PIECE = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
@@ -43,11 +46,11 @@ class DatasetRow:
     output_len: int
 
 
-def _count(tokenizer: Any, text: str) -> int:
+def _count(tokenizer: PreTrainedTokenizerBase, text: str) -> int:
     return len(tokenizer.encode(text, add_special_tokens=False))
 
 
-def _regular_token_ids(tokenizer: Any) -> list[int]:
+def _regular_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """Ids of the vocabulary without special tokens and without byte-fallback tokens
     (`<0x41>`: alone they decode to replacement characters that re-encode longer)."""
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
@@ -56,14 +59,14 @@ def _regular_token_ids(tokenizer: Any) -> list[int]:
             if i not in special and not (isinstance(piece, str) and _BYTE_PIECE.match(piece))]
 
 
-def _random_text(tokenizer: Any, rng: random.Random, vocab: list[int], num_tokens: int) -> str:
+def _random_text(tokenizer: PreTrainedTokenizerBase, rng: random.Random, vocab: list[int], num_tokens: int) -> str:
     """Text of about num_tokens tokens: random ids decoded, re-encoded and cut (or extended)
     to num_tokens, a few rounds, because decoding random ids (byte tokens, merges) and
     re-encoding the text rarely gives back the same count."""
     ids = [rng.choice(vocab) for _ in range(num_tokens)]
     text = ""
     for _ in range(4):
-        text = tokenizer.decode(ids, skip_special_tokens=True)
+        text = cast(str, tokenizer.decode(ids, skip_special_tokens=True))  # one id list: one str
         ids = tokenizer.encode(text, add_special_tokens=False)
         if len(ids) == num_tokens:
             break
@@ -77,7 +80,7 @@ def lens_in_range(rng: random.Random, length: int, range_ratio: float, n: int) -
     return [rng.randint(low, length) for _ in range(n)]
 
 
-def sample_random(tokenizer: Any, num_prompts: int, input_len: int, output_len: int,
+def sample_random(tokenizer: PreTrainedTokenizerBase, num_prompts: int, input_len: int, output_len: int,
                   range_ratio: float, seed: int) -> list[DatasetRow]:
     rng = random.Random(seed)
     vocab = _regular_token_ids(tokenizer)
@@ -90,7 +93,7 @@ def sample_random(tokenizer: Any, num_prompts: int, input_len: int, output_len: 
     return rows
 
 
-def sample_sharegpt(tokenizer: Any, path: str, num_prompts: int, seed: int,
+def sample_sharegpt(tokenizer: PreTrainedTokenizerBase, path: str, num_prompts: int, seed: int,
                     output_len: int | None = None, context_len: int | None = None) -> list[DatasetRow]:
     try:
         with open(path, encoding="utf-8") as f:
@@ -123,7 +126,7 @@ def sample_sharegpt(tokenizer: Any, path: str, num_prompts: int, seed: int,
     return rows
 
 
-def sample_generated_shared_prefix(tokenizer: Any, num_groups: int, prompts_per_group: int,
+def sample_generated_shared_prefix(tokenizer: PreTrainedTokenizerBase, num_groups: int, prompts_per_group: int,
                                    system_prompt_len: int, question_len: int, output_len: int,
                                    seed: int) -> list[DatasetRow]:
     rng = random.Random(seed)
@@ -138,7 +141,7 @@ def sample_generated_shared_prefix(tokenizer: Any, num_groups: int, prompts_per_
     return rows
 
 
-def load_jsonl(tokenizer: Any, path: str, num_prompts: int) -> list[DatasetRow]:
+def load_jsonl(tokenizer: PreTrainedTokenizerBase, path: str, num_prompts: int) -> list[DatasetRow]:
     rows: list[DatasetRow] = []
     try:
         with open(path, encoding="utf-8") as f:
@@ -164,7 +167,7 @@ def load_jsonl(tokenizer: Any, path: str, num_prompts: int) -> list[DatasetRow]:
     return rows
 
 
-def build_dataset(args: Any, tokenizer: Any) -> list[DatasetRow]:
+def build_dataset(args: Any, tokenizer: PreTrainedTokenizerBase) -> list[DatasetRow]:
     """The workload the parsed bench flags (`args`) describe."""
     name = args.dataset_name
     if name in ("sharegpt", "jsonl") and not args.dataset_path:

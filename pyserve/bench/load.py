@@ -11,12 +11,15 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pyserve.bench.backends import RawResult
 from pyserve.bench.metrics import RequestRecord
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 TOKEN_COUNT_SOURCES = ("auto", "usage", "tokenizer")
 
@@ -32,7 +35,7 @@ def arrival_offsets_s(num_requests: int, request_rate: float, burstiness: float,
     return [0.0] + np.cumsum(gaps).tolist()
 
 
-def chunk_token_counts(tokenizer: Any, texts: list[str]) -> list[int]:
+def chunk_token_counts(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[int]:
     """Tokens each text chunk adds to the output, by the tokenizer: with L_i the token count of
     the concatenation of chunks 0..i, chunk i adds max(0, L_i - max(L_0..L_{i-1})). The counts
     sum to the token count of the whole text when no prefix tokenizes longer than it (merges
@@ -46,7 +49,7 @@ def chunk_token_counts(tokenizer: Any, texts: list[str]) -> list[int]:
     return counts
 
 
-def to_record(raw: RawResult, dataset_prompt_len: int, source: str, tokenizer: Any) -> RequestRecord:
+def to_record(raw: RawResult, dataset_prompt_len: int, source: str, tokenizer: PreTrainedTokenizerBase) -> RequestRecord:
     """The RequestRecord of `raw`. source: "usage" (the server's prompt/completion tokens) or
     "tokenizer" (the dataset's prompt_len; the output text re-encoded).
 

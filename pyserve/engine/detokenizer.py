@@ -14,9 +14,13 @@ chunks always concatenate to the final text.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
 import numpy as np
+from tokenizers import Tokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 from pyserve.engine.scheduler import TokenOut
 from pyserve.forward_batch_info import FinishKind, FinishReason, TokenLogprobs
@@ -27,7 +31,12 @@ REPLACEMENT_CHAR = "\ufffd"
 PROMPT_CONTEXT_TOKENS = 5
 
 
-def batch_decoder(tokenizer: Any) -> Callable[[list[list[int]], list[bool]], list[str]]:
+def _decode_one(tokenizer: PreTrainedTokenizerBase) -> Callable[..., str]:
+    """`tokenizer.decode`, typed for what pyserve passes it: one id list, so one str."""
+    return cast("Callable[..., str]", tokenizer.decode)
+
+
+def batch_decoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[list[list[int]], list[bool]], list[str]]:
     """A function decoding many id lists at once: texts[i] = tokenizer.decode(ids[i],
     skip_special_tokens=skips[i]). For a transformers fast tokenizer that adds no clean-up to
     its backend's decode, the backend's (`tokenizers.Tokenizer`) own `decode` per list;
@@ -39,14 +48,15 @@ def batch_decoder(tokenizer: Any) -> Callable[[list[list[int]], list[bool]], lis
     six-token lists: decode_batch 370 us alone, 6.2 ms beside one busy thread; one decode per
     list 420 us and 1.1 ms (the GIL shared, never given up)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
+    decode: Callable[..., str]
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        decode = tokenizer.decode
+        decode = _decode_one(tokenizer)
     else:
         decode = backend.decode
     return lambda ids, skips: [decode(i, skip_special_tokens=s) for i, s in zip(ids, skips)]
 
 
-def stream_backend(tokenizer: Any) -> Any:
+def stream_backend(tokenizer: PreTrainedTokenizerBase) -> Tokenizer | None:
     """The `tokenizers.Tokenizer` whose `DecodeStream` may decode `tokenizer`'s output one step
     at a time (the same windowed rule as `Detokenizer`, in Rust), or None: when the tokenizer
     is not a transformers fast tokenizer whose decode is its backend's (see `batch_decoder`),
@@ -63,12 +73,12 @@ def stream_backend(tokenizer: Any) -> Any:
     return backend
 
 
-def token_deltas(tokenizer: Any, ids: list[int], skip_special_tokens: bool = True) -> list[str]:
+def token_deltas(tokenizer: PreTrainedTokenizerBase, ids: list[int], skip_special_tokens: bool = True) -> list[str]:
     """The text each of `ids` adds to the decode of the ones before it, by the same windowed
     incremental decoding as the Detokenizer (a character split over several byte tokens goes
     with the token that completes it). Their concatenation is decode(ids) but in rare
     tokenizer-specific cases; used for the character offsets of echoed prompt tokens."""
-    decode = tokenizer.decode
+    decode = _decode_one(tokenizer)
     deltas: list[str] = []
     prefix_offset = read_offset = 0
     for k in range(len(ids)):
@@ -132,7 +142,7 @@ class Detokenizer:
     see `batch_decoder`).
     """
 
-    def __init__(self, tokenizer: Any, deliver: Callable[[GenerateOutput], None],
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, deliver: Callable[[GenerateOutput], None],
                  finish: Callable[[str, FinishReason], None]) -> None:
         self.tokenizer = tokenizer
         self.deliver = deliver
@@ -337,7 +347,7 @@ class Detokenizer:
             anchor = self.__dict__.get("_anchor")
             if anchor is None:
                 anchor = self._anchor = self.tokenizer.encode("a", add_special_tokens=False)[-1]
-            decode = self.tokenizer.decode
+            decode = _decode_one(self.tokenizer)
             both, alone = decode([anchor, token_id]), decode([anchor])
             text = both[len(alone):] if both.startswith(alone) else decode([token_id])
             if len(cache) < 1 << 20:

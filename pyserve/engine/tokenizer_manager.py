@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncGenerator, AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Callable, Sequence
 
 import numpy as np
 
@@ -20,6 +20,9 @@ from pyserve.engine.scheduler import Scheduler
 from pyserve.errors import InvalidRequestError, ModelStepError, QueueFullError
 from pyserve.forward_batch_info import FinishReason
 from pyserve.io_struct import GenerateOutput, SingleReq, TokenizedGenerateReq
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class ReqState:
@@ -54,7 +57,7 @@ class ReqState:
 class TokenizerManager:
     """Tokenizes, validates, tracks and aborts requests. Loop thread only."""
 
-    def __init__(self, tokenizer: Any, scheduler: Scheduler, context_len: int,
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, scheduler: Scheduler, context_len: int,
                  max_total_tokens: int, vocab_size: int, eos_token_ids: frozenset[int],
                  stream_interval: int = 1, max_queued_requests: int | None = None,
                  abort_on_priority_when_disabled: bool = False) -> None:
@@ -334,7 +337,7 @@ def failure_of(out: GenerateOutput) -> InvalidRequestError | ModelStepError | No
     return None
 
 
-def _encodes_like_backend(tokenizer: Any) -> bool:
+def _encodes_like_backend(tokenizer: PreTrainedTokenizerBase) -> bool:
     """Whether `tokenizer.encode(text, add_special_tokens=f)` is its backend's
     `encode(text, add_special_tokens=f).ids`: checked once on probe texts (a tokenizer class
     may prepend or rewrite; then its own batched call is used)."""
