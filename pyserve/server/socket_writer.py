@@ -116,15 +116,24 @@ class SocketWriter(StreamWriter):
         transport = getattr(cycle, "transport", None)
         flow = getattr(cycle, "flow", None)
         scope = getattr(cycle, "scope", None)
-        if (self._closed or getattr(cycle, "chunked_encoding", None) is not True or transport is None
-                or flow is None or getattr(flow, "write_paused", True) is not False
-                or getattr(cycle, "disconnected", True) is not False
-                or getattr(cycle, "response_complete", True) is not False
-                or not isinstance(scope, dict) or scope.get("scheme") != "http"):
+        if (
+            self._closed
+            or getattr(cycle, "chunked_encoding", None) is not True
+            or transport is None
+            or flow is None
+            or getattr(flow, "write_paused", True) is not False
+            or getattr(cycle, "disconnected", True) is not False
+            or getattr(cycle, "response_complete", True) is not False
+            or not isinstance(scope, dict)
+            or scope.get("scheme") != "http"
+        ):
             return False  # (https: the socket carries TLS records, never plain bytes)
         try:
-            if (transport.is_closing() or transport.get_write_buffer_size()
-                    or transport.get_extra_info("sslcontext") is not None):
+            if (
+                transport.is_closing()
+                or transport.get_write_buffer_size()
+                or transport.get_extra_info("sslcontext") is not None
+            ):
                 return False
             fd = os.dup(transport.get_extra_info("socket").fileno())
         except (AttributeError, OSError, RuntimeError):

@@ -51,8 +51,19 @@ class Stream:
     500, a pyserve bug) becomes an SSE error event and `data: [DONE]`, or, when nothing was
     sent yet, a plain error response (`first` holds it)."""
 
-    __slots__ = ("encode", "send", "receive", "writer", "writer_state", "buffered", "ended",
-                 "first", "done", "closed", "failed")
+    __slots__ = (
+        "encode",
+        "send",
+        "receive",
+        "writer",
+        "writer_state",
+        "buffered",
+        "ended",
+        "first",
+        "done",
+        "closed",
+        "failed",
+    )
 
     def __init__(self, encode: StreamEncoder, receive: Any, send: Any) -> None:
         loop = asyncio.get_running_loop()
@@ -174,8 +185,9 @@ class StreamResponse:
     client left, or a write failed). The 200 is sent once the first output came: a request
     failing at its first step gets a plain error response."""
 
-    def __init__(self, hub: StreamHub, encode: StreamEncoder, start: Callable[[Stream], None],
-                 abort: Callable[[], None]) -> None:
+    def __init__(
+        self, hub: StreamHub, encode: StreamEncoder, start: Callable[[Stream], None], abort: Callable[[], None]
+    ) -> None:
         self.hub, self.encode, self.start, self.abort = hub, encode, start, abort
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -207,8 +219,7 @@ class StreamResponse:
                 self.abort()
 
 
-def outputs_response(hub: StreamHub, encode: StreamEncoder,
-                     outputs: AsyncIterator[GenerateOutput]) -> StreamResponse:
+def outputs_response(hub: StreamHub, encode: StreamEncoder, outputs: AsyncIterator[GenerateOutput]) -> StreamResponse:
     """A StreamResponse of the outputs of an iterator (n > 1: its samples' outputs as they
     come); closing it (the client left) aborts what runs behind it."""
     task: asyncio.Task | None = None
@@ -239,8 +250,7 @@ def _failure_response(exc: Exception) -> Any:
     if isinstance(exc, (InvalidRequestError, ModelStepError)):
         return exception_response(exc)
     logger.error("stream failed", exc_info=exc)
-    return error_response(500, f"internal server error: {type(exc).__name__}: {exc}",
-                          type_="internal_server_error")
+    return error_response(500, f"internal server error: {type(exc).__name__}: {exc}", type_="internal_server_error")
 
 
 async def _wait_disconnect(receive: Any) -> None:

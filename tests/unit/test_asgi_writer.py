@@ -39,8 +39,16 @@ class Encoder:
 
 
 def output(delta: str, last: bool = False) -> GenerateOutput:
-    return GenerateOutput(rid="r", text="", text_delta=delta, output_ids=[], ids_delta=[], prompt_tokens=0,
-                          cached_tokens=0, finish_reason=FinishReason.length_limit(1) if last else None)
+    return GenerateOutput(
+        rid="r",
+        text="",
+        text_delta=delta,
+        output_ids=[],
+        ids_delta=[],
+        prompt_tokens=0,
+        cached_tokens=0,
+        finish_reason=FinishReason.length_limit(1) if last else None,
+    )
 
 
 async def settle() -> None:

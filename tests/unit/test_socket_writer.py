@@ -42,9 +42,17 @@ class StreamServer:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, loop="uvloop",
-                                http=HTTP1Protocol, log_level="warning", lifespan="off", interface="asgi3",
-                                **tls)
+        config = uvicorn.Config(
+            self.app,
+            host="127.0.0.1",
+            port=self.port,
+            loop="uvloop",
+            http=HTTP1Protocol,
+            log_level="warning",
+            lifespan="off",
+            interface="asgi3",
+            **tls,
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -72,10 +80,20 @@ class StreamServer:
         def start(stream) -> None:
             async def produce() -> None:
                 for k in range(n):
-                    stream.push(GenerateOutput(rid="r", text="", text_delta="", output_ids=[], ids_delta=[],
-                                        prompt_tokens=0, cached_tokens=0,
-                                        finish_reason=FinishReason.length_limit(n) if k == n - 1 else None))
+                    stream.push(
+                        GenerateOutput(
+                            rid="r",
+                            text="",
+                            text_delta="",
+                            output_ids=[],
+                            ids_delta=[],
+                            prompt_tokens=0,
+                            cached_tokens=0,
+                            finish_reason=FinishReason.length_limit(n) if k == n - 1 else None,
+                        )
+                    )
                     await asyncio.sleep(pause)
+
             asyncio.ensure_future(produce())
 
         await StreamResponse(self.hub, Encoder(), start, self.aborted.set)(scope, receive, send)
@@ -153,8 +171,26 @@ def test_a_tls_connection_is_never_written_directly(tmp_path):
     if shutil.which("openssl") is None:
         pytest.skip("needs the openssl command to make a certificate")
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
-                    "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
     srv = StreamServer(direct_writes=True, ssl_keyfile=str(key), ssl_certfile=str(cert))
     try:
         with httpx.Client(verify=False, timeout=30) as client:
@@ -221,6 +257,7 @@ def test_attach_refuses_what_it_cannot_write_plainly():
 
         async def wrapper(message):  # a middleware's send that might change the body
             await ok.send(message)
+
         assert not writer.attach(stream_of(ok, wrapper))
         stream = stream_of(ok)
         assert writer.attach(stream) and writer.open_fds == 1 and stream.writer is writer

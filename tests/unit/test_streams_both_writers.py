@@ -35,17 +35,25 @@ class Served:
 
     def __init__(self, stories_path, writer: str) -> None:
         tok = get_tokenizer(str(stories_path))
-        self.runner = SimulatedRunner(len(tok), {tok.eos_token_id}, POOL, CONTEXT_LEN,
-                                      decode_base_ms=1.0, extend_us_per_token=1.0)
+        self.runner = SimulatedRunner(
+            len(tok), {tok.eos_token_id}, POOL, CONTEXT_LEN, decode_base_ms=1.0, extend_us_per_token=1.0
+        )
         self.port = free_port()
-        args = ServerArgs(model_path=str(stories_path), port=self.port, max_total_tokens=POOL,
-                          chat_template=str(CHAT_TEMPLATE), log_level="warning", stats_interval_s=3600.0)
+        args = ServerArgs(
+            model_path=str(stories_path),
+            port=self.port,
+            max_total_tokens=POOL,
+            chat_template=str(CHAT_TEMPLATE),
+            log_level="warning",
+            stats_interval_s=3600.0,
+        )
         self.app = create_app(args, model_runner=self.runner)
         self.writer = writer
         if writer == "asgi":
             self.app.state.stream_hub = StreamHub(socket_writes=False)
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, loop="uvloop",
-                                http=HTTP1Protocol, log_level="warning")
+        config = uvicorn.Config(
+            self.app, host="127.0.0.1", port=self.port, loop="uvloop", http=HTTP1Protocol, log_level="warning"
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -108,8 +116,10 @@ def chunks_sent(served) -> int:
 
 def test_native_stream(served):
     before = chunks_sent(served)
-    status, events = served.stream("/generate", {"text": "Once upon", "stream": True,
-                                                 "sampling_params": {"max_new_tokens": 12, "ignore_eos": True}})
+    status, events = served.stream(
+        "/generate",
+        {"text": "Once upon", "stream": True, "sampling_params": {"max_new_tokens": 12, "ignore_eos": True}},
+    )
     assert status == 200 and events[-1] == "[DONE]"
     chunks = events[:-1]
     assert [len(c["output_ids"]) for c in chunks] == list(range(1, 13))
@@ -122,17 +132,26 @@ def test_native_stream(served):
 
 def test_chat_stream_with_usage(served):
     before = chunks_sent(served)
-    status, events = served.stream("/v1/chat/completions", {
-        "messages": [{"role": "user", "content": "Hi"}], "stream": True, "max_tokens": 10, "ignore_eos": True,
-        "stream_options": {"include_usage": True}})
+    status, events = served.stream(
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "Hi"}],
+            "stream": True,
+            "max_tokens": 10,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     assert status == 200 and events[-1] == "[DONE]"
     first, usage = events[0], events[-2]
     assert first["object"] == "chat.completion.chunk" and first["usage"] is None
-    assert first["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                 "finish_reason": None}]
+    assert first["choices"] == [
+        {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+    ]
     deltas = events[1:-3]
-    assert all(set(e["choices"][0]["delta"]) == {"content"} and e["choices"][0]["finish_reason"] is None
-               for e in deltas)
+    assert all(
+        set(e["choices"][0]["delta"]) == {"content"} and e["choices"][0]["finish_reason"] is None for e in deltas
+    )
     assert events[-3]["choices"] == [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}]
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 10
     assert len({e["id"] for e in events[:-1]}) == 1 and first["id"].startswith("chatcmpl-")
@@ -141,9 +160,17 @@ def test_chat_stream_with_usage(served):
 
 def test_completions_stream_with_two_samples(served):
     before = chunks_sent(served)
-    status, events = served.stream("/v1/completions", {
-        "prompt": "Lily", "stream": True, "max_tokens": 6, "ignore_eos": True, "n": 2,
-        "stream_options": {"include_usage": True}})
+    status, events = served.stream(
+        "/v1/completions",
+        {
+            "prompt": "Lily",
+            "stream": True,
+            "max_tokens": 6,
+            "ignore_eos": True,
+            "n": 2,
+            "stream_options": {"include_usage": True},
+        },
+    )
     assert status == 200 and events[-1] == "[DONE]"
     chunks, usage = events[:-2], events[-2]
     finished = sorted(c["choices"][0]["index"] for c in chunks if c["choices"][0]["finish_reason"] == "length")
@@ -153,17 +180,21 @@ def test_completions_stream_with_two_samples(served):
 
 
 def test_native_stream_with_two_samples(served):
-    status, events = served.stream("/generate", {"text": "Tom", "stream": True,
-                                                 "sampling_params": {"max_new_tokens": 5, "n": 2, "ignore_eos": True}})
+    status, events = served.stream(
+        "/generate",
+        {"text": "Tom", "stream": True, "sampling_params": {"max_new_tokens": 5, "n": 2, "ignore_eos": True}},
+    )
     assert status == 200 and events[-1] == "[DONE]"
     finals = sorted((e["index"], len(e["output_ids"])) for e in events[:-1] if e["meta_info"]["finish_reason"])
     assert finals == [(0, 5), (1, 5)]
 
 
 def test_an_invalid_request_is_an_error_response_before_the_stream(served):
-    for path, body in (("/generate", {"input_ids": [10 ** 6], "stream": True}),
-                       ("/generate", {"input_ids": [10 ** 6], "stream": True, "sampling_params": {"n": 2}}),
-                       ("/v1/completions", {"prompt": [10 ** 6], "stream": True})):
+    for path, body in (
+        ("/generate", {"input_ids": [10**6], "stream": True}),
+        ("/generate", {"input_ids": [10**6], "stream": True, "sampling_params": {"n": 2}}),
+        ("/v1/completions", {"prompt": [10**6], "stream": True}),
+    ):
         r = httpx.post(served.url + path, json=body, timeout=60)
         assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"], (path, r.text)
 
@@ -180,22 +211,33 @@ def test_a_failed_step_after_the_200_ends_with_an_error_event(served):
 
     runner.forward = failing_on_the_fourth_step
     try:
-        status, events = served.stream("/v1/chat/completions", {
-            "messages": [{"role": "user", "content": "Hi"}], "stream": True, "max_tokens": 20, "ignore_eos": True})
+        status, events = served.stream(
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "Hi"}], "stream": True, "max_tokens": 20, "ignore_eos": True},
+        )
     finally:
         runner.forward = forward
     assert status == 200 and events[-1] == "[DONE]"
-    assert events[-2] == {"error": {"message": "model step failed: device lost", "type": "internal_server_error",
-                                    "param": None, "code": 500}}
+    assert events[-2] == {
+        "error": {
+            "message": "model step failed: device lost",
+            "type": "internal_server_error",
+            "param": None,
+            "code": 500,
+        }
+    }
     assert all("error" not in e for e in events[:-2]) and len(events) > 3
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_kv(served):
-    body = json.dumps({"text": "The dog", "stream": True,
-                       "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}).encode()
+    body = json.dumps(
+        {"text": "The dog", "stream": True, "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
+    ).encode()
     with socket.create_connection(("127.0.0.1", served.port)) as sock:
-        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        sock.sendall(
+            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
         got = b""
         while got.count(b"data: ") < 20:
             got += sock.recv(65536)
@@ -215,8 +257,10 @@ def test_a_slow_reader_holds_up_no_other_stream(served):
         if served.writer == "socket":
             assert served.hub.socket_writer.diverted == diverted + 1  # the socket writer gave it up
         for _ in range(3):  # other streams come and go meanwhile
-            status, events = served.stream("/generate", {"text": "Tom", "stream": True,
-                                                         "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}})
+            status, events = served.stream(
+                "/generate",
+                {"text": "Tom", "stream": True, "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}},
+            )
             assert status == 200 and events[-1] == "[DONE]" and len(events[-2]["output_ids"]) == 8
         text = slow.read().decode()
     events = [e for e in text.split("\n\n") if e]

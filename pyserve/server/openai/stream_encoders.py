@@ -37,16 +37,25 @@ def prompt_once_usage(outs: list[GenerateOutput]) -> dict[str, Any]:
     """Usage fields of the samples of one prompt so far (prompt counted once)."""
     prompt = outs[0].prompt_tokens if outs else 0
     completion = sum(len(o.output_ids) for o in outs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": max((o.cached_tokens for o in outs), default=0)}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": max((o.cached_tokens for o in outs), default=0)},
+    }
 
 
 class _OpenAIStreamEncoder:
     """What chat and completion streams share: per-choice progress (latest outputs, logprobs
     already sent), the chunk envelope, the usage chunk, and the fast running chunk."""
 
-    def __init__(self, body: ChatCompletionRequest | CompletionRequest, base: dict[str, Any],
-                 delta_head: bytes, delta_tail: bytes) -> None:
+    def __init__(
+        self,
+        body: ChatCompletionRequest | CompletionRequest,
+        base: dict[str, Any],
+        delta_head: bytes,
+        delta_tail: bytes,
+    ) -> None:
         self.body = body
         self.base = base
         self.latest: dict[int, GenerateOutput] = {}
@@ -56,8 +65,10 @@ class _OpenAIStreamEncoder:
         if body.n == 1 and not body.continuous_usage:
             # `data: {<base>,"choices":[{"index":0,<delta_head>` + text + `<delta_tail>...}]}`
             usage = b',"usage":null' if body.include_usage else b""
-            self._fast = (b"data: " + json_bytes(base)[:-1] + b',"choices":[{"index":0,' + delta_head,
-                          delta_tail + b',"logprobs":null,"finish_reason":null}]' + usage + b"}\n\n")
+            self._fast = (
+                b"data: " + json_bytes(base)[:-1] + b',"choices":[{"index":0,' + delta_head,
+                delta_tail + b',"logprobs":null,"finish_reason":null}]' + usage + b"}\n\n",
+            )
 
     def __call__(self, out: GenerateOutput) -> bytes:
         fast = self._fast
@@ -137,8 +148,9 @@ class CompletionStreamEncoder(_OpenAIStreamEncoder):
     """`text_completion` events of one streamed completion. echo: the echoed prompt text ("" without
     echo) and, with logprobs, its tokens' character offsets."""
 
-    def __init__(self, body: CompletionRequest, rid: str, created: int, model: str,
-                 echo: tuple[str, list[int] | None]) -> None:
+    def __init__(
+        self, body: CompletionRequest, rid: str, created: int, model: str, echo: tuple[str, list[int] | None]
+    ) -> None:
         base = {"id": rid, "object": "text_completion", "created": created, "model": model}
         super().__init__(body, base, b'"text":"', b'"')
         self.completion_body = body
