@@ -26,6 +26,7 @@ from pyserve.engine.worker import ModelWorker
 from pyserve.errors import InvalidRequestError
 from pyserve.io_struct import GenerateOutput, SingleReq, TokenizedGenerateReq
 from pyserve.mem_cache.kv_cache import KVCache
+from pyserve.model_executor.runner_protocol import Runner
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ class EngineCore:
     All methods run on the loop that called `start()`, except `start` work done in executors.
     """
 
-    def __init__(self, server_args: ServerArgs, model_runner: Any = None) -> None:
+    def __init__(self, server_args: ServerArgs, model_runner: Runner | None = None) -> None:
         """model_runner: serve with this ModelRunner-like object instead of loading the model
         (benchmarks run a SimulatedRunner; the tokenizer still comes from the model path)."""
         self.server_args = server_args

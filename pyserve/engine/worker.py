@@ -33,6 +33,7 @@ import torch
 
 from pyserve.forward_batch_info import StepOutput, StepPlan
 from pyserve.model_executor.device_state import DeviceState
+from pyserve.model_executor.runner_protocol import Runner
 
 logger = logging.getLogger(__name__)
 
@@ -49,12 +50,15 @@ class ModelWorker:
     maximum context) that the device tables mirror; vocab_size: the model's.
     """
 
-    def __init__(self, model_runner: Any, num_rows: int, row_width: int, vocab_size: int) -> None:
+    def __init__(self, model_runner: Runner, num_rows: int, row_width: int, vocab_size: int) -> None:
         self.model_runner = model_runner
         self.state = DeviceState(num_rows, row_width, vocab_size, model_runner.device)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()  # plans (C queue: no Python lock per put)
         self._cuda = str(model_runner.device).startswith("cuda")
-        self._async = self._cuda or hasattr(model_runner, "step_done_waiter")
+        # a CPU runner whose launches are asynchronous (SimulatedRunner) says how to wait for a step
+        self._step_done_waiter: Callable[[], Callable[[], None]] | None = getattr(
+            model_runner, "step_done_waiter", None)
+        self._async = self._cuda or self._step_done_waiter is not None
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._ready = threading.Event()
         self._launches: queue.SimpleQueue = queue.SimpleQueue()  # numbers of launched steps
@@ -141,7 +145,7 @@ class ModelWorker:
         with torch.inference_mode():  # thread-local: once for every step (not a switch each)
             self._serve(runner, stream)
 
-    def _serve(self, runner: Any, stream: Any) -> None:
+    def _serve(self, runner: Runner, stream: torch.cuda.Stream | None) -> None:
         num_launched = 0
         while True:
             item = self._queue.get()
@@ -188,7 +192,7 @@ class ModelWorker:
             out = StepOutput(next_token_ids=ids.numpy(),
                              failed_rows=np.flatnonzero(failed_np).tolist() if failed_np.any() else [])
             runner.add_logprobs(out, logits, batch, next_ids)
-            return out, (runner.step_done_waiter() if self._async else None)
+            return out, (self._step_done_waiter() if self._step_done_waiter is not None else None)
         ids_host = torch.empty(next_ids.shape, dtype=torch.int32, pin_memory=True)
         ids_host.copy_(ids, non_blocking=True)
         failed_host = torch.empty(failed.shape, dtype=torch.bool, pin_memory=True)

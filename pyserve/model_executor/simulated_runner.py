@@ -28,6 +28,8 @@ from pyserve.forward_batch_info import ForwardBatch, ForwardMode, StepOutput
 
 # ids drawn ahead for sample_next (the largest batch it serves)
 _STREAM_LEN = 1 << 20
+# what `forward` returns in place of logits (sample_next does not read it)
+_NO_LOGITS = torch.empty(0)
 
 
 @dataclass
@@ -85,14 +87,16 @@ class SimulatedRunner:
             return int(batch.input_ids.shape[0]) * self.extend_us_per_token * 1e-6
         return self.decode_base_ms * 1e-3 + batch.batch_size * self.decode_us_per_req * 1e-6
 
-    def forward(self, batch: ForwardBatch) -> None:
-        """Queue the step on the device timeline; returns at once (an asynchronous launch)."""
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Queue the step on the device timeline; returns at once (an asynchronous launch),
+        with an empty tensor for logits."""
         duration = self.step_time_s(batch)
         with self._lock:
             start = max(time.perf_counter(), self._device_free_at)
             self._device_free_at = start + duration
             self._busy_s += duration
             self.num_steps += 1
+        return _NO_LOGITS
 
     def step_done_waiter(self) -> "Callable[[], None]":
         """A function that returns once the step launched last has ended on the device (it
@@ -105,7 +109,7 @@ class SimulatedRunner:
 
         return wait
 
-    def sample_next(self, logits: None, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def sample_next(self, logits: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """[B] int64 seeded ids, never EOS (the next B of the seeded stream); the failed-row
         mask [B] bool (all False). Raises ValueError for B > the stream's length."""
         size, start = batch.batch_size, self._cursor
@@ -120,10 +124,10 @@ class SimulatedRunner:
         self._cursor = end
         return torch.from_numpy(ids), self._no_failures[:size]
 
-    def add_logprobs(self, out: StepOutput, logits: None, batch: ForwardBatch, next_ids: torch.Tensor) -> None:
+    def add_logprobs(self, out: StepOutput, logits: torch.Tensor, batch: ForwardBatch, next_ids: torch.Tensor) -> None:
         """Logprobs are not simulated."""
 
-    def step_output(self, logits: None, batch: ForwardBatch) -> StepOutput:
+    def step_output(self, logits: torch.Tensor, batch: ForwardBatch) -> StepOutput:
         ids, _ = self.sample_next(logits, batch)
         return StepOutput(next_token_ids=ids.to(torch.int32).numpy())
 

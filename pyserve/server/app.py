@@ -10,13 +10,14 @@ from starlette.applications import Starlette
 
 from pyserve.config import ServerArgs
 from pyserve.engine.engine_core import EngineCore
+from pyserve.model_executor.runner_protocol import Runner
 from pyserve.server import native
 from pyserve.server.errors import EXCEPTION_HANDLERS
 from pyserve.server.openai import serving
 from pyserve.server.stream_hub import StreamHub
 
 
-def create_app(server_args: ServerArgs | None = None, model_runner: Any = None) -> Starlette:
+def create_app(server_args: ServerArgs | None = None, model_runner: Runner | None = None) -> Starlette:
     """The pyserve ASGI app. The model loads when the app's lifespan starts (ASGI lifespan
     protocol), on the server's event loop, and the engine stops when the lifespan ends.
     `app.state.engine` is the EngineCore; `app.state.stream_hub` the StreamHub every streamed

@@ -40,7 +40,7 @@ def test_step_times_ids_and_busy_accounting():
     assert runner.num_steps == 2
     runner.step_done_waiter()()
     assert time.perf_counter() - start >= runner.busy_s()  # the second step ends after both
-    ids = [t for _ in range(200) for t in runner.step_output(None, decode).next_token_ids]
+    ids = [t for _ in range(200) for t in runner.step_output(torch.empty(0), decode).next_token_ids]
     assert set(ids) == {0, 1, 3, 4, 5}  # every id but EOS
     again = SimulatedRunner(6, {2}, 64, 32, seed=7)
     assert [t for _ in range(200) for t in again.step_output(None, decode).next_token_ids] == ids
