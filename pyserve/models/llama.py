@@ -84,7 +84,7 @@ def _fuse(layers: list[nn.Linear], attr: str) -> torch.Tensor | None:
     return fused
 
 
-def _linear(in_f: int, out_f: int, bias: bool, dtype: torch.dtype, device: Any) -> nn.Linear:
+def _linear(in_f: int, out_f: int, bias: bool, dtype: torch.dtype, device: torch.device | str) -> nn.Linear:
     layer = nn.Linear(in_f, out_f, bias=bias, dtype=dtype, device=device)
     layer.requires_grad_(False)
     return layer
@@ -97,7 +97,7 @@ class LlamaAttention(nn.Module):
     -> [T, hidden].
     """
 
-    def __init__(self, config: Any, layer_id: int, dtype: torch.dtype, device: Any,
+    def __init__(self, config: Any, layer_id: int, dtype: torch.dtype, device: torch.device | str,
                  spec: DecoderSpec = DecoderSpec()) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -155,7 +155,7 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU MLP: down(act(gate(x)) * up(x)). forward([T, hidden]) -> [T, hidden]."""
 
-    def __init__(self, config: Any, dtype: torch.dtype, device: Any) -> None:
+    def __init__(self, config: Any, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         hidden, inter = config.hidden_size, config.intermediate_size
@@ -185,7 +185,7 @@ class LlamaDecoderLayer(nn.Module):
     is the embedding. The sum of the pair is the block's output.
     """
 
-    def __init__(self, config: Any, layer_id: int, dtype: torch.dtype, device: Any,
+    def __init__(self, config: Any, layer_id: int, dtype: torch.dtype, device: torch.device | str,
                  spec: DecoderSpec = DecoderSpec()) -> None:
         super().__init__()
         eps = config.rms_norm_eps
@@ -210,7 +210,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm. forward -> hidden [T, hidden]."""
 
-    def __init__(self, config: Any, dtype: torch.dtype, device: Any,
+    def __init__(self, config: Any, dtype: torch.dtype, device: torch.device | str,
                  spec: DecoderSpec = DecoderSpec()) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype,
