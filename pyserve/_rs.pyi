@@ -1,7 +1,8 @@
 """Type stubs of `pyserve._rs`, the native KV bookkeeping core (Rust, rust/core + rust/py).
 
-Units: token ids are ints that fit in int32; lengths are tokens; KV slots are below 2^31
-(int64 arrays, except the int32 `kv_indices`). Slots come
+Units: token ids are ints that fit in int32; lengths are tokens; KV slots are below 2^31.
+A batch's arrays (`BatchArrays`) are all int32, the dtype the worker's device tables index
+with, so they reach the device unconverted; other array outputs are int64. Slots come
 in pages of `page_size`: page p holds slots p * page_size .. (p + 1) * page_size - 1, page 0
 (with the padding slot 0) is reserved, so the KV tensors need `num_slot_rows` =
 max_total_tokens + page_size rows. Cached prefixes are whole pages.
@@ -9,10 +10,12 @@ max_total_tokens + page_size rows. Cached prefixes are whole pages.
 Array inputs accept numpy integer arrays, lists/tuples of ints, or anything `numpy.asarray`
 turns into a 1-D integer array; anything else (floats, 2-D, negative ids or lengths) raises
 ShapeError. Array outputs are 1-D numpy arrays handed over without an element copy.
-Only the scheduler (loop) thread may call these objects. The per-batch calls, `evict` and
-`check_integrity` release the GIL while the core works; the calls on one request's token ids
-(`match_prefix`, `add_req`, `cache_*_req`) take microseconds, keep the GIL and read a
-C-contiguous int32 token array in place. Expected shortfalls (not enough free KV or rows) return None; broken contracts
+Only the scheduler (loop) thread may call these objects. Every call but `check_integrity`
+(O(pool), tests and debugging) keeps the GIL: each takes microseconds (tens for a per-batch
+call), while releasing the GIL on the loop lets another Python thread take it, and the loop
+then waits up to the interpreter's switch interval (5 ms) to get it back. The calls on one
+request's token ids (`match_prefix`, `add_req`, `cache_*_req`) read a C-contiguous int32
+token array in place. Expected shortfalls (not enough free KV or rows) return None; broken contracts
 raise the `CoreError` subclasses below, with nothing changed unless stated.
 """
 
@@ -58,28 +61,29 @@ class InvariantError(CoreError):
 
 @final
 class BatchArrays:
-    """All arrays of one forward batch of B requests (1-D; int64 except the int32 kv_indices)."""
+    """All arrays of one forward batch of B requests (1-D, int32: every value fits, as the
+    request table has at most 2^31 - 1 cells and slots stay below 2^31)."""
 
     @property
-    def req_pool_indices(self) -> _Int64Array:
+    def req_pool_indices(self) -> _Int32Array:
         """[B] row of each request."""
     @property
-    def prefix_lens(self) -> _Int64Array:
+    def prefix_lens(self) -> _Int32Array:
         """[B] tokens whose KV was stored before this step."""
     @property
-    def extend_lens(self) -> _Int64Array:
+    def extend_lens(self) -> _Int32Array:
         """[B] new tokens per request (1 for decode)."""
     @property
-    def seq_lens(self) -> _Int64Array:
+    def seq_lens(self) -> _Int32Array:
         """[B] tokens with KV after this step (prefix_lens + extend_lens)."""
     @property
-    def out_cache_loc(self) -> _Int64Array:
+    def out_cache_loc(self) -> _Int32Array:
         """[sum(extend_lens)] KV slot of each new token, request by request."""
     @property
-    def positions(self) -> _Int64Array:
+    def positions(self) -> _Int32Array:
         """[sum(extend_lens)] position of each new token in its sequence."""
     @property
-    def kv_indptr(self) -> _Int64Array:
+    def kv_indptr(self) -> _Int32Array:
         """Extend: [B + 1] CSR offsets, request i's row is kv_indices[kv_indptr[i]:kv_indptr[i+1]].
         Decode: empty (a decode step is O(batch); the worker keeps the rows)."""
     @property
@@ -92,7 +96,8 @@ class KVCache:
     """KV page allocator + request rows + radix prefix cache + admitted requests.
 
     `max_total_tokens` slots (a multiple of `page_size`, else ShapeError) in pages of
-    `page_size`; `num_rows` request rows of `max_context_len` tokens. A request admitted with
+    `page_size`; `num_rows` request rows of `max_context_len` tokens (num_rows *
+    max_context_len at most 2^31 - 1, else ShapeError). A request admitted with
     `add_req` gets a `req_id` (increasing, never reused) for every later call; finishing or
     aborting it twice returns False the second time.
     """

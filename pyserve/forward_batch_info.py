@@ -101,11 +101,12 @@ class StepPlan:
     """Everything the worker needs for one step, as host data (DESIGN.md section 1): O(batch)
     integers for a decode step, the new tokens' ids and slots for an extend step.
 
-    Shapes (B requests, T new tokens; T == B in DECODE), numpy, C-contiguous:
+    Shapes (B requests, T new tokens; T == B in DECODE), numpy, C-contiguous, all int32 (the
+    Rust core's `BatchArrays`, passed on unconverted; the worker refuses another dtype):
       req_pool_indices: [B] int32   request row of each request
       seq_lens:         [B] int32   tokens with KV after this step (prefix + new)
-      positions:        [T] int64   position of each new token
-      out_cache_loc:    [T] int64   KV slot receiving each new token's K/V
+      positions:        [T] int32   position of each new token
+      out_cache_loc:    [T] int32   KV slot receiving each new token's K/V
       input_ids:        [T - num_decode_rows] int32 (EXTEND) the new tokens; None in DECODE:
                         the worker reads each row's last sampled token from its token table
       prefix_lens, extend_lens: [B] int32 (EXTEND) cached and new tokens per request
@@ -258,9 +259,10 @@ class StepOutput:
 
 
 def kv_indptr_of(seq_lens: torch.Tensor) -> torch.Tensor:
-    """[B + 1] int64 CSR offsets of B consecutive ranges of seq_lens [B] tokens (0 first)."""
-    indptr = torch.zeros(seq_lens.shape[0] + 1, dtype=torch.int64, device=seq_lens.device)
-    torch.cumsum(seq_lens, 0, out=indptr[1:])
+    """[B + 1] CSR offsets of B consecutive ranges of seq_lens [B] tokens (0 first), in
+    seq_lens' dtype (int32 for a worker-built batch)."""
+    indptr = torch.zeros(seq_lens.shape[0] + 1, dtype=seq_lens.dtype, device=seq_lens.device)
+    torch.cumsum(seq_lens, 0, dtype=seq_lens.dtype, out=indptr[1:])
     return indptr
 
 
@@ -269,14 +271,16 @@ class ForwardBatch:
     """All inputs of one forward pass, built on the worker thread from a StepPlan and the
     worker's DeviceState (or by hand in tests and benchmarks).
 
-    Shapes (B = batch_size, T = num_tokens; T == B in DECODE):
-      input_ids:     [T] int64   token ids to compute
-      positions:     [T] int64   absolute position of each token in its sequence
-      out_cache_loc: [T] int64   KV pool slot that receives each token's K and V
-      seq_lens:      [B] int64   tokens per request after this step (prefix + new)
-      extend_prefix_lens / extend_seq_lens: [B] int64 (EXTEND only) cached and new tokens
-      kv_indptr:     [B + 1] int64  CSR offsets into kv_indices
-      kv_indices:    [sum(seq_lens)] int32 (int64 works too) KV slots of every token of
+    Shapes (B = batch_size, T = num_tokens; T == B in DECODE); every integer tensor is int32
+    in a worker-built batch (views of the plan's one packed int32 copy, or gathered from
+    int32 tables); the backends and kernels accept int64 too (hand-built batches in tests):
+      input_ids:     [T] int32   token ids to compute
+      positions:     [T] int32   absolute position of each token in its sequence
+      out_cache_loc: [T] int32   KV pool slot that receives each token's K and V
+      seq_lens:      [B] int32   tokens per request after this step (prefix + new)
+      extend_prefix_lens / extend_seq_lens: [B] int32 (EXTEND only) cached and new tokens
+      kv_indptr:     [B + 1] int32  CSR offsets into kv_indices
+      kv_indices:    [sum(seq_lens)] int32 KV slots of every token of
                      request i, in order, at kv_indices[kv_indptr[i]:kv_indptr[i + 1]] (new
                      tokens included). A worker-built DECODE batch leaves both None until an
                      attention backend asks (`ensure_kv_indices` gathers them from
@@ -303,7 +307,7 @@ class ForwardBatch:
     # float32 logits of the rows in input_logits_rows (token rows of the batch), worker only.
     input_logits_rows: torch.Tensor | None = None
     input_logits: torch.Tensor | None = None
-    # [B] int64: each request's row in the worker's tables (None for hand-built batches)
+    # [B] int32: each request's row in the worker's tables (None for hand-built batches)
     req_pool_indices: torch.Tensor | None = None
     req_to_token: torch.Tensor | None = None
     max_extend_len: int | None = None
@@ -318,6 +322,6 @@ class ForwardBatch:
             raise ValueError("a ForwardBatch needs kv_indices or its req_to_token rows")
         seq_lens = self.seq_lens
         max_len = int(seq_lens.max()) if self.batch_size else 0
-        cols = torch.arange(max_len, device=seq_lens.device)
+        cols = torch.arange(max_len, device=seq_lens.device, dtype=seq_lens.dtype)
         self.kv_indptr = kv_indptr_of(seq_lens)
         self.kv_indices = self.req_to_token[self.req_pool_indices, :max_len][cols[None, :] < seq_lens[:, None]]

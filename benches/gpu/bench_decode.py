@@ -157,14 +157,14 @@ class DecodeDriver:
         self.stream = torch.cuda.Stream() if self.cuda else None
         self.state = DeviceState(max_bs, self.width, runner.model_config.vocab_size, runner.device)
         rows = np.arange(max_bs, dtype=np.int32)
-        pos = np.tile(np.arange(context_len, dtype=np.int64), max_bs)
+        pos = np.tile(np.arange(context_len, dtype=np.int32), max_bs)
         slots = self.slot(np.repeat(rows, context_len), pos)
         greedy = SamplingParams(temperature=0.0)
         plan = StepPlan(
             ForwardMode.EXTEND, req_pool_indices=rows,
             seq_lens=np.full(max_bs, context_len, np.int32), positions=pos, out_cache_loc=slots,
             input_ids=np.zeros(pos.shape[0], np.int32), prefix_lens=np.zeros(max_bs, np.int32),
-            extend_lens=np.full(max_bs, context_len, np.int32), row_slots=slots.astype(np.int32),
+            extend_lens=np.full(max_bs, context_len, np.int32), row_slots=slots,
             new_sampling_rows=[SamplingRow(int(r), greedy, frozenset()) for r in rows])
         with torch.inference_mode():
             self.state.forward_batch(plan)
@@ -178,7 +178,7 @@ class DecodeDriver:
         self._plan, self._mode = StepPlan, ForwardMode
 
     def slot(self, row: np.ndarray, position: np.ndarray) -> np.ndarray:
-        return (1 + row.astype(np.int64) * self.width + position).astype(np.int64)
+        return (1 + row * np.int32(self.width) + position).astype(np.int32)  # int32, as plans are
 
     def step(self, batch_size: int, position: int) -> None:
         """One decode step of rows 0..batch_size-1 writing `position`; returns once the
@@ -186,15 +186,14 @@ class DecodeDriver:
         rows = np.arange(batch_size, dtype=np.int32)
         plan = self._plan(self._mode.DECODE, req_pool_indices=rows,
                           seq_lens=np.full(batch_size, position + 1, np.int32),
-                          positions=np.full(batch_size, position, np.int64),
+                          positions=np.full(batch_size, position, np.int32),
                           out_cache_loc=self.slot(rows, np.full(batch_size, position)))
         on_stream = torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
         with torch.inference_mode(), on_stream:
             batch = self.state.forward_batch(plan)
             logits = self.runner.forward(batch)
             next_ids = self.runner.sample_next(logits, batch)[0]
-            self.state.record_sampled(plan, batch, next_ids)
-            next_ids.to(torch.int32).cpu()
+            self.state.record_sampled(plan, batch, next_ids).cpu()
 
     def median_step_ms(self, batch_size: int, warmup: int, steps: int) -> float:
         times = []

@@ -52,7 +52,7 @@ def decode_attention(
         raise ValueError(f"out must be a C-contiguous float32 tensor of shape {tuple(q.shape)}")
     _cpu.decode_attention(
         q.numpy(), k_buffer.numpy(), v_buffer.numpy(),
-        as_int_array(kv_indptr, torch.int64, "kv_indptr"),
+        as_int_array(kv_indptr, torch.int32, "kv_indptr"),
         as_int_array(kv_indices, torch.int32, "kv_indices"),
         out.numpy(), float(scaling), sliding_window, torch.get_num_threads(),
     )

@@ -33,7 +33,7 @@ def store_kv(k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor,
     rows_contiguous = all(t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
                           and t.device.type == "cpu" and t.dtype == torch.float32 for t in (k, v))
     if rows_contiguous and native_applies(k_buffer, v_buffer) and loc.device.type == "cpu":
-        _cpu.store_kv(k_buffer.numpy(), v_buffer.numpy(), as_int_array(loc, torch.int64, "loc"),
+        _cpu.store_kv(k_buffer.numpy(), v_buffer.numpy(), as_int_array(loc, torch.int32, "loc"),
                       k.numpy(), v.numpy())
         return
     reference.store_kv(k_buffer, v_buffer, loc, k, v)

@@ -138,7 +138,7 @@ def decode_attention(
             start = max(start, end - sliding_window)
         if end == start:
             continue
-        slots = kv_indices[start:end].long()
+        slots = kv_indices[start:end]  # int32 or int64: torch indexes with either
         keys = k_buffer[slots].float().repeat_interleave(group, dim=1)      # [n, H, D]
         values = v_buffer[slots].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,nhd->hn", q[b].float(), keys) * scaling
@@ -180,7 +180,7 @@ def extend_attention(
     row_start = 0
     for b in range(req_pool_indices.shape[0]):
         prefix, extend = int(prefix_lens[b]), int(extend_lens[b])
-        slots = req_to_token[int(req_pool_indices[b]), : prefix + extend].long()
+        slots = req_to_token[int(req_pool_indices[b]), : prefix + extend]
         keys = k_buffer[slots].float().repeat_interleave(group, dim=1)      # [n, H, D]
         values = v_buffer[slots].float().repeat_interleave(group, dim=1)
         rows = slice(row_start, row_start + extend)

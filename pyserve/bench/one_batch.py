@@ -79,12 +79,12 @@ def run_case(runner: Any, batch_size: int, input_len: int, output_len: int, seed
     arrays = kv.prepare_extend(req_ids, [input_len] * batch_size)
     if arrays is None:
         raise ValueError("the KV pool is too small for this batch")
-    rows = arrays.req_pool_indices.astype(np.int32)
+    rows = arrays.req_pool_indices
     greedy = SamplingParams(temperature=0.0)
-    plan = StepPlan(ForwardMode.EXTEND, rows, arrays.seq_lens.astype(np.int32), arrays.positions,
+    plan = StepPlan(ForwardMode.EXTEND, rows, arrays.seq_lens, arrays.positions,
                     arrays.out_cache_loc, input_ids=input_ids.flatten().numpy().astype(np.int32),
-                    prefix_lens=arrays.prefix_lens.astype(np.int32),
-                    extend_lens=arrays.extend_lens.astype(np.int32), row_slots=arrays.kv_indices,
+                    prefix_lens=arrays.prefix_lens,
+                    extend_lens=arrays.extend_lens, row_slots=arrays.kv_indices,
                     new_sampling_rows=[SamplingRow(int(r), greedy, frozenset()) for r in rows])
     sync()
     start = time.perf_counter()
@@ -96,7 +96,7 @@ def run_case(runner: Any, batch_size: int, input_len: int, output_len: int, seed
         arrays = kv.prepare_decode(req_ids)
         if arrays is None:
             raise ValueError("the KV pool is too small for this batch")
-        plan = StepPlan(ForwardMode.DECODE, rows, arrays.seq_lens.astype(np.int32), arrays.positions,
+        plan = StepPlan(ForwardMode.DECODE, rows, arrays.seq_lens, arrays.positions,
                         arrays.out_cache_loc)
         sync()
         start = time.perf_counter()

@@ -208,10 +208,10 @@ class ScheduleBatch:
             r.req_pool_idx = row
         prefills, reqs = reqs, reqs + decodes
         plan = StepPlan(
-            ForwardMode.EXTEND, req_pool_indices=arrays.req_pool_indices.astype(np.int32),
-            seq_lens=arrays.seq_lens.astype(np.int32), positions=arrays.positions,
+            ForwardMode.EXTEND, req_pool_indices=arrays.req_pool_indices,
+            seq_lens=arrays.seq_lens, positions=arrays.positions,
             out_cache_loc=arrays.out_cache_loc, input_ids=input_ids,
-            prefix_lens=arrays.prefix_lens.astype(np.int32), extend_lens=arrays.extend_lens.astype(np.int32),
+            prefix_lens=arrays.prefix_lens, extend_lens=arrays.extend_lens,
             row_slots=arrays.kv_indices, num_decode_rows=len(decodes),
             new_sampling_rows=[r.sampling_row() for r in prefills if r is not partial],
             released_rows=released_rows,
@@ -225,8 +225,8 @@ class ScheduleBatch:
         """A DECODE step: one new token per request; its input is the request's last sampled
         token, which the worker reads from its token table."""
         plan = StepPlan(
-            ForwardMode.DECODE, req_pool_indices=arrays.req_pool_indices.astype(np.int32),
-            seq_lens=arrays.seq_lens.astype(np.int32), positions=arrays.positions,
+            ForwardMode.DECODE, req_pool_indices=arrays.req_pool_indices,
+            seq_lens=arrays.seq_lens, positions=arrays.positions,
             out_cache_loc=arrays.out_cache_loc, released_rows=released_rows,
             all_greedy=all(map(_GREEDY, reqs)),
             logprob_info=_logprob_info(reqs, extend=False), step_id=step_id)

@@ -88,7 +88,8 @@ class MHATokenToKVPool:
     ) -> None:
         """Write new tokens' K and V into their slots (mutates this layer's buffers).
 
-        loc: [num_tokens] int64 slot ids in 0..size + page_size - 1, on the pool device
+        loc: [num_tokens] int32 (or int64) slot ids in 0..size + page_size - 1, on the pool
+             device
         k, v: [num_tokens, num_kv_heads, head_dim]; cast to the pool dtype.
         Raises IndexError for a slot outside the pool.
         """

@@ -72,11 +72,12 @@ class CudaGraphRunner:
         self.sizes = sizes
         self.max_bs = sizes[-1]
         device = req_to_token.device
-        self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
-        self.out_cache_loc = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(self.max_bs, dtype=torch.int64, device=device)
-        self.req_pool_indices = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
+        # int32, as the worker's batches are: the replay copies convert nothing
+        self.input_ids = torch.zeros(self.max_bs, dtype=torch.int32, device=device)
+        self.positions = torch.zeros(self.max_bs, dtype=torch.int32, device=device)
+        self.out_cache_loc = torch.zeros(self.max_bs, dtype=torch.int32, device=device)
+        self.seq_lens = torch.ones(self.max_bs, dtype=torch.int32, device=device)
+        self.req_pool_indices = torch.zeros(self.max_bs, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: torch.Tensor | None = None  # [max_bs, vocab] float32: every graph's output
         self.pool: Any = None

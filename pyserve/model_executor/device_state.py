@@ -23,26 +23,34 @@ class DeviceState:
     """State of `num_rows` request rows of up to `row_width` tokens each, on `device`.
 
     req_to_token: [num_rows, row_width] int32 KV slots (0 where unused: the padding slot).
-    token_table:  [num_rows] int64 last sampled token of each row.
+    token_table:  [num_rows] int32 last sampled token of each row.
     sampling:     SamplingRows of the same rows.
+    Every index array of a step is int32, from the Rust core through the plan to these
+    tables: num_rows * row_width stays below 2^31 (ValueError otherwise, as in the Rust
+    core), so rows, positions and flat offsets into req_to_token fit.
     """
 
     def __init__(self, num_rows: int, row_width: int, vocab_size: int, device: str) -> None:
+        if num_rows * row_width > _INT32_MAX:
+            raise ValueError(f"a request table of {num_rows} rows x {row_width} tokens exceeds "
+                             f"{_INT32_MAX} cells (int32 offsets)")
         self.device = device
         self.req_to_token = torch.zeros(num_rows, row_width, dtype=torch.int32, device=device)
         self._req_to_token_flat = self.req_to_token.view(-1)  # the same memory, indexed flat
-        self.token_table = torch.zeros(num_rows, dtype=torch.int64, device=device)
+        self.token_table = torch.zeros(num_rows, dtype=torch.int32, device=device)
         self.sampling = SamplingRows(num_rows, vocab_size, device)
 
     def forward_batch(self, plan: StepPlan) -> ForwardBatch:
         """Apply `plan` to the tables (row releases and starts, new slots) and return the
         step's ForwardBatch. Raises ValueError when an EXTEND plan's arrays disagree or a
-        request would not fit its row.
+        request would not fit its row, TypeError when a plan array is not int32.
 
-        The plan's integer arrays reach the device as one packed int64 copy (`_pack`): the
-        index arithmetic is done on the host in numpy, where the arrays already are, so the
-        device gets its inputs in one transfer and few calls (each torch call costs the worker
-        a GIL release and re-acquire; on CUDA each copy a pinned staging buffer)."""
+        The plan's integer arrays (all int32) reach the device as one packed int32 copy
+        (`_pack`), and stay int32 there: nothing is converted on the way. The index arithmetic
+        is done on the host in numpy, where the arrays already are, so the device gets its
+        inputs in one transfer and few calls (each torch call costs the worker a GIL release
+        and re-acquire; on CUDA each copy a pinned staging buffer). Tables are written with
+        index_put_ (`t[idx] = v`), which takes int32 indices; index_copy_ would need int64."""
         # the requests that left are gone whether or not this plan holds: a refused plan must
         # not keep their sampling rows live (a later request on the row could not start)
         self.sampling.release_rows(plan.released_rows)
@@ -52,37 +60,35 @@ class DeviceState:
             raise ValueError(f"a request's {int(plan.seq_lens.max())} tokens exceed its row of {row_width}")
         self.sampling.set_rows(plan.new_sampling_rows)
         extend = plan.forward_mode is ForwardMode.EXTEND
-        rows_np = plan.req_pool_indices.astype(np.int64)
+        rows_np = plan.req_pool_indices
+        parts = [rows_np, plan.seq_lens, plan.positions, plan.out_cache_loc]
         if extend:
             assert plan.input_ids is not None and plan.row_slots is not None
+            assert plan.prefix_lens is not None and plan.extend_lens is not None
             total = int(plan.row_slots.shape[0])
             if total != int(plan.seq_lens.sum()):
                 raise ValueError("row_slots does not hold seq_lens slots")
-            indptr = np.zeros(batch_size + 1, dtype=np.int64)
-            np.cumsum(plan.seq_lens, out=indptr[1:])
+            indptr = np.zeros(batch_size + 1, dtype=np.int32)
+            np.cumsum(plan.seq_lens, dtype=np.int32, out=indptr[1:])
             # each row's entries, flat in req_to_token: row * width + column, column counted
-            # from the row's start in row_slots
-            flat = np.repeat(rows_np * row_width - indptr[:-1], plan.seq_lens) + np.arange(total)
-            parts = [rows_np, plan.seq_lens, plan.positions, plan.out_cache_loc, indptr,
-                     plan.prefix_lens, plan.extend_lens, plan.input_ids, flat]
-        else:
-            parts = [rows_np, plan.seq_lens, plan.positions, plan.out_cache_loc,
-                     rows_np * row_width + plan.positions]
-        views = _unpack(to_device(_pack(parts), torch.int64, self.device), parts)
+            # from the row's start in row_slots (below num_rows * width: int32)
+            flat = (np.repeat(rows_np * np.int32(row_width) - indptr[:-1], plan.seq_lens)
+                    + np.arange(total, dtype=np.int32))
+            parts += [indptr, plan.prefix_lens, plan.extend_lens, plan.input_ids, plan.row_slots, flat]
+        views = _unpack(to_device(_pack(parts), torch.int32, self.device), parts)
         rows, seq_lens, positions, out_cache_loc = views[:4]
         kv_indptr: torch.Tensor | None = None
         kv_indices: torch.Tensor | None = None
         if extend:
-            kv_indptr, prefix_lens, extend_lens, input_ids, flat_t = views[4:]
-            kv_indices = to_device(plan.row_slots, torch.int32, self.device)
-            self._req_to_token_flat.index_copy_(0, flat_t, kv_indices)
+            kv_indptr, prefix_lens, extend_lens, input_ids, kv_indices, flat_t = views[4:]
+            self._req_to_token_flat[flat_t] = kv_indices
             if plan.num_decode_rows:  # a mixed chunk: the decoding rows' inputs are on the device
                 decode_rows = rows[batch_size - plan.num_decode_rows:]
                 input_ids = torch.cat([input_ids, self.token_table.index_select(0, decode_rows)])
             max_extend_len = int(plan.extend_lens.max()) if batch_size else 0
         else:
             prefix_lens = extend_lens = max_extend_len = None
-            self._req_to_token_flat.index_copy_(0, views[4], out_cache_loc.to(torch.int32))
+            self.req_to_token[rows, positions] = out_cache_loc
             input_ids = self.token_table.index_select(0, rows)  # kv_indices: gathered if a backend asks
         return ForwardBatch(
             forward_mode=plan.forward_mode, batch_size=batch_size, input_ids=input_ids,
@@ -94,18 +100,30 @@ class DeviceState:
             max_extend_len=max_extend_len,
         )
 
-    def record_sampled(self, plan: StepPlan, batch: ForwardBatch, next_ids: torch.Tensor) -> None:
+    def record_sampled(self, plan: StepPlan, batch: ForwardBatch, next_ids: torch.Tensor) -> torch.Tensor:
         """After sampling: each row's new token goes to the token table (the next decode's
-        input) and into its penalty counts. next_ids: [B] int64 on the device."""
+        input) and into its penalty counts. next_ids: [B] int64 on the device (what torch's
+        sampling ops return). Returns the ids as [B] int32 on the device: the one conversion
+        of a step's ids, which the worker also copies to the host."""
         rows = batch.req_pool_indices
         assert rows is not None
-        self.token_table.index_copy_(0, rows, next_ids)
+        ids = next_ids.to(torch.int32)
+        self.token_table[rows] = ids
         self.sampling.record_sampled(plan.req_pool_indices, rows, next_ids)
+        return ids
+
+
+_INT32_MAX = 2**31 - 1
 
 
 def _pack(parts: list[np.ndarray]) -> np.ndarray:
-    """The 1-D integer arrays `parts`, end to end, as one int64 host array."""
-    return np.concatenate(parts, dtype=np.int64, casting="same_kind")
+    """The 1-D int32 arrays `parts`, end to end, as one int32 host array. TypeError for a
+    part of another dtype: the plan's arrays are int32 from the Rust core on, and a silent
+    cast here would hide a conversion (or a wrap) upstream."""
+    for p in parts:
+        if p.dtype != np.int32:
+            raise TypeError(f"plan arrays must be int32, got {p.dtype}")
+    return np.concatenate(parts)
 
 
 def _unpack(packed: torch.Tensor, parts: list[np.ndarray]) -> tuple[torch.Tensor, ...]:

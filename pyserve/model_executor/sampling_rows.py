@@ -146,7 +146,7 @@ class SamplingRows:
     # ---- per step --------------------------------------------------------------------------
     def batch_info(self, rows_np: np.ndarray, rows: torch.Tensor, all_greedy: bool) -> SamplingBatchInfo:
         """The SamplingBatchInfo of a batch whose request i sits in row rows_np[i] (host
-        int32 [B]; `rows`: the same as an int64 tensor on the device). greedy_rows (host)
+        int32 [B]; `rows`: the same as an int32 tensor on the device). greedy_rows (host)
         only when not all_greedy; the optional parts only when a row of the batch uses them."""
         dense = self.dense.index_select(1, rows)  # [fields, B]: each field's row is contiguous
         info = SamplingBatchInfo(

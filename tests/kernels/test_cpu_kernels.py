@@ -264,4 +264,4 @@ def test_degenerate_shapes_are_no_ops() -> None:
     assert K.rotary_embedding_(x, torch.rand(3, 4), torch.rand(3, 4), 0, 4) is x
     with pytest.raises(IndexError, match="slot 7 is outside the pool of 5 slots"):
         _native._cpu.store_kv(*(t.numpy() for t in (torch.zeros(5, 0, 8), torch.zeros(5, 0, 8))),
-                              torch.tensor([7]).numpy(), torch.zeros(1, 0, 8).numpy(), torch.zeros(1, 0, 8).numpy())
+                              torch.tensor([7], dtype=torch.int32).numpy(), torch.zeros(1, 0, 8).numpy(), torch.zeros(1, 0, 8).numpy())

@@ -2,7 +2,7 @@
 
 The logic itself is tested by `cargo test -p pyserve-core` (including the property-based
 model test); these tests pin the binding: argument conversion (numpy arrays and lists), numpy
-int64 outputs, None on shortfall, the exception hierarchy, and `check_integrity()` after every
+int32 batch arrays and int64 other outputs, None on shortfall, the exception hierarchy, and `check_integrity()` after every
 operation (the `Checked` wrapper calls it after each method).
 """
 
@@ -59,14 +59,14 @@ def test_extend_and_decode_exact_arrays():
     a = c.prepare_extend(np.array([r0, r1]), [3, 2])
     names = ("req_pool_indices", "prefix_lens", "extend_lens", "seq_lens", "out_cache_loc",
              "positions", "kv_indptr", "kv_indices")
-    assert all(getattr(a, n).dtype == np.int64 for n in names[:-1])
-    assert a.kv_indices.dtype == np.int32
+    assert [getattr(a, n).dtype for n in names] == [np.dtype(np.int32)] * len(names)
     assert [getattr(a, n).tolist() for n in names] == [
         [row0, row1], [0, 0], [3, 2], [3, 2], [1, 2, 3, 4, 5], [0, 1, 2, 0, 1], [0, 3, 5],
         [1, 2, 3, 4, 5]]
     d = c.prepare_decode(np.array([r1, r0], dtype=np.int32))
     assert [getattr(d, n).tolist() for n in names] == [
         [row1, row0], [2, 3], [1, 1], [3, 4], [6, 7], [2, 3], [], []]  # decode: O(batch), no rows
+    assert [getattr(d, n).dtype for n in names] == [np.dtype(np.int32)] * len(names)
     assert c.free_size() == 13
     assert c.prepare_extend([r0], [14]) is None
     assert c.free_size() == 13
@@ -196,6 +196,8 @@ def test_out_of_range_inputs_are_refused_not_wrapped():
         _rs.KVCache(16, 2**40, 2**20)
     with pytest.raises(ShapeError, match="cannot be allocated"):
         _rs.KVCache(16, 2, 2**63)
+    with pytest.raises(ShapeError, match="cannot be allocated"):  # 2^31 cells: past int32
+        _rs.KVCache(16, 2**11, 2**20)
 
 
 def test_match_lens_and_dfs_weight_order_read_the_tree_without_changing_it():

@@ -61,7 +61,7 @@ fn check_disjoint(written: &[(&str, Range<usize>)], read: &[(&str, Range<usize>)
 /// sliding_window=None, num_threads=1)
 ///
 /// q, out: [batch, num_heads, head_dim] float32; k_buffer, v_buffer: [num_slots, num_kv_heads,
-/// head_dim] float32; kv_indptr: [batch + 1] int64; kv_indices: int32 slots. Writes `out`.
+/// head_dim] float32; kv_indptr: [batch + 1] int32; kv_indices: int32 slots. Writes `out`.
 /// Raises ValueError (shapes, dtypes, non-contiguous arrays) or IndexError (bad kv_indptr,
 /// slot outside the pool); `out` is untouched then.
 #[pyfunction]
@@ -72,7 +72,7 @@ fn decode_attention(
     q: PyReadonlyArray3<'_, f32>,
     k_buffer: PyReadonlyArray3<'_, f32>,
     v_buffer: PyReadonlyArray3<'_, f32>,
-    kv_indptr: PyReadonlyArray1<'_, i64>,
+    kv_indptr: PyReadonlyArray1<'_, i32>,
     kv_indices: PyReadonlyArray1<'_, i32>,
     mut out: PyReadwriteArray3<'_, f32>,
     scaling: f32,
@@ -243,7 +243,7 @@ fn _uses_openmp() -> bool {
 }
 
 /// store_kv(k_buffer, v_buffer, loc, k, v): k_buffer[loc[t]] = k[t], v_buffer[loc[t]] = v[t].
-/// k_buffer, v_buffer: [num_slots, num_kv_heads, head_dim] C-contiguous; loc: [T] int64;
+/// k_buffer, v_buffer: [num_slots, num_kv_heads, head_dim] C-contiguous; loc: [T] int32;
 /// k, v: [T, num_kv_heads, head_dim] whose rows may be strided (views of a fused q|k|v
 /// projection) but each row contiguous. Raises ValueError (shapes, layouts) or IndexError (a
 /// slot outside the pool; nothing written then).
@@ -252,7 +252,7 @@ fn store_kv(
     py: Python<'_>,
     mut k_buffer: PyReadwriteArray3<'_, f32>,
     mut v_buffer: PyReadwriteArray3<'_, f32>,
-    loc: PyReadonlyArray1<'_, i64>,
+    loc: PyReadonlyArray1<'_, i32>,
     k: PyReadonlyArray3<'_, f32>,
     v: PyReadonlyArray3<'_, f32>,
 ) -> PyResult<()> {
@@ -278,7 +278,7 @@ fn store_kv(
         &[("k_buffer", span(kb)), ("v_buffer", span(vb))],
         &[("loc", span(loc)), ("k", rows_span(&k_rows)), ("v", rows_span(&v_rows))],
     )?;
-    let slot_error = |slot: i64| PyIndexError::new_err(format!("store_kv: slot {slot} is outside the pool of {} slots", bs[0]));
+    let slot_error = |slot: i32| PyIndexError::new_err(format!("store_kv: slot {slot} is outside the pool of {} slots", bs[0]));
     if row_len == 0 {
         return match loc.iter().find(|&&s| s < 0 || s as u64 >= bs[0] as u64) {
             Some(&bad) => Err(slot_error(bad)),

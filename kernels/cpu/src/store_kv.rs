@@ -8,10 +8,10 @@ pub fn store_kv<'a>(
     k_buffer: &mut [f32],
     v_buffer: &mut [f32],
     row_len: usize,
-    loc: &[i64],
+    loc: &[i32],
     k_row: impl Fn(usize) -> &'a [f32],
     v_row: impl Fn(usize) -> &'a [f32],
-) -> Result<(), i64> {
+) -> Result<(), i32> {
     assert!(row_len > 0 && k_buffer.len() == v_buffer.len() && k_buffer.len().is_multiple_of(row_len), "store_kv: bad buffer lengths");
     let num_slots = (k_buffer.len() / row_len) as u64;
     if let Some(&bad) = loc.iter().find(|&&s| s < 0 || s as u64 >= num_slots) {

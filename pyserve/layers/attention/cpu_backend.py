@@ -76,8 +76,13 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         extend_lens = forward_batch.extend_seq_lens
         assert extend_lens is not None and forward_batch.extend_prefix_lens is not None
         token_single = torch.repeat_interleave(single, extend_lens)
-        long_rows, single_rows = torch.nonzero(~single)[:, 0], torch.nonzero(single)[:, 0]
-        long_tokens, single_tokens = torch.nonzero(~token_single)[:, 0], torch.nonzero(token_single)[:, 0]
+        # rows and tokens selected by mask from an arange in the batch's index dtype (int32
+        # from the worker), not by torch.nonzero, whose indices are always int64
+        idx = extend_lens.dtype
+        rows = torch.arange(single.shape[0], dtype=idx, device=single.device)
+        tokens = torch.arange(token_single.shape[0], dtype=idx, device=single.device)
+        long_rows, single_rows = rows[~single], rows[single]
+        long_tokens, single_tokens = tokens[~token_single], tokens[token_single]
         indptr = forward_batch.kv_indptr
         long_seq = forward_batch.seq_lens[long_rows]
         long_indices = torch.cat([forward_batch.kv_indices[int(indptr[r]):int(indptr[r + 1])] for r in long_rows.tolist()])

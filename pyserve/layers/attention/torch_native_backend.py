@@ -29,10 +29,11 @@ class TorchNativeAttnBackend(AttentionBackend):
     on the host), then `forward(...)` once per layer.
 
     Batch metadata (B requests, Q = longest extend length (1 in DECODE), L = longest seq_len):
-      slot_table: [B, L] int64  KV slot of key j of request b (0, the padding slot, past its end)
-      key_pos:    [B, L] int64  position of each key (j)
-      query_pos:  [B, Q] int64  absolute position of each padded query row
-      query_rows: [T] int64     row b * Q + j of the padded query grid for each batch token
+      slot_table: [B, L] kv_indices' dtype (int32 from the worker)  KV slot of key j of
+                  request b (0, the padding slot, past its end)
+      key_pos:    [L] seq_lens' dtype  position of each key (j)
+      query_pos:  [B, Q] seq_lens' dtype  absolute position of each padded query row
+      query_rows: [T] seq_lens' dtype  row b * Q + j of the padded query grid for each token
     """
 
     name = "torch_native"
@@ -62,7 +63,8 @@ class TorchNativeAttnBackend(AttentionBackend):
             raise ValueError(f"request {i}: kv_indptr range != seq_len {int(seq_lens[i])}")
         device = forward_batch.input_ids.device
         max_len = int(seq_lens.max()) if batch else 0
-        key_pos = torch.arange(max_len, device=device)
+        idx = seq_lens.dtype  # int32 from the worker: the metadata stays in the batch's dtype
+        key_pos = torch.arange(max_len, device=device, dtype=idx)
         key_valid = key_pos[None, :] < seq_lens[:, None]
         flat = (kv_indptr[:-1, None] + key_pos[None, :]).clamp_(max=max(forward_batch.kv_indices.numel() - 1, 0))
         self.slot_table = torch.where(key_valid, forward_batch.kv_indices[flat], 0)
@@ -80,10 +82,10 @@ class TorchNativeAttnBackend(AttentionBackend):
                 raise ValueError(f"request {i}: prefix {int(prefix_lens[i])} + extend "
                                  f"{int(extend_lens[i])} != seq_len {int(seq_lens[i])}")
             self.max_q = int(extend_lens.max())
-            q_idx = torch.arange(self.max_q, device=device)
+            q_idx = torch.arange(self.max_q, device=device, dtype=idx)
             self.query_pos = prefix_lens[:, None] + q_idx[None, :]
             self.query_valid = q_idx[None, :] < extend_lens[:, None]
-            self.query_rows = (torch.arange(batch, device=device)[:, None] * self.max_q
+            self.query_rows = (torch.arange(batch, device=device, dtype=idx)[:, None] * self.max_q
                                + q_idx[None, :])[self.query_valid]
             # Every request extends by max_q tokens: the padded grid is the batch itself.
             self.query_dense = self.query_rows.shape[0] == batch * self.max_q

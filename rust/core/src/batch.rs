@@ -13,28 +13,31 @@
 use crate::error::{CoreError, CoreResult};
 use crate::kv_cache::KVCache;
 
-/// Flat arrays describing one forward batch of `B` requests (int64, except the int32
-/// `kv_indices`).
+/// Flat arrays describing one forward batch of `B` requests, all `i32`: the dtype the worker's
+/// device tables and kernels index with, so the arrays reach the device unconverted. Every
+/// value fits: KV slots stay below 2^31 (the allocator's bound), and rows, positions and
+/// row-length totals below the request table's size (at most `i32::MAX` cells, see
+/// [`crate::ReqToTokenPool::new`]).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct BatchArrays {
     /// `[B]` row of each request in the request pool.
-    pub req_pool_indices: Vec<i64>,
+    pub req_pool_indices: Vec<i32>,
     /// `[B]` tokens whose KV was stored before this step (reused, not recomputed).
-    pub prefix_lens: Vec<i64>,
+    pub prefix_lens: Vec<i32>,
     /// `[B]` new tokens of each request in this step (1 per request for decode).
-    pub extend_lens: Vec<i64>,
+    pub extend_lens: Vec<i32>,
     /// `[B]` tokens with KV after this step: `prefix_lens + extend_lens`.
-    pub seq_lens: Vec<i64>,
+    pub seq_lens: Vec<i32>,
     /// `[num_new_tokens]` KV slot where each new token's K/V is written, request by request.
-    pub out_cache_loc: Vec<i64>,
+    pub out_cache_loc: Vec<i32>,
     /// `[num_new_tokens]` position (0-based index in its sequence) of each new token.
-    pub positions: Vec<i64>,
+    pub positions: Vec<i32>,
     /// Extend: `[B + 1]` CSR offsets into `kv_indices`: request `i`'s row is
     /// `kv_indices[kv_indptr[i]..kv_indptr[i + 1]]`. Decode: empty.
-    pub kv_indptr: Vec<i64>,
+    pub kv_indptr: Vec<i32>,
     /// Extend: `[sum(seq_lens)]` the KV slots of every token of each request's row (its
-    /// stored prefix and its new tokens), requests concatenated in batch order; `i32`, as
-    /// request rows are (slots stay below 2^31). Decode: empty (O(batch) per decode step).
+    /// stored prefix and its new tokens), requests concatenated in batch order. Decode: empty
+    /// (O(batch) per decode step).
     pub kv_indices: Vec<i32>,
 }
 
@@ -133,17 +136,19 @@ impl KVCache {
             .map(|(&(_, kv), &e)| kv + e)
             .sum();
         let mut a = BatchArrays::with_capacity(b, num_new, total);
+        // Narrowing to i32 cannot wrap: see `BatchArrays`.
+        let int = |x: usize| x as i32;
         for (i, &(row, kv)) in reqs.iter().enumerate() {
             let end = kv + extend_lens[i];
             let start = a.out_cache_loc.len();
             let mut slot = if kv % ps != 0 {
-                i64::from(self.req_pool.read(row, kv - 1, kv)?[0])
+                self.req_pool.read(row, kv - 1, kv)?[0]
             } else {
                 0
             };
             for pos in kv..end {
                 slot = if pos % ps == 0 {
-                    self.alloc.first_slot(next_page.next().expect("counted"))
+                    self.alloc.first_slot(next_page.next().expect("counted")) as i32
                 } else {
                     slot + 1
                 };
@@ -151,14 +156,14 @@ impl KVCache {
                 self.own[row].push(slot as u32);
             }
             self.req_pool.write(row, kv, &a.out_cache_loc[start..])?;
-            a.positions.extend(kv as i64..end as i64);
+            a.positions.extend(int(kv)..int(end));
             a.kv_indices
                 .extend_from_slice(self.req_pool.read(row, 0, end)?);
-            a.kv_indptr.push(a.kv_indices.len() as i64);
-            a.req_pool_indices.push(row as i64);
-            a.prefix_lens.push(kv as i64);
-            a.extend_lens.push(extend_lens[i] as i64);
-            a.seq_lens.push(end as i64);
+            a.kv_indptr.push(int(a.kv_indices.len()));
+            a.req_pool_indices.push(int(row));
+            a.prefix_lens.push(int(kv));
+            a.extend_lens.push(int(extend_lens[i]));
+            a.seq_lens.push(int(end));
             self.reqs.get_mut(&req_ids[i]).expect("checked").kv_len = end;
         }
         Ok(Some(a))
@@ -185,19 +190,20 @@ impl KVCache {
         let mut a = BatchArrays::with_capacity(b, b, 0);
         a.kv_indptr.clear();
         a.extend_lens = vec![1; b];
+        let int = |x: usize| x as i32; // cannot wrap: see `BatchArrays`
         for (i, &(row, kv)) in reqs.iter().enumerate() {
             let slot = if kv % ps == 0 {
-                self.alloc.first_slot(next_page.next().expect("counted"))
+                self.alloc.first_slot(next_page.next().expect("counted")) as i32
             } else {
-                i64::from(self.req_pool.read(row, kv - 1, kv)?[0]) + 1
+                self.req_pool.read(row, kv - 1, kv)?[0] + 1
             };
             self.req_pool.write(row, kv, &[slot])?;
             self.own[row].push(slot as u32);
             a.out_cache_loc.push(slot);
-            a.positions.push(kv as i64);
-            a.req_pool_indices.push(row as i64);
-            a.prefix_lens.push(kv as i64);
-            a.seq_lens.push(kv as i64 + 1);
+            a.positions.push(int(kv));
+            a.req_pool_indices.push(int(row));
+            a.prefix_lens.push(int(kv));
+            a.seq_lens.push(int(kv + 1));
             self.reqs.get_mut(&req_ids[i]).expect("checked").kv_len = kv + 1;
         }
         Ok(Some(a))

@@ -23,14 +23,19 @@ pub struct ReqToTokenPool {
 impl ReqToTokenPool {
     /// Creates `size` free rows of `max_context_len` slots, filled with 0.
     ///
-    /// Errors: [`CoreError::ShapeMismatch`] if the table's size overflows or its memory
-    /// cannot be reserved (rather than aborting the process).
+    /// Errors: [`CoreError::ShapeMismatch`] if the table holds more than `i32::MAX` cells or
+    /// its memory cannot be reserved (rather than aborting the process). The bound keeps
+    /// every row index, position, row-table offset (`row * max_context_len + position`) and
+    /// batch total of row lengths (distinct rows) in `i32`, the dtype of every index array
+    /// of a batch (`BatchArrays`) and of the worker's device tables.
     pub fn new(size: usize, max_context_len: usize) -> CoreResult<Self> {
-        let cells = size.checked_mul(max_context_len);
+        let cells = size.checked_mul(max_context_len).filter(|&n| n <= i32::MAX as usize);
         let mut table = Vec::new();
         if cells.is_none_or(|n| table.try_reserve_exact(n).is_err()) {
             return Err(CoreError::ShapeMismatch(format!(
-                "a request table of {size} rows x {max_context_len} tokens cannot be allocated"
+                "a request table of {size} rows x {max_context_len} tokens cannot be allocated \
+                 (at most {} cells, its memory free)",
+                i32::MAX
             )));
         }
         table.resize(size * max_context_len, 0);
@@ -71,11 +76,11 @@ impl ReqToTokenPool {
     ///
     /// Errors: [`CoreError::UnknownReqSlot`] if the row is not allocated,
     /// [`CoreError::OutOfRange`] if the columns run past `max_context_len`.
-    pub fn write(&mut self, idx: usize, start: usize, slots: &[i64]) -> CoreResult<()> {
+    pub fn write<S: Copy + Into<i64>>(&mut self, idx: usize, start: usize, slots: &[S]) -> CoreResult<()> {
         self.check_span(idx, start, start + slots.len())?;
         let base = idx * self.max_context_len + start;
         for (cell, &s) in self.table[base..base + slots.len()].iter_mut().zip(slots) {
-            *cell = s as i32;
+            *cell = s.into() as i32; // slots stay below 2^31 (the allocator's bound)
         }
         Ok(())
     }
@@ -156,6 +161,7 @@ mod tests {
     fn impossible_tables_are_refused() {
         assert!(ReqToTokenPool::new(2, usize::MAX).is_err());
         assert!(ReqToTokenPool::new(1 << 40, 1 << 20).is_err());
+        assert!(ReqToTokenPool::new(1 << 11, 1 << 20).is_err()); // 2^31 cells: past i32
     }
 
     #[test]

@@ -243,12 +243,12 @@ impl Model {
         };
         assert_eq!(
             a.positions,
-            (kv as i64..(kv + n) as i64).collect::<Vec<_>>()
+            (kv as i32..(kv + n) as i32).collect::<Vec<_>>()
         );
         if decode {
             // the new slot is the row's last; the row is not copied out
             assert!(a.kv_indices.is_empty());
-            assert_eq!(a.out_cache_loc[0], i64::from(*self.c.req_slots(id).unwrap().last().unwrap()));
+            assert_eq!(a.out_cache_loc[0], *self.c.req_slots(id).unwrap().last().unwrap());
         } else {
             assert_eq!(a.kv_indices, self.c.req_slots(id).unwrap());
         }

@@ -1,10 +1,10 @@
 //! Conversion of Python inputs (numpy arrays, lists, tuples, anything `numpy.asarray`
 //! accepts with an integer dtype) into Rust vectors, and of Rust vectors into numpy arrays.
 //!
-//! Inputs of calls that release the GIL are copied into owned vectors first, so no Python
-//! thread can write to a buffer while Rust reads it. The token ids of one request are read in
-//! place by [`with_tokens`], for calls that keep the GIL. Outputs are handed to numpy without
-//! a copy.
+//! The per-batch calls' inputs (request ids and lengths, any integer dtype) are copied into
+//! owned vectors, O(batch). The token ids of one request are read in place by
+//! [`with_tokens`], O(tokens) saved per call. Every call holds the GIL while it reads.
+//! Outputs are handed to numpy without a copy.
 
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1};
 use pyo3::prelude::*;

@@ -18,31 +18,30 @@ use pyserve_core as rs;
 use crate::convert::{to_array, u64_vec, usize_vec, with_tokens};
 use crate::errors::IntoPyResult;
 
-/// All arrays of one forward batch (1-D numpy arrays, int64 except the int32 `kv_indices`;
-/// see `rs::BatchArrays`).
+/// All arrays of one forward batch (1-D int32 numpy arrays; see `rs::BatchArrays`).
 #[pyclass(module = "pyserve._rs", name = "BatchArrays", frozen)]
 pub struct BatchArrays {
     #[pyo3(get)]
-    req_pool_indices: Py<PyArray1<i64>>,
+    req_pool_indices: Py<PyArray1<i32>>,
     #[pyo3(get)]
-    prefix_lens: Py<PyArray1<i64>>,
+    prefix_lens: Py<PyArray1<i32>>,
     #[pyo3(get)]
-    extend_lens: Py<PyArray1<i64>>,
+    extend_lens: Py<PyArray1<i32>>,
     #[pyo3(get)]
-    seq_lens: Py<PyArray1<i64>>,
+    seq_lens: Py<PyArray1<i32>>,
     #[pyo3(get)]
-    out_cache_loc: Py<PyArray1<i64>>,
+    out_cache_loc: Py<PyArray1<i32>>,
     #[pyo3(get)]
-    positions: Py<PyArray1<i64>>,
+    positions: Py<PyArray1<i32>>,
     #[pyo3(get)]
-    kv_indptr: Py<PyArray1<i64>>,
+    kv_indptr: Py<PyArray1<i32>>,
     #[pyo3(get)]
     kv_indices: Py<PyArray1<i32>>,
 }
 
 impl BatchArrays {
     fn new(py: Python<'_>, a: rs::BatchArrays) -> Self {
-        let arr = |v: Vec<i64>| to_array(py, v).unbind();
+        let arr = |v: Vec<i32>| PyArray1::from_vec(py, v).unbind();
         Self {
             req_pool_indices: arr(a.req_pool_indices),
             prefix_lens: arr(a.prefix_lens),
@@ -51,7 +50,7 @@ impl BatchArrays {
             out_cache_loc: arr(a.out_cache_loc),
             positions: arr(a.positions),
             kv_indptr: arr(a.kv_indptr),
-            kv_indices: PyArray1::from_vec(py, a.kv_indices).unbind(),
+            kv_indices: arr(a.kv_indices),
         }
     }
 }

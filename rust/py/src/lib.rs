@@ -1,7 +1,10 @@
 //! `pyserve._rs`: the thin pyo3 binding of `pyserve-core`.
 //!
-//! Wrappers only: convert arrays in and out, release the GIL around the work, map core errors
-//! to the exception hierarchy in `errors.rs`. All logic and its tests live in `rust/core`.
+//! Wrappers only: convert arrays in and out, map core errors to the exception hierarchy in
+//! `errors.rs`. All logic and its tests live in `rust/core`. The `KVCache` calls keep the GIL
+//! (but `check_integrity`, O(pool)): they take microseconds on the loop thread, where a GIL
+//! release costs up to the interpreter's switch interval (see `kv_cache.rs`); `send_each`
+//! releases it.
 //! Only the scheduler (loop) thread may call into these objects (DESIGN.md section 1);
 //! `send_each` is a free function for the SSE stream writer's thread.
 
