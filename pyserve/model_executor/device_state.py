@@ -75,19 +75,18 @@ class DeviceState:
             flat = (np.repeat(rows_np * np.int32(row_width) - indptr[:-1], plan.seq_lens)
                     + np.arange(total, dtype=np.int32))
             parts += [indptr, plan.prefix_lens, plan.extend_lens, plan.input_ids, plan.row_slots, flat]
+            max_extend_len: int | None = int(plan.extend_lens.max()) if batch_size else 0
         views = _unpack(to_device(_pack(parts), torch.int32, self.device), parts)
         rows, seq_lens, positions, out_cache_loc = views[:4]
-        kv_indptr: torch.Tensor | None = None
-        kv_indices: torch.Tensor | None = None
+        kv_indptr = kv_indices = prefix_lens = extend_lens = None
         if extend:
             kv_indptr, prefix_lens, extend_lens, input_ids, kv_indices, flat_t = views[4:]
             self._req_to_token_flat[flat_t] = kv_indices
             if plan.num_decode_rows:  # a mixed chunk: the decoding rows' inputs are on the device
                 decode_rows = rows[batch_size - plan.num_decode_rows:]
                 input_ids = torch.cat([input_ids, self.token_table.index_select(0, decode_rows)])
-            max_extend_len = int(plan.extend_lens.max()) if batch_size else 0
         else:
-            prefix_lens = extend_lens = max_extend_len = None
+            max_extend_len = None
             self.req_to_token[rows, positions] = out_cache_loc
             input_ids = self.token_table.index_select(0, rows)  # kv_indices: gathered if a backend asks
         return ForwardBatch(

@@ -2,8 +2,9 @@
 
 The logic itself is tested by `cargo test -p pyserve-core` (including the property-based
 model test); these tests pin the binding: argument conversion (numpy arrays and lists), numpy
-int32 batch arrays and int64 other outputs, None on shortfall, the exception hierarchy, and `check_integrity()` after every
-operation (the `Checked` wrapper calls it after each method).
+outputs (a batch's arrays int32, the others int64), None on shortfall, the exception
+hierarchy, and `check_integrity()` after every operation (the `Checked` wrapper calls it after
+each method).
 """
 
 from __future__ import annotations

@@ -29,7 +29,9 @@ impl ReqToTokenPool {
     /// batch total of row lengths (distinct rows) in `i32`, the dtype of every index array
     /// of a batch (`BatchArrays`) and of the worker's device tables.
     pub fn new(size: usize, max_context_len: usize) -> CoreResult<Self> {
-        let cells = size.checked_mul(max_context_len).filter(|&n| n <= i32::MAX as usize);
+        let cells = size
+            .checked_mul(max_context_len)
+            .filter(|&n| n <= i32::MAX as usize);
         let mut table = Vec::new();
         if cells.is_none_or(|n| table.try_reserve_exact(n).is_err()) {
             return Err(CoreError::ShapeMismatch(format!(
@@ -76,7 +78,12 @@ impl ReqToTokenPool {
     ///
     /// Errors: [`CoreError::UnknownReqSlot`] if the row is not allocated,
     /// [`CoreError::OutOfRange`] if the columns run past `max_context_len`.
-    pub fn write<S: Copy + Into<i64>>(&mut self, idx: usize, start: usize, slots: &[S]) -> CoreResult<()> {
+    pub fn write<S: Copy + Into<i64>>(
+        &mut self,
+        idx: usize,
+        start: usize,
+        slots: &[S],
+    ) -> CoreResult<()> {
         self.check_span(idx, start, start + slots.len())?;
         let base = idx * self.max_context_len + start;
         for (cell, &s) in self.table[base..base + slots.len()].iter_mut().zip(slots) {

@@ -248,7 +248,10 @@ impl Model {
         if decode {
             // the new slot is the row's last; the row is not copied out
             assert!(a.kv_indices.is_empty());
-            assert_eq!(a.out_cache_loc[0], *self.c.req_slots(id).unwrap().last().unwrap());
+            assert_eq!(
+                a.out_cache_loc[0],
+                *self.c.req_slots(id).unwrap().last().unwrap()
+            );
         } else {
             assert_eq!(a.kv_indices, self.c.req_slots(id).unwrap());
         }
