@@ -1,9 +1,12 @@
 """pyserve-kernels: the op library of pyserve (import name `pyserve_kernels`).
 
 Each op family has a slow fp32 torch reference in `reference.py` that defines its semantics.
-The top-level ops run the native CPU kernels (Rust, kernels/cpu, module
-`pyserve_kernels._cpu`) on float32 CPU tensors and fall back to the reference otherwise;
-tests check the kernels against the references. This package never imports pyserve.
+The top-level ops run the Triton launchers (`pyserve_kernels.triton_ops`) on CUDA tensors
+when triton is installed, the native CPU kernels (Rust, kernels/cpu, module
+`pyserve_kernels._cpu`) on float32 CPU tensors, and the reference otherwise;
+`decode_attention` is the native CPU kernel only (on CUDA pyserve's triton attention backend
+calls `triton_ops` itself). Tests check the kernels against the references (the Triton ones on
+CPU under TRITON_INTERPRET=1). This package never imports pyserve.
 """
 
 from pyserve_kernels._native import native_available

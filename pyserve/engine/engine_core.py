@@ -54,10 +54,10 @@ class EngineCore:
         """Load the tokenizer and model, size the KV pool, start the scheduler. Raises what
         loading raises (missing files, unsupported architecture)."""
         # One rayon pool serves every batched tokenizers call in the process: a burst's
-        # encode_batch on the executor thread would spread over every core and hold the pool
-        # while any other batched call waits (measured, when the loop still decoded with
-        # decode_batch: 140 ms gaps at 256 clients). Single-threaded, the tokenizer thread
-        # takes one core and leaves the loop its own. An explicit setting wins.
+        # encode_batch on the executor thread spreads over every core and holds the pool
+        # while any other batched call waits (a decode_batch on the loop waited up to 140 ms
+        # at 256 clients). Single-threaded, the tokenizer thread takes one core and leaves
+        # the loop its own. An explicit setting wins.
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self._load)
@@ -97,8 +97,8 @@ class EngineCore:
         self.started = True
         self.start_time = time.time()
         # What loading left (the tokenizer's vocabulary, the imported libraries: ~360k
-        # objects) lives as long as the server. Frozen, the collector no longer walks it: a
-        # full collection of it stalled the loop (and the device) for 100-200 ms.
+        # objects) lives as long as the server. Frozen, the collector skips it: a full
+        # collection of it stalls the loop (and the device) for 100-200 ms.
         gc.freeze()
         # Python's first threshold (700) is made for small programs: at 256 clients it ran
         # ~40 collections (generations 0 and 1) a second, 75 ms in a 3 s run, up to 11 ms

@@ -32,10 +32,10 @@ admits more than prefilling whole prompts would.
 Chunked prefill (SGLang's `--chunked-prefill-size`): an extend batch computes at most
 `chunk_size` new tokens. A request whose remaining prompt does not fit in what is left of it
 is cut at a page boundary and becomes the batch's chunked request (one at a time, as in
-SGLang); nothing more is admitted behind it. Each later batch first continues it
-(`add_chunked`): the tokens its chunks stored are inserted into the radix cache
-(`cache_unfinished_req`, so a request arriving meanwhile can share them) and the next chunk
-extends them.
+SGLang); nothing more is admitted behind it. Each later batch first continues it (a
+`PrefillAdder` given `chunked_req`, `_continue`): the tokens its chunks stored are inserted
+into the radix cache (`cache_unfinished_req`, so a request arriving meanwhile can share them)
+and the next chunk extends them.
 """
 
 from __future__ import annotations
