@@ -13,8 +13,8 @@ the same operations. Then, per tree size, the median over repeats of:
   free the row (mean over 64 requests finished back to back),
 * evict: freeing 8192 tokens of LRU leaves,
 * decode step: one step of 256 running requests (histories of 100-2000 tokens): allocate a
-  slot each and build out_cache_loc, positions, kv_indptr (int64) and kv_indices (int32) as
-  numpy arrays.
+  slot each and build out_cache_loc, positions, kv_indptr and kv_indices as int32 numpy
+  arrays.
 
 Rust is `pyserve._rs.KVCache` through its Python binding (page size 1, token ids passed as
 int32 numpy arrays); Python is benches/py_radix_cache.py. Times in microseconds.

@@ -148,8 +148,8 @@ class PyKVCache:
         self.free_rows.append(row)
 
     def prepare_decode(self, req_ids: list[int]) -> tuple[np.ndarray, ...]:
-        """One new slot per request; (out_cache_loc, positions, kv_indptr, kv_indices) arrays,
-        int64 except the int32 kv_indices (as the Rust core builds them)."""
+        """One new slot per request; (out_cache_loc, positions, kv_indptr, kv_indices) int32
+        arrays (the dtype the Rust core builds them in)."""
         if len(self.free_slots) < len(req_ids):
             self.evict(len(req_ids) - len(self.free_slots))
         out_cache_loc, positions, kv_indptr, kv_indices = [], [], [0], []
@@ -161,5 +161,4 @@ class PyKVCache:
             out_cache_loc.append(slot)
             kv_indices.extend(row)
             kv_indptr.append(len(kv_indices))
-        return (*(np.array(x, dtype=np.int64) for x in (out_cache_loc, positions, kv_indptr)),
-                np.array(kv_indices, dtype=np.int32))
+        return tuple(np.array(x, dtype=np.int32) for x in (out_cache_loc, positions, kv_indptr, kv_indices))
