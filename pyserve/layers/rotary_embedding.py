@@ -57,7 +57,7 @@ class RotaryEmbedding(torch.nn.Module):
 
     Holds a float32 cos/sin cache [max_position, head_dim] on `device`, grown on demand when a
     position beyond it is requested (worker thread only).
-    forward(positions [T] int64, q [T, H, D], k [T, H_kv, D]) -> (q, k) rotated, same shapes.
+    forward(positions [T] int32 (or int64), q [T, H, D], k [T, H_kv, D]) -> (q, k) rotated, same shapes.
     """
 
     def __init__(self, head_dim: int, max_position: int, rope: dict[str, Any],
@@ -89,9 +89,9 @@ class RotaryEmbedding(torch.nn.Module):
         self.sin_cache = emb.sin()
 
     def get_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, head_dim] float32 for positions [T] int64 (computed once per forward
-        and shared by all layers). Grows the cache if a position is beyond it; that check
-        reads positions.max() on the host, unless `reserve` made it needless.
+        """cos, sin [T, head_dim] float32 for positions [T] int32 or int64 (computed once per
+        forward and shared by all layers). Grows the cache if a position is beyond it; that
+        check reads positions.max() on the host, unless `reserve` made it needless.
 
         Dynamic rope: when the batch's longest sequence (max position + 1) exceeds
         max_position_embeddings, cos/sin are computed from that length's frequencies for the
