@@ -8,7 +8,10 @@ use crate::simd::avx2_dispatch;
 /// out[t, i] = silu(x[t, i]) * x[t, d + i] for x [num_tokens, 2 d], out [num_tokens, d].
 /// Panics on inconsistent lengths.
 pub fn silu_and_mul(x: &[f32], out: &mut [f32], d: usize, num_threads: usize) {
-    assert!(d > 0 && x.len() == 2 * out.len() && out.len().is_multiple_of(d), "silu_and_mul: bad lengths");
+    assert!(
+        d > 0 && x.len() == 2 * out.len() && out.len().is_multiple_of(d),
+        "silu_and_mul: bad lengths"
+    );
     for_row_chunks(out, d, threads_for(x.len(), num_threads), |first, chunk| {
         silu_and_mul_rows(&x[2 * first * d..2 * first * d + 2 * chunk.len()], chunk, d);
     });
@@ -40,7 +43,10 @@ mod tests {
                 let (g, u) = (x[t * 2 * d + i] as f64, x[t * 2 * d + d + i] as f64);
                 let want = g / (1.0 + (-g).exp()) * u;
                 let got = out[t * d + i] as f64;
-                assert!((got - want).abs() <= 1e-6 * (1.0 + want.abs()), "{got} vs {want}");
+                assert!(
+                    (got - want).abs() <= 1e-6 * (1.0 + want.abs()),
+                    "{got} vs {want}"
+                );
             }
         }
     }

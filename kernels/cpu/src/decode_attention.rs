@@ -24,9 +24,9 @@ use std::sync::Mutex;
 
 use crate::exp::exp;
 use crate::parallel::run_tasks;
+use crate::simd::{lane_sum, Portable, RowOps};
 #[cfg(target_arch = "x86_64")]
 use crate::simd::{Avx2, Avx512};
-use crate::simd::{lane_sum, Portable, RowOps};
 
 /// Sizes of one decode-attention call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -81,16 +81,45 @@ pub fn decode_attention(
     sliding_window: Option<usize>,
     num_threads: usize,
 ) -> Result<(), DecodeAttentionError> {
-    let ranges = validate(q, k_buffer, v_buffer, kv_indptr, kv_indices, out, shape, sliding_window)?;
+    let ranges = validate(
+        q,
+        k_buffer,
+        v_buffer,
+        kv_indptr,
+        kv_indices,
+        out,
+        shape,
+        sliding_window,
+    )?;
     if out.is_empty() {
         return Ok(()); // no query heads (or no requests): nothing to compute
     }
-    let DecodeAttentionShape { num_heads, num_kv_heads, head_dim, .. } = shape;
+    let DecodeAttentionShape {
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        ..
+    } = shape;
     let group = num_heads / num_kv_heads;
     let total_rows: usize = ranges.iter().map(|r| r.len()).sum::<usize>() * num_kv_heads;
     let threads = num_threads.max(1).min(total_rows / MIN_ROWS_PER_THREAD + 1);
-    let kv_heads_per_unit = if ranges.len() >= 4 * threads { num_kv_heads } else { 1 };
-    let ctx = Ctx { q, k_buffer, v_buffer, kv_indices, ranges: &ranges, num_kv_heads, kv_heads_per_unit, group, head_dim, scaling };
+    let kv_heads_per_unit = if ranges.len() >= 4 * threads {
+        num_kv_heads
+    } else {
+        1
+    };
+    let ctx = Ctx {
+        q,
+        k_buffer,
+        v_buffer,
+        kv_indices,
+        ranges: &ranges,
+        num_kv_heads,
+        kv_heads_per_unit,
+        group,
+        head_dim,
+        scaling,
+    };
     let unit_len = ctx.unit_len();
     if threads <= 1 {
         ctx.run(0, out);
@@ -134,7 +163,13 @@ fn validate(
     shape: DecodeAttentionShape,
     sliding_window: Option<usize>,
 ) -> Result<Vec<std::ops::Range<usize>>, DecodeAttentionError> {
-    let DecodeAttentionShape { batch, num_heads, num_kv_heads, head_dim, num_slots } = shape;
+    let DecodeAttentionShape {
+        batch,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        num_slots,
+    } = shape;
     let shape_err = |m: String| Err(DecodeAttentionError::Shape(m));
     if num_kv_heads == 0 || head_dim == 0 || num_heads % num_kv_heads != 0 {
         return shape_err(format!("num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads} (or a size is 0)"));
@@ -142,20 +177,43 @@ fn validate(
     let q_len = batch * num_heads * head_dim;
     let pool_len = num_slots * num_kv_heads * head_dim;
     if q.len() != q_len || out.len() != q_len {
-        return shape_err(format!("q has {} and out {} floats, expected {q_len}", q.len(), out.len()));
+        return shape_err(format!(
+            "q has {} and out {} floats, expected {q_len}",
+            q.len(),
+            out.len()
+        ));
     }
     if k_buffer.len() != pool_len || v_buffer.len() != pool_len {
-        return shape_err(format!("k_buffer has {} and v_buffer {} floats, expected {pool_len}", k_buffer.len(), v_buffer.len()));
+        return shape_err(format!(
+            "k_buffer has {} and v_buffer {} floats, expected {pool_len}",
+            k_buffer.len(),
+            v_buffer.len()
+        ));
     }
     if kv_indptr.len() != batch + 1 {
-        return shape_err(format!("kv_indptr has {} entries, expected batch + 1 = {}", kv_indptr.len(), batch + 1));
+        return shape_err(format!(
+            "kv_indptr has {} entries, expected batch + 1 = {}",
+            kv_indptr.len(),
+            batch + 1
+        ));
     }
     let index_err = |m: String| Err(DecodeAttentionError::Index(m));
-    if kv_indptr[0] != 0 || kv_indptr.windows(2).any(|w| w[1] < w[0]) || kv_indptr[batch] as u64 > kv_indices.len() as u64 {
-        return index_err(format!("kv_indptr must rise from 0 to at most {} (the number of kv_indices)", kv_indices.len()));
+    if kv_indptr[0] != 0
+        || kv_indptr.windows(2).any(|w| w[1] < w[0])
+        || kv_indptr[batch] as u64 > kv_indices.len() as u64
+    {
+        return index_err(format!(
+            "kv_indptr must rise from 0 to at most {} (the number of kv_indices)",
+            kv_indices.len()
+        ));
     }
-    if let Some(&bad) = kv_indices[..kv_indptr[batch] as usize].iter().find(|&&s| s < 0 || s as usize >= num_slots) {
-        return index_err(format!("KV slot {bad} is outside the pool of {num_slots} slots"));
+    if let Some(&bad) = kv_indices[..kv_indptr[batch] as usize]
+        .iter()
+        .find(|&&s| s < 0 || s as usize >= num_slots)
+    {
+        return index_err(format!(
+            "KV slot {bad} is outside the pool of {num_slots} slots"
+        ));
     }
     Ok(kv_indptr
         .windows(2)
@@ -232,10 +290,19 @@ impl Ctx<'_> {
         let mut scores: Vec<f32> = Vec::new();
         for (i, unit_out) in out.chunks_exact_mut(unit_len).enumerate() {
             let unit = first_unit + i;
-            let (b, first_kv_head) = (unit / self.units_per_request(), unit % self.units_per_request() * self.kv_heads_per_unit);
+            let (b, first_kv_head) = (
+                unit / self.units_per_request(),
+                unit % self.units_per_request() * self.kv_heads_per_unit,
+            );
             let q_start = (b * self.num_kv_heads + first_kv_head) * self.group * self.head_dim;
             let slots = &self.kv_indices[self.ranges[b].clone()];
-            self.attend::<R>(&self.q[q_start..q_start + unit_len], first_kv_head, slots, &mut scores, unit_out);
+            self.attend::<R>(
+                &self.q[q_start..q_start + unit_len],
+                first_kv_head,
+                slots,
+                &mut scores,
+                unit_out,
+            );
         }
     }
 
@@ -246,7 +313,14 @@ impl Ctx<'_> {
     /// then per KV head, GROUP_CHUNK query heads and TILE columns at a time, a sweep over the
     /// V rows, so each loaded V segment feeds several heads from registers.
     #[inline(always)]
-    fn attend<R: RowOps>(&self, q_heads: &[f32], first_kv_head: usize, slots: &[i32], scores: &mut Vec<f32>, out: &mut [f32]) {
+    fn attend<R: RowOps>(
+        &self,
+        q_heads: &[f32],
+        first_kv_head: usize,
+        slots: &[i32],
+        scores: &mut Vec<f32>,
+        out: &mut [f32],
+    ) {
         let (d, n, group) = (self.head_dim, slots.len(), self.group);
         let heads = self.kv_heads_per_unit * group;
         let row_len = self.kv_heads_per_unit * d;
@@ -316,7 +390,16 @@ impl Ctx<'_> {
     /// their reciprocal sums). The V rows were prefetched during the K pass.
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
-    fn weigh_values<R: RowOps, const G: usize>(&self, first_kv_head: usize, g: usize, first_head: usize, slots: &[i32], p: &[f32], inv_sums: &[f32], out: &mut [f32]) {
+    fn weigh_values<R: RowOps, const G: usize>(
+        &self,
+        first_kv_head: usize,
+        g: usize,
+        first_head: usize,
+        slots: &[i32],
+        p: &[f32],
+        inv_sums: &[f32],
+        out: &mut [f32],
+    ) {
         let (d, n) = (self.head_dim, slots.len());
         let row = |slot: i32| slot as usize * self.num_kv_heads * d;
         let kv_offset = (first_kv_head + g) * d;
@@ -334,7 +417,11 @@ impl Ctx<'_> {
                 R::tile_axpy::<G>(&mut acc, &ph, v);
             }
             for h in 0..G {
-                R::tile_store(acc[h], inv_sums[first_head + h], &mut out[h * d + t * tile..h * d + (t + 1) * tile]);
+                R::tile_store(
+                    acc[h],
+                    inv_sums[first_head + h],
+                    &mut out[h * d + t * tile..h * d + (t + 1) * tile],
+                );
             }
         }
         // Columns past the last full tile (head_dim not a multiple of TILE, or below it: all
@@ -354,7 +441,16 @@ impl Ctx<'_> {
     /// sums vectorize; else MAX_TILE, using the first head_dim - c0).
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
-    fn weigh_tail<const G: usize, const W: usize>(&self, c0: usize, kv_offset: usize, first_head: usize, slots: &[i32], p: &[f32], inv_sums: &[f32], out: &mut [f32]) {
+    fn weigh_tail<const G: usize, const W: usize>(
+        &self,
+        c0: usize,
+        kv_offset: usize,
+        first_head: usize,
+        slots: &[i32],
+        p: &[f32],
+        inv_sums: &[f32],
+        out: &mut [f32],
+    ) {
         let (d, n) = (self.head_dim, slots.len());
         let rem = d - c0;
         let mut acc = [[0f32; W]; G];
@@ -379,7 +475,14 @@ impl Ctx<'_> {
 
 /// scores[(h + i) * n + j] = dots[i] * scaling for the G heads h.. of key j.
 #[inline(always)]
-fn store_scores<const G: usize>(dots: &[f32; G], scores: &mut [f32], h: usize, n: usize, j: usize, scaling: f32) {
+fn store_scores<const G: usize>(
+    dots: &[f32; G],
+    scores: &mut [f32],
+    h: usize,
+    n: usize,
+    j: usize,
+    scaling: f32,
+) {
     for i in 0..G {
         scores[(h + i) * n + j] = dots[i] * scaling;
     }
@@ -403,7 +506,9 @@ fn prefetch(x: &[f32]) {
     for line in x.chunks(16) {
         // SAFETY: prefetching is a hint; the address is inside a live slice.
         unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(line.as_ptr().cast());
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
+                line.as_ptr().cast(),
+            );
         }
     }
     #[cfg(not(target_arch = "x86_64"))]

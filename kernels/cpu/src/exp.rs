@@ -46,7 +46,10 @@ mod tests {
             let want = x.exp();
             let got = exp(x);
             let ulp = f32::from_bits(want.to_bits() + 1) - want;
-            assert!((got - want).abs() <= 2.0 * ulp, "exp({x}) = {got}, libm {want}");
+            assert!(
+                (got - want).abs() <= 2.0 * ulp,
+                "exp({x}) = {got}, libm {want}"
+            );
             x += 0.0137;
         }
         assert_eq!(exp(0.0), 1.0);

@@ -21,20 +21,49 @@ fn normalize_row(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
 /// Panics unless x and out have the same length, a multiple of weight.len() (> 0).
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32], num_threads: usize) {
     let hidden = weight.len();
-    assert!(hidden > 0 && x.len() == out.len() && x.len().is_multiple_of(hidden), "rms_norm: bad lengths");
-    for_row_chunks(out, hidden, threads_for(x.len(), num_threads), |first, chunk| {
-        rms_norm_rows(&x[first * hidden..first * hidden + chunk.len()], weight, eps, chunk);
-    });
+    assert!(
+        hidden > 0 && x.len() == out.len() && x.len().is_multiple_of(hidden),
+        "rms_norm: bad lengths"
+    );
+    for_row_chunks(
+        out,
+        hidden,
+        threads_for(x.len(), num_threads),
+        |first, chunk| {
+            rms_norm_rows(
+                &x[first * hidden..first * hidden + chunk.len()],
+                weight,
+                eps,
+                chunk,
+            );
+        },
+    );
 }
 
 /// residual[row] += x[row]; x[row] = rmsnorm(residual[row]) * weight, in place.
 /// Panics unless x and residual have the same length, a multiple of weight.len() (> 0).
-pub fn fused_add_rms_norm(x: &mut [f32], residual: &mut [f32], weight: &[f32], eps: f32, num_threads: usize) {
+pub fn fused_add_rms_norm(
+    x: &mut [f32],
+    residual: &mut [f32],
+    weight: &[f32],
+    eps: f32,
+    num_threads: usize,
+) {
     let hidden = weight.len();
-    assert!(hidden > 0 && x.len() == residual.len() && x.len().is_multiple_of(hidden), "fused_add_rms_norm: bad lengths");
-    for_row_chunks2(x, residual, hidden, hidden, threads_for(x.len(), num_threads), |_, x, residual| {
-        add_rms_norm_rows(x, residual, weight, eps);
-    });
+    assert!(
+        hidden > 0 && x.len() == residual.len() && x.len().is_multiple_of(hidden),
+        "fused_add_rms_norm: bad lengths"
+    );
+    for_row_chunks2(
+        x,
+        residual,
+        hidden,
+        hidden,
+        threads_for(x.len(), num_threads),
+        |_, x, residual| {
+            add_rms_norm_rows(x, residual, weight, eps);
+        },
+    );
 }
 
 avx2_dispatch! {
@@ -65,15 +94,26 @@ mod tests {
     fn reference(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
         x.chunks(w.len())
             .flat_map(|row| {
-                let ms = row.iter().map(|v| (*v as f64) * (*v as f64)).sum::<f64>() / row.len() as f64;
+                let ms =
+                    row.iter().map(|v| (*v as f64) * (*v as f64)).sum::<f64>() / row.len() as f64;
                 let r = 1.0 / (ms + eps as f64).sqrt();
-                row.iter().zip(w).map(move |(v, w)| (*v as f64 * r * *w as f64) as f32).collect::<Vec<_>>()
+                row.iter()
+                    .zip(w)
+                    .map(move |(v, w)| (*v as f64 * r * *w as f64) as f32)
+                    .collect::<Vec<_>>()
             })
             .collect()
     }
 
     fn data(n: usize, seed: u32) -> Vec<f32> {
-        (0..n).map(|i| (((i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 8) as f32 / (1u32 << 24) as f32) * 4.0 - 2.0).collect()
+        (0..n)
+            .map(|i| {
+                (((i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 8) as f32
+                    / (1u32 << 24) as f32)
+                    * 4.0
+                    - 2.0
+            })
+            .collect()
     }
 
     #[test]
@@ -91,7 +131,11 @@ mod tests {
     #[test]
     fn fused_add_updates_residual_and_normalizes_the_sum() {
         for &(rows, hidden, threads) in &[(1, 8, 1), (300, 576, 2), (7, 64, 3)] {
-            let (x0, r0, w) = (data(rows * hidden, 3), data(rows * hidden, 4), data(hidden, 5));
+            let (x0, r0, w) = (
+                data(rows * hidden, 3),
+                data(rows * hidden, 4),
+                data(hidden, 5),
+            );
             let (mut x, mut r) = (x0.clone(), r0.clone());
             fused_add_rms_norm(&mut x, &mut r, &w, 1e-6, threads);
             let sum: Vec<f32> = x0.iter().zip(&r0).map(|(a, b)| a + b).collect();

@@ -21,7 +21,8 @@ pub fn threads_for(work: usize, num_threads: usize) -> usize {
     num_threads.max(1).min(work / MIN_FLOATS_PER_THREAD + 1)
 }
 
-type GompParallel = unsafe extern "C" fn(unsafe extern "C" fn(*mut c_void), *mut c_void, c_uint, c_uint);
+type GompParallel =
+    unsafe extern "C" fn(unsafe extern "C" fn(*mut c_void), *mut c_void, c_uint, c_uint);
 type OmpQuery = unsafe extern "C" fn() -> c_int;
 
 #[derive(Clone, Copy)]
@@ -63,7 +64,10 @@ struct Job<'a> {
 unsafe extern "C" fn run_job(data: *mut c_void) {
     // SAFETY: `data` is the `Job` that `run_tasks` keeps alive until GOMP_parallel returns.
     let job = &*(data as *const Job<'_>);
-    let (first, stride) = ((job.omp.thread_num)() as usize, ((job.omp.num_threads)() as usize).max(1));
+    let (first, stride) = (
+        (job.omp.thread_num)() as usize,
+        ((job.omp.num_threads)() as usize).max(1),
+    );
     // A panic must not unwind into C; it is re-raised on the calling thread.
     let result = catch_unwind(AssertUnwindSafe(|| {
         for i in (first..job.num_tasks).step_by(stride) {
@@ -84,10 +88,25 @@ pub fn run_tasks(num_tasks: usize, task: &(dyn Fn(usize) + Sync)) {
         _ => {}
     }
     if let Some(&omp) = OPENMP.get() {
-        let job = Job { num_tasks, task, omp, panicked: AtomicBool::new(false) };
+        let job = Job {
+            num_tasks,
+            task,
+            omp,
+            panicked: AtomicBool::new(false),
+        };
         // SAFETY: entry points from `use_openmp`'s contract; `job` outlives the call.
-        unsafe { (omp.parallel)(run_job, &job as *const Job<'_> as *mut c_void, num_tasks as c_uint, 0) };
-        assert!(!job.panicked.load(Ordering::Relaxed), "a kernel task panicked");
+        unsafe {
+            (omp.parallel)(
+                run_job,
+                &job as *const Job<'_> as *mut c_void,
+                num_tasks as c_uint,
+                0,
+            )
+        };
+        assert!(
+            !job.panicked.load(Ordering::Relaxed),
+            "a kernel task panicked"
+        );
         return;
     }
     std::thread::scope(|scope| {
@@ -109,8 +128,14 @@ where
 
 /// As `for_row_chunks` over two arrays split at the same rows: `a` has `a_row_len` floats per
 /// row, `b` has `b_row_len` (0: `b` is ignored and may be empty).
-pub fn for_row_chunks2<F>(a: &mut [f32], b: &mut [f32], a_row_len: usize, b_row_len: usize, threads: usize, f: F)
-where
+pub fn for_row_chunks2<F>(
+    a: &mut [f32],
+    b: &mut [f32],
+    a_row_len: usize,
+    b_row_len: usize,
+    threads: usize,
+    f: F,
+) where
     F: Fn(usize, &mut [f32], &mut [f32]) + Sync,
 {
     let rows = a.len().checked_div(a_row_len).unwrap_or(0);

@@ -9,8 +9,8 @@ use std::ops::Range;
 
 use numpy::ndarray::{Axis, Dimension};
 use numpy::{
-    Element, PyReadonlyArray, PyReadonlyArray1, PyReadonlyArray3, PyReadonlyArrayDyn, PyReadwriteArray,
-    PyReadwriteArray3, PyReadwriteArrayDyn, PyUntypedArrayMethods,
+    Element, PyReadonlyArray, PyReadonlyArray1, PyReadonlyArray3, PyReadonlyArrayDyn,
+    PyReadwriteArray, PyReadwriteArray3, PyReadwriteArrayDyn, PyUntypedArrayMethods,
 };
 use pyo3::exceptions::{PyIndexError, PyValueError};
 use pyo3::prelude::*;
@@ -24,14 +24,20 @@ fn not_c_contiguous(name: &str) -> PyErr {
 
 /// The elements of a C-contiguous array (rust-numpy's `as_slice` also takes Fortran order,
 /// which the kernels would misread).
-fn c_slice<'a, T: Element, D: Dimension>(name: &str, a: &'a PyReadonlyArray<'_, T, D>) -> PyResult<&'a [T]> {
+fn c_slice<'a, T: Element, D: Dimension>(
+    name: &str,
+    a: &'a PyReadonlyArray<'_, T, D>,
+) -> PyResult<&'a [T]> {
     if !a.is_c_contiguous() {
         return Err(not_c_contiguous(name));
     }
     a.as_slice().map_err(|_| not_c_contiguous(name))
 }
 
-fn c_slice_mut<'a, T: Element, D: Dimension>(name: &str, a: &'a mut PyReadwriteArray<'_, T, D>) -> PyResult<&'a mut [T]> {
+fn c_slice_mut<'a, T: Element, D: Dimension>(
+    name: &str,
+    a: &'a mut PyReadwriteArray<'_, T, D>,
+) -> PyResult<&'a mut [T]> {
     if !a.is_c_contiguous() {
         return Err(not_c_contiguous(name));
     }
@@ -47,10 +53,17 @@ fn span<T>(s: &[T]) -> Range<usize> {
 /// ValueError unless each written range is disjoint from every other argument's range.
 fn check_disjoint(written: &[(&str, Range<usize>)], read: &[(&str, Range<usize>)]) -> PyResult<()> {
     for (i, (w_name, w)) in written.iter().enumerate() {
-        let others = written.iter().enumerate().filter(|(j, _)| *j != i).map(|(_, x)| x).chain(read);
+        let others = written
+            .iter()
+            .enumerate()
+            .filter(|(j, _)| *j != i)
+            .map(|(_, x)| x)
+            .chain(read);
         for (name, r) in others {
             if !w.is_empty() && !r.is_empty() && w.start < r.end && r.start < w.end {
-                return Err(PyValueError::new_err(format!("{w_name} overlaps {name} in memory; pass separate tensors")));
+                return Err(PyValueError::new_err(format!(
+                    "{w_name} overlaps {name} in memory; pass separate tensors"
+                )));
             }
         }
     }
@@ -102,10 +115,27 @@ fn decode_attention(
     let out = c_slice_mut("out", &mut out)?;
     check_disjoint(
         &[("out", span(out))],
-        &[("q", span(q)), ("k_buffer", span(k)), ("v_buffer", span(v)), ("kv_indptr", span(indptr)), ("kv_indices", span(indices))],
+        &[
+            ("q", span(q)),
+            ("k_buffer", span(k)),
+            ("v_buffer", span(v)),
+            ("kv_indptr", span(indptr)),
+            ("kv_indices", span(indices)),
+        ],
     )?;
     py.detach(|| {
-        kernel::decode_attention(q, k, v, indptr, indices, out, shape, scaling, sliding_window, num_threads)
+        kernel::decode_attention(
+            q,
+            k,
+            v,
+            indptr,
+            indices,
+            out,
+            shape,
+            scaling,
+            sliding_window,
+            num_threads,
+        )
     })
     .map_err(|e| match e {
         DecodeAttentionError::Shape(m) => PyValueError::new_err(m),
@@ -116,7 +146,9 @@ fn decode_attention(
 fn last_dim(name: &str, shape: &[usize]) -> PyResult<usize> {
     match shape.last() {
         Some(&d) if d > 0 => Ok(d),
-        _ => Err(PyValueError::new_err(format!("{name} must have a non-empty last dimension, got shape {shape:?}"))),
+        _ => Err(PyValueError::new_err(format!(
+            "{name} must have a non-empty last dimension, got shape {shape:?}"
+        ))),
     }
 }
 
@@ -134,11 +166,18 @@ fn rms_norm(
 ) -> PyResult<()> {
     if x.shape() != out.shape() || last_dim("x", x.shape())? != weight.len() {
         return Err(PyValueError::new_err(format!(
-            "rms_norm: x {:?}, out {:?} and weight {:?} do not fit", x.shape(), out.shape(), weight.shape())));
+            "rms_norm: x {:?}, out {:?} and weight {:?} do not fit",
+            x.shape(),
+            out.shape(),
+            weight.shape()
+        )));
     }
     let (x, w) = (c_slice("x", &x)?, c_slice("weight", &weight)?);
     let out = c_slice_mut("out", &mut out)?;
-    check_disjoint(&[("out", span(out))], &[("x", span(x)), ("weight", span(w))])?;
+    check_disjoint(
+        &[("out", span(out))],
+        &[("x", span(x)), ("weight", span(w))],
+    )?;
     py.detach(|| norm::rms_norm(x, w, eps, out, num_threads));
     Ok(())
 }
@@ -157,12 +196,19 @@ fn fused_add_rms_norm(
 ) -> PyResult<()> {
     if x.shape() != residual.shape() || last_dim("x", x.shape())? != weight.len() {
         return Err(PyValueError::new_err(format!(
-            "fused_add_rms_norm: x {:?}, residual {:?} and weight {:?} do not fit", x.shape(), residual.shape(), weight.shape())));
+            "fused_add_rms_norm: x {:?}, residual {:?} and weight {:?} do not fit",
+            x.shape(),
+            residual.shape(),
+            weight.shape()
+        )));
     }
     let w = c_slice("weight", &weight)?;
     let x = c_slice_mut("x", &mut x)?;
     let r = c_slice_mut("residual", &mut residual)?;
-    check_disjoint(&[("x", span(x)), ("residual", span(r))], &[("weight", span(w))])?;
+    check_disjoint(
+        &[("x", span(x)), ("residual", span(r))],
+        &[("weight", span(w))],
+    )?;
     py.detach(|| norm::fused_add_rms_norm(x, r, w, eps, num_threads));
     Ok(())
 }
@@ -183,8 +229,13 @@ fn rotary_embedding(
 ) -> PyResult<()> {
     let xs = x.shape().to_vec();
     let rotated = num_heads.checked_mul(head_dim).unwrap_or(usize::MAX);
-    if xs.len() != 2 || head_dim == 0 || head_dim % 2 != 0 || xs[1] < rotated
-        || cos.shape() != [xs[0], head_dim] || sin.shape() != cos.shape() {
+    if xs.len() != 2
+        || head_dim == 0
+        || head_dim % 2 != 0
+        || xs[1] < rotated
+        || cos.shape() != [xs[0], head_dim]
+        || sin.shape() != cos.shape()
+    {
         return Err(PyValueError::new_err(format!(
             "rotary_embedding: x {xs:?} (needs [num_tokens, >= {num_heads} x {head_dim}], even head_dim), cos {:?}, sin {:?} (need [num_tokens, head_dim])",
             cos.shape(), sin.shape())));
@@ -211,8 +262,11 @@ fn silu_and_mul(
 ) -> PyResult<()> {
     let (xs, os) = (x.shape().to_vec(), out.shape().to_vec());
     let d = last_dim("out", &os)?;
-    if xs.len() != os.len() || xs[..xs.len() - 1] != os[..os.len() - 1] || xs[xs.len() - 1] != 2 * d {
-        return Err(PyValueError::new_err(format!("silu_and_mul: x {xs:?} must be out {os:?} with a last dim twice as long")));
+    if xs.len() != os.len() || xs[..xs.len() - 1] != os[..os.len() - 1] || xs[xs.len() - 1] != 2 * d
+    {
+        return Err(PyValueError::new_err(format!(
+            "silu_and_mul: x {xs:?} must be out {os:?} with a last dim twice as long"
+        )));
     }
     let x = c_slice("x", &x)?;
     let out = c_slice_mut("out", &mut out)?;
@@ -258,34 +312,63 @@ fn store_kv(
 ) -> PyResult<()> {
     let bs = k_buffer.shape().to_vec();
     let (kv, vv) = (k.as_array(), v.as_array());
-    if v_buffer.shape() != bs.as_slice() || kv.shape() != vv.shape() || kv.shape()[1..] != bs[1..] || kv.shape()[0] != loc.len() {
+    if v_buffer.shape() != bs.as_slice()
+        || kv.shape() != vv.shape()
+        || kv.shape()[1..] != bs[1..]
+        || kv.shape()[0] != loc.len()
+    {
         return Err(PyValueError::new_err(format!(
-            "store_kv: buffers {bs:?}, k {:?}, v {:?}, loc [{}] do not fit", kv.shape(), vv.shape(), loc.len())));
+            "store_kv: buffers {bs:?}, k {:?}, v {:?}, loc [{}] do not fit",
+            kv.shape(),
+            vv.shape(),
+            loc.len()
+        )));
     }
     let row_len = bs[1] * bs[2];
-    let k_rows: Vec<&[f32]> = kv.axis_iter(Axis(0)).map(|r| r.to_slice()).collect::<Option<_>>()
+    let k_rows: Vec<&[f32]> = kv
+        .axis_iter(Axis(0))
+        .map(|r| r.to_slice())
+        .collect::<Option<_>>()
         .ok_or_else(|| PyValueError::new_err("store_kv: each row of k must be contiguous"))?;
-    let v_rows: Vec<&[f32]> = vv.axis_iter(Axis(0)).map(|r| r.to_slice()).collect::<Option<_>>()
+    let v_rows: Vec<&[f32]> = vv
+        .axis_iter(Axis(0))
+        .map(|r| r.to_slice())
+        .collect::<Option<_>>()
         .ok_or_else(|| PyValueError::new_err("store_kv: each row of v must be contiguous"))?;
     let loc = c_slice("loc", &loc)?;
     let kb = c_slice_mut("k_buffer", &mut k_buffer)?;
     let vb = c_slice_mut("v_buffer", &mut v_buffer)?;
     let rows_span = |rows: &[&[f32]]| {
-        let spans: Vec<Range<usize>> = rows.iter().map(|r| span(r)).filter(|r| !r.is_empty()).collect();
-        spans.iter().map(|r| r.start).min().unwrap_or(0)..spans.iter().map(|r| r.end).max().unwrap_or(0)
+        let spans: Vec<Range<usize>> = rows
+            .iter()
+            .map(|r| span(r))
+            .filter(|r| !r.is_empty())
+            .collect();
+        spans.iter().map(|r| r.start).min().unwrap_or(0)
+            ..spans.iter().map(|r| r.end).max().unwrap_or(0)
     };
     check_disjoint(
         &[("k_buffer", span(kb)), ("v_buffer", span(vb))],
-        &[("loc", span(loc)), ("k", rows_span(&k_rows)), ("v", rows_span(&v_rows))],
+        &[
+            ("loc", span(loc)),
+            ("k", rows_span(&k_rows)),
+            ("v", rows_span(&v_rows)),
+        ],
     )?;
-    let slot_error = |slot: i32| PyIndexError::new_err(format!("store_kv: slot {slot} is outside the pool of {} slots", bs[0]));
+    let slot_error = |slot: i32| {
+        PyIndexError::new_err(format!(
+            "store_kv: slot {slot} is outside the pool of {} slots",
+            bs[0]
+        ))
+    };
     if row_len == 0 {
         return match loc.iter().find(|&&s| s < 0 || s as u64 >= bs[0] as u64) {
             Some(&bad) => Err(slot_error(bad)),
             None => Ok(()),
         };
     }
-    py.detach(|| kv_store::store_kv(kb, vb, row_len, loc, |t| k_rows[t], |t| v_rows[t])).map_err(slot_error)
+    py.detach(|| kv_store::store_kv(kb, vb, row_len, loc, |t| k_rows[t], |t| v_rows[t]))
+        .map_err(slot_error)
 }
 
 #[pymodule]

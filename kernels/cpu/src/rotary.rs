@@ -21,18 +21,39 @@ pub fn rotary_embedding(
     sin: &[f32],
     num_threads: usize,
 ) {
-    assert!(head_dim > 0 && head_dim.is_multiple_of(2), "rotary_embedding: head_dim {head_dim} must be even");
+    assert!(
+        head_dim > 0 && head_dim.is_multiple_of(2),
+        "rotary_embedding: head_dim {head_dim} must be even"
+    );
     if x.is_empty() || num_heads == 0 {
         return;
     }
-    assert!(row_len >= num_heads * head_dim && row_len > 0 && x.len().is_multiple_of(row_len), "rotary_embedding: bad row length");
+    assert!(
+        row_len >= num_heads * head_dim && row_len > 0 && x.len().is_multiple_of(row_len),
+        "rotary_embedding: bad row length"
+    );
     let num_tokens = x.len() / row_len;
-    assert!(cos.len() == num_tokens * head_dim && sin.len() == cos.len(), "rotary_embedding: cos/sin must be [num_tokens, head_dim]");
+    assert!(
+        cos.len() == num_tokens * head_dim && sin.len() == cos.len(),
+        "rotary_embedding: cos/sin must be [num_tokens, head_dim]"
+    );
     let work = num_tokens * num_heads * head_dim;
-    for_row_chunks(x, row_len, threads_for(work, num_threads), |first, chunk| {
-        let angles = first * head_dim..first * head_dim + chunk.len() / row_len * head_dim;
-        rotate_rows(chunk, row_len, num_heads, head_dim, &cos[angles.clone()], &sin[angles]);
-    });
+    for_row_chunks(
+        x,
+        row_len,
+        threads_for(work, num_threads),
+        |first, chunk| {
+            let angles = first * head_dim..first * head_dim + chunk.len() / row_len * head_dim;
+            rotate_rows(
+                chunk,
+                row_len,
+                num_heads,
+                head_dim,
+                &cos[angles.clone()],
+                &sin[angles],
+            );
+        },
+    );
 }
 
 avx2_dispatch! {
@@ -71,7 +92,9 @@ mod tests {
     #[test]
     fn threads_do_not_change_results() {
         let (t, row_len, heads, d) = (3000, 40, 3, 8);
-        let x0: Vec<f32> = (0..t * row_len).map(|i| (i % 17) as f32 * 0.25 - 2.0).collect();
+        let x0: Vec<f32> = (0..t * row_len)
+            .map(|i| (i % 17) as f32 * 0.25 - 2.0)
+            .collect();
         let cos: Vec<f32> = (0..t * d).map(|i| ((i % 11) as f32 * 0.3).cos()).collect();
         let sin: Vec<f32> = (0..t * d).map(|i| ((i % 11) as f32 * 0.3).sin()).collect();
         let (mut a, mut b) = (x0.clone(), x0.clone());

@@ -12,7 +12,10 @@ pub fn store_kv<'a>(
     k_row: impl Fn(usize) -> &'a [f32],
     v_row: impl Fn(usize) -> &'a [f32],
 ) -> Result<(), i32> {
-    assert!(row_len > 0 && k_buffer.len() == v_buffer.len() && k_buffer.len().is_multiple_of(row_len), "store_kv: bad buffer lengths");
+    assert!(
+        row_len > 0 && k_buffer.len() == v_buffer.len() && k_buffer.len().is_multiple_of(row_len),
+        "store_kv: bad buffer lengths"
+    );
     let num_slots = (k_buffer.len() / row_len) as u64;
     if let Some(&bad) = loc.iter().find(|&&s| s < 0 || s as u64 >= num_slots) {
         return Err(bad);
@@ -37,8 +40,14 @@ mod tests {
         assert_eq!(k, vec![0.0, 0.0, 3.0, 4.0, 0.0, 0.0, 1.0, 2.0]);
         assert_eq!(v, vec![0.0, 0.0, 1.0, 2.0, 0.0, 0.0, 3.0, 4.0]);
         let before = k.clone();
-        assert_eq!(store_kv(&mut k, &mut v, 2, &[0, 4], |t| &rows[t], |t| &rows[t]), Err(4));
-        assert_eq!(store_kv(&mut k, &mut v, 2, &[-1], |t| &rows[t], |t| &rows[t]), Err(-1));
+        assert_eq!(
+            store_kv(&mut k, &mut v, 2, &[0, 4], |t| &rows[t], |t| &rows[t]),
+            Err(4)
+        );
+        assert_eq!(
+            store_kv(&mut k, &mut v, 2, &[-1], |t| &rows[t], |t| &rows[t]),
+            Err(-1)
+        );
         assert_eq!(k, before);
     }
 }

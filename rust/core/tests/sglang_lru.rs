@@ -9,8 +9,8 @@
 //! size must be equal, and after every eviction the same keys must still be cached, for page
 //! sizes 1, 2 and 4.
 
-use std::collections::{BinaryHeap, HashMap};
 use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
 
 use proptest::prelude::*;
 use pyserve_core::{RadixCache, TokenToKVPoolAllocator};
@@ -35,8 +35,21 @@ struct RefTree {
 
 impl RefTree {
     fn new(ps: usize) -> Self {
-        let root = RefNode { key: vec![], parent: 0, children: HashMap::new(), lock_ref: 0, time: 0, live: true };
-        Self { ps, nodes: vec![root], clock: 0, evictable: 0, protected: 0 }
+        let root = RefNode {
+            key: vec![],
+            parent: 0,
+            children: HashMap::new(),
+            lock_ref: 0,
+            time: 0,
+            live: true,
+        };
+        Self {
+            ps,
+            nodes: vec![root],
+            clock: 0,
+            evictable: 0,
+            protected: 0,
+        }
     }
 
     fn now(&mut self) -> u64 {
@@ -62,11 +75,18 @@ impl RefTree {
         let mut children = HashMap::new();
         children.insert(lower_key[..ps].to_vec(), child);
         self.nodes.push(RefNode {
-            key: upper_key.clone(), parent, children, lock_ref: self.nodes[child].lock_ref, time, live: true,
+            key: upper_key.clone(),
+            parent,
+            children,
+            lock_ref: self.nodes[child].lock_ref,
+            time,
+            live: true,
         });
         self.nodes[child].key = lower_key;
         self.nodes[child].parent = id;
-        self.nodes[parent].children.insert(upper_key[..ps].to_vec(), id);
+        self.nodes[parent]
+            .children
+            .insert(upper_key[..ps].to_vec(), id);
         id
     }
 
@@ -78,7 +98,9 @@ impl RefTree {
         self.nodes[0].time = now;
         let (mut node, mut pos) = (0, 0);
         while pos + ps <= key.len() {
-            let Some(&child) = self.nodes[node].children.get(&key[pos..pos + ps]) else { break };
+            let Some(&child) = self.nodes[node].children.get(&key[pos..pos + ps]) else {
+                break;
+            };
             self.nodes[child].time = now;
             let plen = self.common(&self.nodes[child].key.clone(), &key[pos..]);
             pos += plen;
@@ -107,9 +129,16 @@ impl RefTree {
             let time = self.now();
             let id = self.nodes.len();
             self.nodes.push(RefNode {
-                key: key[pos..].to_vec(), parent: node, children: HashMap::new(), lock_ref: 0, time, live: true,
+                key: key[pos..].to_vec(),
+                parent: node,
+                children: HashMap::new(),
+                lock_ref: 0,
+                time,
+                live: true,
             });
-            self.nodes[node].children.insert(key[pos..pos + self.ps].to_vec(), id);
+            self.nodes[node]
+                .children
+                .insert(key[pos..pos + self.ps].to_vec(), id);
             self.evictable += key.len() - pos;
         }
         pos
@@ -143,7 +172,9 @@ impl RefTree {
             .collect();
         let mut freed = 0;
         while freed < num_tokens {
-            let Some(Reverse((_, id))) = heap.pop() else { break };
+            let Some(Reverse((_, id))) = heap.pop() else {
+                break;
+            };
             let (parent, first, len) = {
                 let n = &self.nodes[id];
                 (n.parent, n.key[..self.ps].to_vec(), n.key.len())
@@ -186,7 +217,10 @@ fn run(ps: usize, ops: Vec<Op>) {
     let mut seen: Vec<Vec<i32>> = Vec::new();
     // a key: pages of tokens (b, b+1, ...) so different blocks give different pages
     let key_of = |blocks: &[u8]| -> Vec<i32> {
-        blocks.iter().flat_map(|&b| (0..ps).map(move |j| i32::from(b) * 10 + j as i32)).collect()
+        blocks
+            .iter()
+            .flat_map(|&b| (0..ps).map(move |j| i32::from(b) * 10 + j as i32))
+            .collect()
     };
     for op in ops {
         match op {
@@ -218,7 +252,11 @@ fn run(ps: usize, ops: Vec<Op>) {
             }
             Op::Evict(n) => {
                 let n = (n as usize % 6) * ps;
-                assert_eq!(tree.evict(n, &mut alloc).unwrap(), reference.evict(n), "evict {n}");
+                assert_eq!(
+                    tree.evict(n, &mut alloc).unwrap(),
+                    reference.evict(n),
+                    "evict {n}"
+                );
                 for key in &seen {
                     // what stays cached is the same (a pure length query changes no time)
                     let want = {
@@ -227,7 +265,8 @@ fn run(ps: usize, ops: Vec<Op>) {
                         while pos + ps <= key.len() {
                             match reference.nodes[node].children.get(&key[pos..pos + ps]) {
                                 Some(&c) => {
-                                    let plen = reference.common(&reference.nodes[c].key, &key[pos..]);
+                                    let plen =
+                                        reference.common(&reference.nodes[c].key, &key[pos..]);
                                     pos += plen;
                                     if plen < reference.nodes[c].key.len() {
                                         break;
@@ -243,7 +282,10 @@ fn run(ps: usize, ops: Vec<Op>) {
                 }
             }
         }
-        assert_eq!((tree.evictable_size(), tree.protected_size()), (reference.evictable, reference.protected));
+        assert_eq!(
+            (tree.evictable_size(), tree.protected_size()),
+            (reference.evictable, reference.protected)
+        );
         tree.check_integrity().unwrap();
     }
 }
@@ -267,7 +309,9 @@ fn the_tie_rules_decide_which_leaf_goes() {
     // split's upper half [a] and the new leaf [c] come after it. L1's lower half [b] is the
     // oldest leaf, so it goes first, then [c].
     for ps in [1, 2] {
-        let k = |v: &[i32]| -> Vec<i32> { v.iter().flat_map(|&x| std::iter::repeat_n(x, ps)).collect() };
+        let k = |v: &[i32]| -> Vec<i32> {
+            v.iter().flat_map(|&x| std::iter::repeat_n(x, ps)).collect()
+        };
         let mut alloc = TokenToKVPoolAllocator::new(64 * ps, ps).unwrap();
         let mut tree = RadixCache::new(ps, false).unwrap();
         for key in [k(&[1, 2]), k(&[1, 3])] {
@@ -276,7 +320,10 @@ fn the_tie_rules_decide_which_leaf_goes() {
             alloc.free(&slots[..got]).unwrap();
         }
         assert_eq!(tree.evict(1, &mut alloc).unwrap(), ps);
-        assert_eq!((tree.match_len(&k(&[1, 2])), tree.match_len(&k(&[1, 3]))), (ps, 2 * ps));
+        assert_eq!(
+            (tree.match_len(&k(&[1, 2])), tree.match_len(&k(&[1, 3]))),
+            (ps, 2 * ps)
+        );
         assert_eq!(tree.evict(1, &mut alloc).unwrap(), ps);
         assert_eq!(tree.match_len(&k(&[1, 3])), ps);
     }

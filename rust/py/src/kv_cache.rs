@@ -170,7 +170,9 @@ impl KVCache {
         tokens: &Bound<'py, PyAny>,
         offsets: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
-        per_key(py, tokens, offsets, |keys| self.inner.dfs_weight_order(keys))
+        per_key(py, tokens, offsets, |keys| {
+            self.inner.dfs_weight_order(keys)
+        })
     }
 
     fn add_req(&mut self, key: &Bound<'_, PyAny>) -> PyResult<Option<(u64, usize, usize)>> {
@@ -270,7 +272,9 @@ fn split_keys<'a>(tokens: &'a [i32], offsets: &[usize]) -> PyResult<Vec<&'a [i32
         && *offsets.last().unwrap() == tokens.len()
         && offsets.windows(2).all(|w| w[0] <= w[1]);
     if !ok {
-        return Err(crate::errors::ShapeError::new_err("offsets must rise from 0 to the number of tokens"));
+        return Err(crate::errors::ShapeError::new_err(
+            "offsets must rise from 0 to the number of tokens",
+        ));
     }
     Ok(offsets.windows(2).map(|w| &tokens[w[0]..w[1]]).collect())
 }
