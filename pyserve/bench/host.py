@@ -62,6 +62,9 @@ def add_host_args(p: argparse.ArgumentParser) -> None:
     a("--client-cpus", default=None, metavar="LIST",
       help="run the load generator on these CPUs (taskset's list, e.g. 12-15) and the server on the "
            "others, so the client does not take the server's cores (default: both on all)")
+    a("--writer", choices=["socket", "asgi"], default="socket",
+      help="what writes the streams: the socket writer thread, or the ASGI send (what any ASGI server "
+           "other than uvicorn gets) (default: %(default)s)")
     a("--output-file", default=None, help="append one JSON line per case")
 
 
@@ -86,7 +89,7 @@ class HostServer:
     """The pyserve app on a SimulatedRunner, served by uvicorn on its own thread and loop."""
 
     def __init__(self, model_path: str | None, max_running_requests: int, context_len: int,
-                 max_total_tokens: int) -> None:
+                 max_total_tokens: int, socket_writes: bool = True) -> None:
         import socket
 
         import uvicorn
@@ -97,6 +100,7 @@ class HostServer:
         from pyserve.model_loader.tokenizer import get_tokenizer
         from pyserve.server.app import create_app
         from pyserve.server.http1 import HTTP1Protocol
+        from pyserve.server.stream_hub import StreamHub
 
         path = model_path or default_model_path()
         tok = get_tokenizer(path)
@@ -109,6 +113,7 @@ class HostServer:
                           max_prefill_tokens=max(8192, context_len), log_level="warning",
                           stats_interval_s=3600.0)
         self.app = create_app(args, model_runner=self.runner)
+        self.app.state.stream_hub = StreamHub(socket_writes=socket_writes)
         config = uvicorn.Config(self.app, host="127.0.0.1",
                                 port=self.port, loop="uvloop", http=HTTP1Protocol, log_level="warning")
         self.server = uvicorn.Server(config)
@@ -178,7 +183,8 @@ def run_case(server: HostServer, clients: int, stream: bool, decode_ms: float, o
         metrics = json.loads(out.read_text().splitlines()[-1])["metrics"]
     tokens = metrics["total_output_tokens"]
     return {
-        "kind": "host", "backend": backend, "clients": clients, "stream": stream, "decode_step_ms": decode_ms,
+        "kind": "host", "backend": backend, "writer": getattr(args, "writer", "socket"),
+        "clients": clients, "stream": stream, "decode_step_ms": decode_ms,
         "input_len": args.input_len, "output_len": args.output_len, "requests": num,
         "completed": metrics["completed"], "failed": metrics["failed"],
         "output_tok_s": metrics["output_throughput"],
@@ -203,7 +209,8 @@ def run_host(args: Any) -> list[dict[str, Any]]:
         os.sched_setaffinity(0, server_cpus)
         print(f"load generator on CPUs {args.client_cpus}, server on the other {len(server_cpus)}")
     most = max(args.clients)
-    server = HostServer(args.model_path, most, context_len, max_total_tokens=most * context_len + 4096)
+    server = HostServer(args.model_path, most, context_len, max_total_tokens=most * context_len + 4096,
+                        socket_writes=args.writer == "socket")
     rows = []
     overlaps = {"on": [True], "off": [False], "both": [True, False]}[args.overlap]
     header = (f"{'backend':>11} {'overlap':>7} {'clients':>7} {'stream':>6} {'step ms':>7} {'out tok/s':>10} "

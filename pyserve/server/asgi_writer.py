@@ -1,30 +1,31 @@
 """`AsgiWriter`: streams written with the ASGI server's own `send`, under any ASGI server.
 
-Each stream with bytes to write has one task of its own that awaits `send` until the stream's
-queue is empty, then ends; chunks that come while it writes queue behind it and go out
-joined, in one body message. So a client that reads slowly (its server waits for the socket to
-drain inside `send`) holds up its own task only, never the other streams. Where the event loop
-can start a task eagerly (Python 3.12's `asyncio.eager_task_factory`), a write that does not
-have to wait completes inside `write` and no task is ever scheduled; otherwise each stream
-costs one task per step with output. Loop thread only.
+The chunks of one step (every stream's output of that step) are written by one task, one
+`await send(...)` after another: a send that does not have to wait (the common case) costs a
+coroutine call, not a task per stream. A send that does wait (its client reads slowly and
+the server waits for the socket to drain) must not hold up the other streams: right after the
+step's task first suspends, `_check` runs (scheduled right behind it, so nothing runs in
+between), finds the stream the task waits on and leaves that task to finish that stream's
+write and then its queued chunks (all its chunks not written yet queue behind it, joined into
+one body message each time), and puts the rest of the step's items back ahead of those
+queued since, for the next task. Loop thread only.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine
-from typing import Any
 
 from pyserve.server.stream_writer import StreamWriter, WrittenStream
 
 logger = logging.getLogger(__name__)
 
-_eager_task_factory: Callable[..., asyncio.Task] | None = getattr(asyncio, "eager_task_factory", None)
+Item = tuple[WrittenStream, bytes, bool]
 
 
 class _Queued:
-    """A stream's bytes not yet handed to `send`, and the task writing them (None: idle)."""
+    """A stream's chunks waiting behind its own write (`task`: the task writing it while its
+    client is slow, else None)."""
 
     __slots__ = ("chunks", "final", "task")
 
@@ -34,8 +35,26 @@ class _Queued:
         self.task: asyncio.Task | None = None
 
 
+class _Run:
+    """The writes one task makes in order: `items[at:]` are still to come; `current` is the
+    stream whose send it awaits, `current_final` whether that is the stream's last chunk."""
+
+    __slots__ = ("items", "at", "current", "current_final", "task", "handed_off")
+
+    def __init__(self, items: list[Item]) -> None:
+        self.items = items
+        self.at = 0
+        self.current: WrittenStream | None = None
+        self.current_final = False
+        self.task: asyncio.Task | None = None
+        self.handed_off = False  # the task now writes `current` only (a slow reader)
+
+
 class AsgiWriter(StreamWriter):
     """Writes streams with `stream.send` (the ASGI send their response was called with)."""
+
+    def __init__(self) -> None:
+        self._items: list[Item] = []
 
     def attach(self, stream: WrittenStream) -> bool:
         stream.writer_state = _Queued()
@@ -44,30 +63,82 @@ class AsgiWriter(StreamWriter):
 
     def write(self, stream: WrittenStream, data: bytes, final: bool) -> None:
         queued: _Queued = stream.writer_state
-        if data:
-            queued.chunks.append(data)
-        if final:
-            queued.final = True
-        if queued.task is None:
-            task = _start_task(self._drain(stream, queued))
-            if not task.done():  # (an eager task that wrote everything is done already)
-                queued.task = task
+        if queued.task is not None:  # a slow reader: behind its write under way
+            _queue(queued, data, final)
+            return
+        items = self._items
+        items.append((stream, data, final))
+        if len(items) == 1:  # the step's first: write once the step's outputs are all in
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        items, self._items = self._items, []
+        loop = asyncio.get_running_loop()
+        run = _Run(items)
+        run.task = loop.create_task(self._write(run))
+        loop.call_soon(self._check, run)  # right behind the task's first step
+
+    def _check(self, run: _Run) -> None:
+        """The task of `run` suspended: it stays with the stream it waits on; the rest of its
+        items go to a new task."""
+        stream = run.current
+        if run.task is None or run.task.done() or stream is None:
+            return
+        queued: _Queued = stream.writer_state
+        queued.task = run.task
+        run.handed_off = True
+        # the stream's chunks not written yet (the rest of this run's, then those queued since)
+        # wait behind its task from now on, in order; the others' go back ahead of those queued
+        # since (all newer), for the next task
+        rest = [item for item in run.items[run.at :] + self._items if not _take(item, stream, queued)]
+        run.items = []
+        was_empty = not self._items
+        self._items = rest
+        if rest and was_empty:
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    async def _write(self, run: _Run) -> None:
+        while run.at < len(run.items):
+            stream, data, final = run.items[run.at]
+            run.at += 1
+            queued: _Queued = stream.writer_state
+            if queued.task is not None:  # it went slow earlier: behind its write
+                _queue(queued, data, final)
+                continue
+            if data:
+                run.current, run.current_final = stream, final
+                try:
+                    await stream.send({"type": "http.response.body", "body": data, "more_body": True})
+                except Exception as exc:  # the connection broke: this stream ends, the others go on
+                    run.current = None
+                    if run.handed_off:
+                        queued.task = None
+                        stream.fail(exc)
+                        return
+                    stream.fail(exc)
+                    continue
+                run.current = None
+                if run.handed_off:
+                    await self._catch_up(stream, queued, final)
+                    return
+            if final:
+                stream.written()
 
     @staticmethod
-    async def _drain(stream: WrittenStream, queued: _Queued) -> None:
+    async def _catch_up(stream: WrittenStream, queued: _Queued, final: bool) -> None:
+        """Write a slow stream's queued chunks after its write under way (`final`: that was
+        its last), then let its later chunks go with the steps' tasks again."""
         try:
-            while queued.chunks or queued.final:
+            while not final:
+                if not queued.chunks and not queued.final:
+                    return
                 chunks, final = queued.chunks, queued.final
                 queued.chunks = []
                 body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
                 if body:
                     await stream.send({"type": "http.response.body", "body": body, "more_body": True})
-                if final:
-                    stream.written()
-                    return
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # the connection broke: this stream ends, the others go on
+            stream.written()
+        except Exception as exc:
             stream.fail(exc)
         finally:
             queued.task = None
@@ -78,8 +149,16 @@ class AsgiWriter(StreamWriter):
             queued.task.cancel()  # its client is gone: a write waiting to drain never will
 
 
-def _start_task(coro: Coroutine[Any, Any, None]) -> asyncio.Task:
-    loop = asyncio.get_running_loop()
-    if _eager_task_factory is not None:
-        return _eager_task_factory(loop, coro)
-    return loop.create_task(coro)
+def _take(item: Item, stream: WrittenStream, queued: _Queued) -> bool:
+    """Queue `item` behind `stream`'s write if it is one of its chunks."""
+    if item[0] is not stream:
+        return False
+    _queue(queued, item[1], item[2])
+    return True
+
+
+def _queue(queued: _Queued, data: bytes, final: bool) -> None:
+    if data:
+        queued.chunks.append(data)
+    if final:
+        queued.final = True

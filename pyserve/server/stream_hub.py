@@ -193,9 +193,10 @@ class StreamResponse:
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         stream = Stream(self.encode, receive, send)
         watcher = asyncio.ensure_future(_wait_disconnect(receive))
-        finished = False
+        finished = started = False
         try:
             self.start(stream)
+            started = True  # (a start that raised holds nothing; its rid may be another's)
             await asyncio.wait({stream.first, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if not stream.first.done():
                 return  # the client left before anything came
@@ -214,7 +215,7 @@ class StreamResponse:
         finally:
             watcher.cancel()
             self.hub.release(stream)
-            if not finished:
+            if started and not finished:
                 stream.closed = True
                 self.abort()
 

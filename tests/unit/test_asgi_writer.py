@@ -120,3 +120,32 @@ def test_outputs_before_the_start_go_out_first_and_whole():
         assert stream.send.bodies == [b"ab" + DONE_EVENT] and stream.done.done()
 
     asyncio.run(body())
+
+
+def test_a_server_whose_every_send_waits_gets_every_stream_in_order():
+    """Each send suspends once (as a server that hands bodies to a queue may): every write
+    goes to a task of its stream, yet each stream's bytes arrive whole and in order."""
+
+    class YieldingSend(FakeSend):
+        async def __call__(self, message: dict) -> None:
+            await asyncio.sleep(0)
+            self.bodies.append(message["body"])
+
+    async def body():
+        hub = StreamHub(socket_writes=False)
+        streams = []
+        for _ in range(4):
+            stream = Stream(Encoder(), receive=None, send=YieldingSend())
+            hub.attach(stream)
+            streams.append(stream)
+        for k in range(30):
+            for i, stream in enumerate(streams):
+                stream.push(output(f"<{i}.{k}>", last=k == 29))
+            await asyncio.sleep(0)  # steps come faster than the writes
+        for _ in range(200):
+            await asyncio.sleep(0)
+        for i, stream in enumerate(streams):
+            assert b"".join(stream.send.bodies) == b"".join(b"<%d.%d>" % (i, k) for k in range(30)) + DONE_EVENT
+            assert stream.done.done() and not stream.failed and stream.writer_state.task is None
+
+    asyncio.run(body())
