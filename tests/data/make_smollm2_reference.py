@@ -11,8 +11,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from tests.e2e.test_smollm2_server import PROMPTS, smollm2_gguf
-from tests.hf_reference import hf_greedy, load_hf_gguf
+from tests.e2e.test_smollm2_server import PROMPTS
+from tests.hf_reference import hf_greedy, load_hf_gguf, smollm2_gguf
 
 MAX_NEW_TOKENS = 64
 

