@@ -14,12 +14,13 @@ chunks always concatenate to the final text.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
+from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence, cast
 
 import numpy as np
 from tokenizers import Tokenizer
 
 if TYPE_CHECKING:
+    from tokenizers.decoders import DecodeStream  # (older tokenizers lack it: see stream_backend)
     from transformers import PreTrainedTokenizerBase
 
 from pyserve.engine.scheduler import TokenOut
@@ -125,7 +126,8 @@ class DecodeState:
         self.stream = stream
         self.stream_interval = max(1, stream_interval)
         self.finish_reason: FinishReason | None = None
-        self.decode_stream: Any = None
+        # None: not made yet; False: this request cannot stream (the batched path has it)
+        self.decode_stream: DecodeStream | Literal[False] | None = None
         self.fed = 0
 
 
@@ -242,7 +244,7 @@ class Detokenizer:
                 state.read_offset = len(state.decode_ids)
 
     @staticmethod
-    def _stream_step(backend: Any, state: DecodeState) -> bool:
+    def _stream_step(backend: Tokenizer, state: DecodeState) -> bool:
         """Feed `state`'s new decode ids to its DecodeStream (made on first use, on the
         current window); False if the stream cannot take them (the window ends inside a
         character, or the decoder rewrote earlier text): the batched path takes this request

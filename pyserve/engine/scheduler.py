@@ -372,8 +372,8 @@ class Scheduler(Retraction):
         fill = [r.fill_ids() for r in reqs]
         fill = [f if r.extend_end is None else f[:r.extend_end] for f, r in zip(fill, reqs)]
         extend_lens = [len(f) - r.prefix_len for f, r in zip(fill, reqs)]
-        ids = [r.req_id for r in reqs]
-        arrays = self.kv_cache.prepare_extend(ids + [r.req_id for r in decodes], extend_lens + [1] * len(decodes))
+        ids = [_kv_id(r) for r in reqs]
+        arrays = self.kv_cache.prepare_extend(ids + [_kv_id(r) for r in decodes], extend_lens + [1] * len(decodes))
         if arrays is None and decodes:
             decodes = []
             arrays = self.kv_cache.prepare_extend(ids, extend_lens)
@@ -406,7 +406,7 @@ class Scheduler(Retraction):
             self._retract()
 
     def _unadmit(self, req: Req) -> None:
-        self.kv_cache.abort_req(req.req_id)
+        self.kv_cache.abort_req(_kv_id(req))
         req.req_id, req.req_pool_idx, req.prefix_len, req.extend_end = None, None, 0, None
 
     def _process_batch_result(self, batch: ScheduleBatch, result: StepOutput) -> None:
@@ -485,6 +485,7 @@ class Scheduler(Retraction):
                 else:
                     kv_len = self.kv_cache.kv_len(req.req_id)
                     self.kv_cache.cache_finished_req(req.req_id, req.kv_token_ids(kv_len))
+                assert req.req_pool_idx is not None  # admitted: it holds a row
                 self._released_rows.append(req.req_pool_idx)
                 req.req_id = req.req_pool_idx = None
             released.add(id(req))
@@ -518,3 +519,9 @@ class Scheduler(Retraction):
         logger.info("running=%d queued=%d kv_used=%d/%d (%.1f%%) gen_throughput=%.1f tok/s",
                     len(self.running), len(self.waiting), used, total, 100.0 * used / total,
                     self.last_gen_throughput)
+
+
+def _kv_id(req: Req) -> int:
+    """The Rust core's id of an admitted request (set at admission, None once released)."""
+    assert req.req_id is not None
+    return req.req_id

@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 
 from pyserve.forward_batch_info import ForwardBatch, ForwardMode
+from pyserve.layers.attention.base import CapturableAttentionBackend
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class CudaGraphRunner:
     sizes; stream: the worker's CUDA stream.
     """
 
-    def __init__(self, forward: Callable[[ForwardBatch], torch.Tensor], attn_backend: Any,
+    def __init__(self, forward: Callable[[ForwardBatch], torch.Tensor], attn_backend: CapturableAttentionBackend,
                  req_to_token: torch.Tensor, sizes: list[int], stream: torch.cuda.Stream) -> None:
         self.forward = forward
         self.attn_backend = attn_backend
@@ -80,7 +81,7 @@ class CudaGraphRunner:
         self.req_pool_indices = torch.zeros(self.max_bs, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: torch.Tensor | None = None  # [max_bs, vocab] float32: every graph's output
-        self.pool: Any = None
+        self.pool: Any = None  # the graphs' shared memory pool (torch's handle type is private)
         attn_backend.init_cuda_graph_state(self.max_bs)
         self._capture_all(stream)
 
@@ -141,7 +142,7 @@ class CudaGraphRunner:
         return self.logits[:bs]  # valid until the next replay (the worker samples before it)
 
 
-def pad_rows(buffers: Any, start: int, end: int) -> None:
+def pad_rows(buffers: CudaGraphRunner, start: int, end: int) -> None:
     """Padding rows start..end-1 of the static buffers: token 0 at position 0, one key, K/V
     into slot 0 (the padding slot), request row 0 (only read)."""
     buffers.input_ids[start:end].zero_()

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from pyserve.layers.attention.base import AttentionBackend
+from pyserve.layers.attention.base import AttentionBackend, CapturableAttentionBackend
 from pyserve.layers.attention.registry import capturable_backend, create_attention_backend
 from pyserve.layers.rotary_embedding import RotaryEmbedding
 from pyserve.model_executor.cuda_graph_runner import CudaGraphRunner, capture_batch_sizes
@@ -151,10 +151,12 @@ class ModelRunner:
     def init_cuda_graphs(self, req_to_token: torch.Tensor, stream: "torch.cuda.Stream") -> None:
         """Capture the decode graphs over the worker's req_to_token table on its stream (the
         worker thread, before its first step). No-op when graphs are off."""
+        backend = self.attn_backend
         if self.graph_sizes:
+            # graph_sizes is emptied at start when the backend cannot be captured
+            assert isinstance(backend, CapturableAttentionBackend)
             self.graph_runner = CudaGraphRunner(
-                lambda batch: self.model(batch, self.attn_backend), self.attn_backend,
-                req_to_token, self.graph_sizes, stream)
+                lambda batch: self.model(batch, backend), backend, req_to_token, self.graph_sizes, stream)
 
     def _kv_pool_size(self, device: torch.device, max_total_tokens: int | None,
                       mem_fraction_static: float) -> int:
@@ -230,6 +232,7 @@ class ModelRunner:
         rows: list[int] = []
         groups: list[tuple[int, int, int] | None] = []
         token_start = 0
+        assert batch.extend_seq_lens is not None  # input logprobs come from EXTEND batches
         for start, ext in zip(info.input_logprob_starts, batch.extend_seq_lens.tolist()):
             if start is None:
                 groups.append(None)
@@ -246,6 +249,7 @@ class ModelRunner:
         """Next token ids [B] int64 on the device of `batch` (after `forward(batch)`) and the
         mask [B] bool of rows whose own parameters left nothing to sample (see
         sample_checked), both on the device. Worker thread only."""
+        assert batch.sampling_info is not None  # DeviceState.forward_batch sets it
         with torch.inference_mode():
             return sample_checked(logits, batch.sampling_info)
 
@@ -266,7 +270,7 @@ class ModelRunner:
             for i, item in zip(rows, picked):
                 out.output_logprobs[i] = item
             groups = self._input_groups
-            if groups is not None and batch.input_logits is not None:
+            if groups is not None and batch.input_logits is not None and batch.input_logits_rows is not None:
                 targets = batch.input_ids[batch.input_logits_rows + 1]
                 wanted = [i for i, g in enumerate(groups) if g is not None]
                 items = logprobs_of_rows(
