@@ -10,7 +10,7 @@ default and refused with a 400 naming them otherwise (`check_supported()`).
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -309,5 +309,11 @@ class CompletionRequest(_Common):
         if isinstance(p, str):
             return [(p, None)]
         if p and isinstance(p[0], int):
-            return [(None, list(p))]  # type: ignore[arg-type]
-        return [(x, None) if isinstance(x, str) else (None, list(x)) for x in p]  # type: ignore[union-attr]
+            return [(None, list(p))]  # one prompt of ids
+        out: list[tuple[str | None, list[int] | None]] = []
+        for x in p:
+            if isinstance(x, str):
+                out.append((x, None))
+            else:
+                out.append((None, list(cast("list[int]", x))))
+        return out
