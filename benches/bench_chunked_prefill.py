@@ -29,8 +29,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def run_case(path: str, chunk: int | None, mixed: bool, prompt: list[int], num_streams: int,
-             stream_tokens: int) -> dict:
+def run_case(
+    path: str, chunk: int | None, mixed: bool, prompt: list[int], num_streams: int, stream_tokens: int
+) -> dict:
     from pyserve import Engine
     from pyserve.engine import worker as worker_mod
 
@@ -46,8 +47,13 @@ def run_case(path: str, chunk: int | None, mixed: bool, prompt: list[int], num_s
 
     worker_mod.ModelWorker._step = timed_step
     try:
-        engine = Engine(model_path=path, dtype="float32", max_total_tokens=len(prompt) + 4096,
-                        chunked_prefill_size=chunk if chunk is not None else -1, enable_mixed_chunk=mixed)
+        engine = Engine(
+            model_path=path,
+            dtype="float32",
+            max_total_tokens=len(prompt) + 4096,
+            chunked_prefill_size=chunk if chunk is not None else -1,
+            enable_mixed_chunk=mixed,
+        )
     except BaseException:
         worker_mod.ModelWorker._step = original
         raise
@@ -56,8 +62,11 @@ def run_case(path: str, chunk: int | None, mixed: bool, prompt: list[int], num_s
         marks: dict[str, float] = {}
 
         async def stream(k: int, started: asyncio.Event) -> None:
-            it = await engine.async_generate(input_ids=[100 + k, 200 + k, 300 + k], stream=True, sampling_params={
-                "temperature": 0, "max_new_tokens": stream_tokens, "ignore_eos": True})
+            it = await engine.async_generate(
+                input_ids=[100 + k, 200 + k, 300 + k],
+                stream=True,
+                sampling_params={"temperature": 0, "max_new_tokens": stream_tokens, "ignore_eos": True},
+            )
             async for _ in it:
                 arrivals[k].append(time.perf_counter())
                 if len(arrivals[k]) == 3:
@@ -81,8 +90,13 @@ def run_case(path: str, chunk: int | None, mixed: bool, prompt: list[int], num_s
     gaps = [b - a for times in arrivals for a, b in zip(times, times[1:]) if b > lo and a < hi]
     long_steps = [e - s for mode, s, e, n in steps if mode == "EXTEND" and s >= lo - 0.5 and n >= min(chunk or 0, 64)]
     decode = [e - s for mode, s, e, _ in steps if mode == "DECODE"]
-    return {"max_gap_s": max(gaps), "chunk_step_s": max(long_steps), "decode_step_s": statistics.median(decode),
-            "long_prefill_s": hi - lo, "num_long_steps": len(long_steps)}
+    return {
+        "max_gap_s": max(gaps),
+        "chunk_step_s": max(long_steps),
+        "decode_step_s": statistics.median(decode),
+        "long_prefill_s": hi - lo,
+        "num_long_steps": len(long_steps),
+    }
 
 
 def main() -> None:
@@ -100,18 +114,29 @@ def main() -> None:
     prompt = torch.randint(100, 20000, (args.chunk * args.chunks,), generator=gen).tolist()
     # the streams outlast the unchunked prefill: a few decode steps per chunk step, times chunks
     stream_tokens = 48 + 8 * args.chunks
-    print(f"{len(prompt)}-token prompt ({args.chunks} chunks of {args.chunk}) arriving while "
-          f"{args.streams} streams decode; model {path}")
-    header = f"{'case':>16} {'max gap ms':>10} {'chunk step ms':>13} {'decode ms':>9} {'prefill s':>9} {'gap/(chunk+decode)':>18}"
+    print(
+        f"{len(prompt)}-token prompt ({args.chunks} chunks of {args.chunk}) arriving while "
+        f"{args.streams} streams decode; model {path}"
+    )
+    header = (
+        f"{'case':>16} {'max gap ms':>10} {'chunk step ms':>13} {'decode ms':>9} {'prefill s':>9} "
+        f"{'gap/(chunk+decode)':>18}"
+    )
     print(header)
     print("-" * len(header))
-    for name, chunk, mixed in (("chunked", args.chunk, False), ("chunked+mixed", args.chunk, True),
-                               ("no chunking", None, False)):
+    for name, chunk, mixed in (
+        ("chunked", args.chunk, False),
+        ("chunked+mixed", args.chunk, True),
+        ("no chunking", None, False),
+    ):
         r = run_case(path, chunk, mixed, prompt, args.streams, stream_tokens)
         bound = r["chunk_step_s"] + r["decode_step_s"]
         ratio = r["max_gap_s"] / bound if chunk is not None else float("nan")
-        print(f"{name:>16} {1e3 * r['max_gap_s']:>10.0f} {1e3 * r['chunk_step_s']:>13.0f} "
-              f"{1e3 * r['decode_step_s']:>9.1f} {r['long_prefill_s']:>9.2f} {ratio:>18.2f}", flush=True)
+        print(
+            f"{name:>16} {1e3 * r['max_gap_s']:>10.0f} {1e3 * r['chunk_step_s']:>13.0f} "
+            f"{1e3 * r['decode_step_s']:>9.1f} {r['long_prefill_s']:>9.2f} {ratio:>18.2f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

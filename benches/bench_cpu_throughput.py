@@ -37,9 +37,14 @@ def run_pyserve(path: str, prompts: list[list[int]], output_len: int) -> tuple[f
     from pyserve import Engine
 
     max_total = len(prompts) * (len(prompts[0]) + output_len) + 64
-    with Engine(model_path=path, dtype="float32", max_total_tokens=max_total,
-                max_running_requests=len(prompts), max_prefill_tokens=len(prompts) * len(prompts[0]),
-                log_level="warning") as engine:
+    with Engine(
+        model_path=path,
+        dtype="float32",
+        max_total_tokens=max_total,
+        max_running_requests=len(prompts),
+        max_prefill_tokens=len(prompts) * len(prompts[0]),
+        log_level="warning",
+    ) as engine:
         params = {"temperature": 0, "max_new_tokens": output_len, "ignore_eos": True}
         engine.generate(input_ids=prompts[0][:16], sampling_params=dict(params, max_new_tokens=4))
         start = time.perf_counter()
@@ -51,12 +56,13 @@ def run_pyserve(path: str, prompts: list[list[int]], output_len: int) -> tuple[f
 def hf_generate(model, batch: list[list[int]], output_len: int) -> list[list[int]]:
     import transformers
 
-    config = transformers.GenerationConfig(max_new_tokens=output_len, min_new_tokens=output_len,
-                                           do_sample=False, eos_token_id=None, pad_token_id=0)
+    config = transformers.GenerationConfig(
+        max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
     ids = torch.tensor(batch)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
-    return out[:, ids.shape[1]:].tolist()
+    return out[:, ids.shape[1] :].tolist()
 
 
 def main() -> None:
@@ -72,9 +78,12 @@ def main() -> None:
     from tests.hf_reference import load_hf_gguf
 
     path = default_model_path()
-    print(f"model {os.path.basename(path)} float32, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; {args.num_prompts} prompts x {args.input_len} in, "
-          f"{args.output_len} out, greedy, ignore_eos", flush=True)
+    print(
+        f"model {os.path.basename(path)} float32, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads; {args.num_prompts} prompts x {args.input_len} in, "
+        f"{args.output_len} out, greedy, ignore_eos",
+        flush=True,
+    )
     hf = load_hf_gguf(path)
     hf.generation_config.eos_token_id = None
     prompts = make_prompts(args.num_prompts, args.input_len, hf.config.vocab_size)
@@ -99,8 +108,7 @@ def main() -> None:
             hf_generate(hf, [p], args.output_len)
         t_s = time.perf_counter() - start
         s_tps = n_seq * args.output_len / t_s
-        print(f"HF generate, sequential : {t_s:8.1f} s  {s_tps:8.1f} out tok/s "
-              f"({n_seq} prompts)", flush=True)
+        print(f"HF generate, sequential : {t_s:8.1f} s  {s_tps:8.1f} out tok/s ({n_seq} prompts)", flush=True)
 
     same = sum(a == b for a, b in zip(ps_out, hf_batch_out))
     print(f"pyserve outputs equal to HF batch outputs: {same}/{args.num_prompts}")

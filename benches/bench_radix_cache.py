@@ -105,8 +105,13 @@ def bench(size: int, seed: int = 0) -> list[tuple[str, float, float]]:
     prompt8k = long_chat + [1]
     key_rs = np.asarray(prompt8k, dtype=np.int32)
     assert len(both.rs.match_prefix(key_rs)[0]) == len(both.py.match_prefix(prompt8k)[0]) == 8192
-    rows.append(("match_prefix (8k-token prompt)", timed(lambda: both.rs.match_prefix(key_rs), 200),
-                 timed(lambda: both.py.match_prefix(prompt8k), 50)))
+    rows.append(
+        (
+            "match_prefix (8k-token prompt)",
+            timed(lambda: both.rs.match_prefix(key_rs), 200),
+            timed(lambda: both.py.match_prefix(prompt8k), 50),
+        )
+    )
 
     system = next(stream)[:1000]
     reqs = []
@@ -124,8 +129,7 @@ def bench(size: int, seed: int = 0) -> list[tuple[str, float, float]]:
     py_us = (time.perf_counter_ns() - t0) / 1000 / len(reqs)
     rows.append(("insert (finish a 2k-token request)", rs_us, py_us))
 
-    rows.append(("evict (8192 tokens)", timed(lambda: both.rs.evict(8192), 10),
-                 timed(lambda: both.py.evict(8192), 10)))
+    rows.append(("evict (8192 tokens)", timed(lambda: both.rs.evict(8192), 10), timed(lambda: both.py.evict(8192), 10)))
 
     ids_rs, ids_py = [], []
     for _ in range(256):
@@ -133,8 +137,13 @@ def bench(size: int, seed: int = 0) -> list[tuple[str, float, float]]:
         ids_rs.append(rid)
         ids_py.append(pid)
     ids_rs_arr = np.asarray(ids_rs, dtype=np.int64)
-    rows.append(("decode step (256 requests)", timed(lambda: both.rs.prepare_decode(ids_rs_arr), 50),
-                 timed(lambda: both.py.prepare_decode(ids_py), 50)))
+    rows.append(
+        (
+            "decode step (256 requests)",
+            timed(lambda: both.rs.prepare_decode(ids_rs_arr), 50),
+            timed(lambda: both.py.prepare_decode(ids_py), 50),
+        )
+    )
     step = both.rs.prepare_decode(ids_rs_arr)
     rows.append((f"  (kv_indices per step: {len(step.kv_indices)})", float("nan"), float("nan")))
     return rows
@@ -142,19 +151,24 @@ def bench(size: int, seed: int = 0) -> list[tuple[str, float, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="10000,100000,1000000",
-                        help="comma-separated target radix tree sizes in cached tokens")
+    parser.add_argument(
+        "--sizes", default="10000,100000,1000000", help="comma-separated target radix tree sizes in cached tokens"
+    )
     args = parser.parse_args()
-    print(f"{'tree tokens':>11} | {'operation':<36} | {'Rust us':>9} | {'Python us':>10} | "
-          f"{'Rust ops/s':>10} | {'Python ops/s':>12} | {'ratio':>7}")
+    print(
+        f"{'tree tokens':>11} | {'operation':<36} | {'Rust us':>9} | {'Python us':>10} | "
+        f"{'Rust ops/s':>10} | {'Python ops/s':>12} | {'ratio':>7}"
+    )
     print("-" * 113)
     for size in (int(float(s)) for s in args.sizes.split(",")):
         for name, rs_us, py_us in bench(size):
             if rs_us != rs_us:  # nan: an informational line
                 print(f"{size:>11} | {name:<36} |")
                 continue
-            print(f"{size:>11} | {name:<36} | {rs_us:>9.1f} | {py_us:>10.1f} | "
-                  f"{1e6 / rs_us:>10.0f} | {1e6 / py_us:>12.0f} | {py_us / rs_us:>6.1f}x")
+            print(
+                f"{size:>11} | {name:<36} | {rs_us:>9.1f} | {py_us:>10.1f} | "
+                f"{1e6 / rs_us:>10.0f} | {1e6 / py_us:>12.0f} | {py_us / rs_us:>6.1f}x"
+            )
 
 
 if __name__ == "__main__":

@@ -52,8 +52,9 @@ def fetch_wheel(cache_dir: Path) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
     found = sorted(cache_dir.glob("sglang-0.5.6-*.whl"))
     if not found:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", SGLANG,
-                        "-d", str(cache_dir)], check=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", SGLANG, "-d", str(cache_dir)], check=True
+        )
         found = sorted(cache_dir.glob("sglang-0.5.6-*.whl"))
     return found[0]
 
@@ -98,8 +99,13 @@ def load_sglang_radix_cache(wheel: Path) -> types.ModuleType:
         last_host_node: Any
         host_hit_length: int = 0
 
-    stand_in("sglang.srt.disaggregation.kv_events", MEDIUM_GPU="gpu", AllBlocksCleared=_Event,
-             BlockRemoved=_Event, BlockStored=_Event)
+    stand_in(
+        "sglang.srt.disaggregation.kv_events",
+        MEDIUM_GPU="gpu",
+        AllBlocksCleared=_Event,
+        BlockRemoved=_Event,
+        BlockStored=_Event,
+    )
     stand_in("sglang.srt.mem_cache.base_prefix_cache", BasePrefixCache=BasePrefixCache, MatchResult=MatchResult)
     stand_in("sglang.srt.mem_cache.hicache_storage", get_hash_str=lambda *a, **k: "", hash_str_to_int64=lambda s: 0)
     stand_in("sglang.srt.mem_cache.utils", convert_to_bigram_key=lambda ids: ids)
@@ -225,8 +231,10 @@ def main() -> None:
     args.page_size = 1
     radix_mod = load_sglang_radix_cache(fetch_wheel(Path(args.cache_dir)))
     print(f"pyserve's Rust radix cache vs SGLang's RadixCache ({SGLANG}), pool {POOL_TOKENS} tokens")
-    header = (f"{'workload':>14} {'requests':>8} {'hit tokens':>10} {'evicted':>9} {'sglang s':>9} "
-              f"{'pyserve s':>9} {'ratio':>7} {'equal':>6}")
+    header = (
+        f"{'workload':>14} {'requests':>8} {'hit tokens':>10} {'evicted':>9} {'sglang s':>9} "
+        f"{'pyserve s':>9} {'ratio':>7} {'equal':>6}"
+    )
     print(header)
     print("-" * len(header))
     for name, rows in workloads().items():
@@ -238,8 +246,11 @@ def main() -> None:
             k = next(i for i, (a, b) in enumerate(zip(trace_sgl, trace_py)) if a != b)
             print(f"  first difference at request {k}: sglang {trace_sgl[k]} pyserve {trace_py[k]}")
         hits, evicted = sum(t[0] for t in trace_py), sum(t[1] for t in trace_py)
-        print(f"{name:>14} {len(rows):>8} {hits:>10} {evicted:>9} {t_sgl:>9.3f} {t_py:>9.3f} "
-              f"{t_sgl / t_py:>6.1f}x {str(equal):>6}", flush=True)
+        print(
+            f"{name:>14} {len(rows):>8} {hits:>10} {evicted:>9} {t_sgl:>9.3f} {t_py:>9.3f} "
+            f"{t_sgl / t_py:>6.1f}x {str(equal):>6}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -21,5 +21,13 @@ def __getattr__(name: str):  # lazy: importing pyserve must not import torch
     raise AttributeError(f"module 'pyserve' has no attribute {name!r}")
 
 
-__all__ = ["Engine", "ServerArgs", "ServerArgsError", "SamplingParams", "create_app",
-           "InvalidRequestError", "ModelStepError", "QueueFullError"]
+__all__ = [
+    "Engine",
+    "ServerArgs",
+    "ServerArgsError",
+    "SamplingParams",
+    "create_app",
+    "InvalidRequestError",
+    "ModelStepError",
+    "QueueFullError",
+]

@@ -19,7 +19,8 @@ token array in place. Expected shortfalls (not enough free KV or rows) return No
 raise the `CoreError` subclasses below, with nothing changed unless stated.
 """
 
-from typing import Sequence, Union, final
+from collections.abc import Sequence
+from typing import final
 
 import numpy as np
 import numpy.typing as npt
@@ -36,7 +37,7 @@ __all__ = [
     "send_each",
 ]
 
-_IntArray = Union[npt.NDArray[np.integer], Sequence[int]]
+_IntArray = npt.NDArray[np.integer] | Sequence[int]
 _Int64Array = npt.NDArray[np.int64]
 _Int32Array = npt.NDArray[np.int32]
 

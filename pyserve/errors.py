@@ -37,8 +37,9 @@ class InvalidRequestError(PyserveError, ValueError):
     reason such as "context_length_exceeded" or "model_not_found".
     """
 
-    def __init__(self, message: str, param: str | None = None,
-                 code: str | int | None = None, status: int = 400) -> None:
+    def __init__(
+        self, message: str, param: str | None = None, code: str | int | None = None, status: int = 400
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param

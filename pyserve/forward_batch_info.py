@@ -44,15 +44,15 @@ class FinishReason:
     status_code: int | None = None
 
     @classmethod
-    def stop(cls, matched: int | str) -> "FinishReason":
+    def stop(cls, matched: int | str) -> FinishReason:
         return cls(FinishKind.STOP, matched=matched)
 
     @classmethod
-    def length_limit(cls, length: int) -> "FinishReason":
+    def length_limit(cls, length: int) -> FinishReason:
         return cls(FinishKind.LENGTH, length=length)
 
     @classmethod
-    def abort(cls, message: str, status_code: int | None = None) -> "FinishReason":
+    def abort(cls, message: str, status_code: int | None = None) -> FinishReason:
         return cls(FinishKind.ABORT, message=message, status_code=status_code)
 
     @property
@@ -124,7 +124,7 @@ class StepPlan:
     step_id: a counter, for logs and tests.
     """
 
-    forward_mode: "ForwardMode"
+    forward_mode: ForwardMode
     req_pool_indices: np.ndarray
     seq_lens: np.ndarray
     positions: np.ndarray
@@ -137,7 +137,7 @@ class StepPlan:
     new_sampling_rows: list[SamplingRow] = field(default_factory=list)
     released_rows: list[int] = field(default_factory=list)
     all_greedy: bool = True
-    logprob_info: "LogprobBatchInfo | None" = None
+    logprob_info: LogprobBatchInfo | None = None
     step_id: int = 0
 
     @property

@@ -45,7 +45,7 @@ class _RidSource:
         with self._lock:
             if self._at + 16 > len(self._buf):
                 self._buf, self._at = os.urandom(self._BATCH), 0
-            raw = self._buf[self._at:self._at + 16]
+            raw = self._buf[self._at : self._at + 16]
             self._at += 16
         return uuid.UUID(bytes=raw, version=4).hex
 
@@ -61,12 +61,16 @@ def new_rid() -> str:
 # SGLang request fields pyserve refuses unless left at their default, and the feature each names.
 UNSUPPORTED_FIELDS = {
     "input_embeds": "input embeddings are",
-    "image_data": "images are", "video_data": "videos are", "audio_data": "audio is",
+    "image_data": "images are",
+    "video_data": "videos are",
+    "audio_data": "audio is",
     "modalities": "multimodal inputs are",
     "session_params": "sessions are",
-    "lora_path": "LoRA adapters are", "lora_id": "LoRA adapters are",
+    "lora_path": "LoRA adapters are",
+    "lora_id": "LoRA adapters are",
     "custom_logit_processor": "custom logit processors are",
-    "bootstrap_host": "prefill/decode disaggregation is", "bootstrap_port": "prefill/decode disaggregation is",
+    "bootstrap_host": "prefill/decode disaggregation is",
+    "bootstrap_port": "prefill/decode disaggregation is",
     "bootstrap_room": "prefill/decode disaggregation is",
     "bootstrap_pair_key": "prefill/decode disaggregation is",
     "return_hidden_states": "returning hidden states is",
@@ -136,8 +140,10 @@ class GenerateReqInput(BaseModel):
     @classmethod
     def _default_only(cls, v: Any, info: ValidationInfo) -> Any:
         if not is_unset(v):
-            raise ValueError(f"{UNSUPPORTED_FIELDS[info.field_name]} not supported; leave it "  # type: ignore[index]
-                             "null (or false)")
+            raise ValueError(
+                f"{UNSUPPORTED_FIELDS[info.field_name]} not supported; leave it "  # type: ignore[index]
+                "null (or false)"
+            )
         return v
 
     @field_validator("priority", mode="before")
@@ -155,7 +161,7 @@ class GenerateReqInput(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _check(self) -> "GenerateReqInput":
+    def _check(self) -> GenerateReqInput:
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("give exactly one of 'text' and 'input_ids'")
         n = self.batch_size
@@ -164,8 +170,7 @@ class GenerateReqInput(BaseModel):
                 raise ValueError("the batch of prompts is empty")
             if self.stream:
                 raise ValueError("stream=true takes a single prompt, not a list")
-            for name in ("sampling_params", "rid", "return_logprob", "logprob_start_len",
-                         "top_logprobs_num"):
+            for name in ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num"):
                 value = getattr(self, name)
                 if isinstance(value, list) and len(value) != n:
                     raise ValueError(f"'{name}' has {len(value)} entries for {n} prompts")
@@ -175,9 +180,10 @@ class GenerateReqInput(BaseModel):
             if ids_lists and isinstance(ids_lists[0], list) and len(ids_lists) != n:
                 raise ValueError(f"'token_ids_logprob' has {len(ids_lists)} lists for {n} prompts")
         else:
-            if any(isinstance(getattr(self, name), list) for name in (
-                    "sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num")) \
-                    or (self.token_ids_logprob and isinstance(self.token_ids_logprob[0], list)):
+            if any(
+                isinstance(getattr(self, name), list)
+                for name in ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num")
+            ) or (self.token_ids_logprob and isinstance(self.token_ids_logprob[0], list)):
                 raise ValueError("a list of sampling_params, rid or logprob options needs a list of prompts")
         return self
 
@@ -194,7 +200,7 @@ class GenerateReqInput(BaseModel):
             return 1
         return len(self.text) if self.text is not None else len(self.input_ids or ())
 
-    def split(self) -> list["SingleReq"]:
+    def split(self) -> list[SingleReq]:
         """One SingleReq per prompt, each with its own rid and sampling params."""
         n = self.batch_size
         texts = self.text if isinstance(self.text, list) else [self.text] * n
@@ -202,8 +208,9 @@ class GenerateReqInput(BaseModel):
             ids: list[list[int] | None] = [None] * n
         else:
             # the validator checked the shape: a list of id lists in a batch, one id list else
-            ids = (list(cast("list[list[int]]", self.input_ids)) if self.is_batch
-                   else [cast("list[int]", self.input_ids)])
+            ids = (
+                list(cast("list[list[int]]", self.input_ids)) if self.is_batch else [cast("list[int]", self.input_ids)]
+            )
         sps = self.sampling_params if isinstance(self.sampling_params, list) else [self.sampling_params] * n
         parent = None
         if isinstance(self.rid, list):
@@ -212,6 +219,7 @@ class GenerateReqInput(BaseModel):
             rids, parent = [f"{self.rid}-{i}" for i in range(n)], self.rid
         else:
             rids = [self.rid] * n
+
         def per_prompt(value: Any, i: int) -> Any:
             return value[i] if isinstance(value, list) else value
 
@@ -228,16 +236,18 @@ class GenerateReqInput(BaseModel):
                 token_ids_logprob=list(token_ids[i]) if token_ids else None,  # type: ignore[arg-type]
                 return_text_in_logprobs=self.return_text_in_logprobs,
             )
-            out.append(SingleReq(
-                text=texts[i] if self.text is not None else None,
-                input_ids=ids[i],
-                sampling_params=(sps[i] or SamplingParams()).model_copy(),
-                stream=self.stream,
-                rid=rids[i] or new_rid(),
-                logprob=logprob,
-                parent_rid=parent,
-                priority=self.priority,
-            ))
+            out.append(
+                SingleReq(
+                    text=texts[i] if self.text is not None else None,
+                    input_ids=ids[i],
+                    sampling_params=(sps[i] or SamplingParams()).model_copy(),
+                    stream=self.stream,
+                    rid=rids[i] or new_rid(),
+                    logprob=logprob,
+                    parent_rid=parent,
+                    priority=self.priority,
+                )
+            )
         return out
 
 
@@ -314,7 +324,7 @@ class IdsPrefix(Sequence[int]):
 
     def __getitem__(self, index: int | slice) -> int | list[int]:
         if isinstance(index, slice):
-            return self._ids[:self._length][index]
+            return self._ids[: self._length][index]
         if not -self._length <= index < self._length:
             raise IndexError("IdsPrefix index out of range")
         return self._ids[index % self._length]
@@ -346,8 +356,8 @@ class GenerateOutput:
         output_top_logprobs [[entry, ...] or None per token], output_token_ids_logprobs,
         input_token_logprobs, input_top_logprobs, input_token_ids_logprobs (input ones:
         None unless logprob_start_len was given). `num_logprobs_delta`: how many output
-        entries this chunk added (streaming). `index`: which of a request's n > 1 samples. Logprobs are floats; -inf is sent as
-        LOGPROB_FLOOR (see `json_safe_logprob`).
+        entries this chunk added (streaming). `index`: which of a request's n > 1 samples.
+        Logprobs are floats; -inf is sent as LOGPROB_FLOOR (see `json_safe_logprob`).
     """
 
     rid: str
@@ -361,7 +371,6 @@ class GenerateOutput:
     logprobs: dict[str, Any] | None = None
     num_logprobs_delta: int = 0
     index: int | None = None  # the sample's index among a request's n > 1 samples
-
 
     @property
     def finished(self) -> bool:

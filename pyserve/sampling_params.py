@@ -81,8 +81,9 @@ class SamplingParams(BaseModel):
     @classmethod
     def _no_grammar(cls, v: str | None) -> str | None:
         if v is not None:
-            raise ValueError("structured output (json_schema, regex, ebnf, structural_tag) is "
-                             "not supported yet; leave it null")
+            raise ValueError(
+                "structured output (json_schema, regex, ebnf, structural_tag) is not supported yet; leave it null"
+            )
         return v
 
     @field_validator("custom_params")

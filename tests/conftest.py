@@ -39,7 +39,10 @@ class ServerProcess:
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pyserve", "serve", "--port", str(self.port), *args],
-            stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO)
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
         import httpx
@@ -85,8 +88,13 @@ CHAT_TEMPLATE = REPO / "tests" / "data" / "stories_chat_template.jinja"
 def is_idle(info: dict) -> bool:
     """True when a /get_server_info (or Engine.get_server_info) dict shows nothing running,
     waiting or holding KV, and no request or sampling row still live on the worker."""
-    return (info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0 and info["kv_protected_slots"] == 0
-            and info["num_req_rows_used"] == 0 and info["num_sampling_rows_live"] == 0)
+    return (
+        info["num_running_reqs"] == 0
+        and info["num_waiting_reqs"] == 0
+        and info["kv_protected_slots"] == 0
+        and info["num_req_rows_used"] == 0
+        and info["num_sampling_rows_live"] == 0
+    )
 
 
 def wait_idle(base_url: str, timeout_s: float = 30.0) -> dict:
@@ -115,13 +123,24 @@ def _poll_until_idle(get_info, timeout_s: float, period_s: float) -> dict:
         time.sleep(period_s)
 
 
-def stories_chat_server(tmp_path_factory: pytest.TempPathFactory, stories_path: Path, name: str,
-                        pool: int, extra_args: list[str]):
+def stories_chat_server(
+    tmp_path_factory: pytest.TempPathFactory, stories_path: Path, name: str, pool: int, extra_args: list[str]
+):
     """A stories260k server with the tests' chat template (yield from it in a fixture); at the
     end, once idle, every KV slot must be free or evictable (no leak)."""
-    srv = start_server(tmp_path_factory, name, [
-        "--model-path", str(stories_path), "--max-total-tokens", str(pool),
-        "--chat-template", str(CHAT_TEMPLATE), *extra_args])
+    srv = start_server(
+        tmp_path_factory,
+        name,
+        [
+            "--model-path",
+            str(stories_path),
+            "--max-total-tokens",
+            str(pool),
+            "--chat-template",
+            str(CHAT_TEMPLATE),
+            *extra_args,
+        ],
+    )
     try:
         yield srv
         info = wait_idle(srv.base_url)
@@ -161,10 +180,16 @@ def stories_reference(stories_path: Path) -> list[dict]:
     return json.loads((stories_path / "greedy_reference.json").read_text())["cases"]
 
 
-def make_stories_engine(stories_path: Path, max_total_tokens: int, max_running_requests: int = 8,
-                        page_size: int = 1, **kwargs):
+def make_stories_engine(
+    stories_path: Path, max_total_tokens: int, max_running_requests: int = 8, page_size: int = 1, **kwargs
+):
     """An in-process Engine on stories260k (shut it down after use); kwargs: ServerArgs."""
     from pyserve import Engine
 
-    return Engine(model_path=str(stories_path), max_total_tokens=max_total_tokens,
-                  max_running_requests=max_running_requests, page_size=page_size, **kwargs)
+    return Engine(
+        model_path=str(stories_path),
+        max_total_tokens=max_total_tokens,
+        max_running_requests=max_running_requests,
+        page_size=page_size,
+        **kwargs,
+    )

@@ -29,8 +29,9 @@ def load_hf_gguf(gguf_path: str) -> transformers.LlamaForCausalLM:
     meta = load_gguf_checkpoint(gguf_path, return_tensors=False)["config"]
     config = transformers.LlamaConfig(**{k: v for k, v in meta.items() if k != "model_type"})
     model = transformers.LlamaForCausalLM(config)
-    tensors = load_gguf_checkpoint(gguf_path, return_tensors=True, model_to_load=model,
-                                   torch_dtype=torch.float32)["tensors"]
+    tensors = load_gguf_checkpoint(gguf_path, return_tensors=True, model_to_load=model, torch_dtype=torch.float32)[
+        "tensors"
+    ]
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     assert unexpected == [] and set(missing) <= {"lm_head.weight"}
     model.tie_weights()
@@ -41,10 +42,11 @@ def hf_greedy(model: transformers.PreTrainedModel, input_ids: list[int], max_new
     """`model.generate` greedy with the KV cache, EOS ignored: exactly max_new_tokens ids."""
     # generate() would restore EOS from the model's defaults; clear it there too.
     model.generation_config.eos_token_id = None
-    config = transformers.GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=0,
-                                           do_sample=False, eos_token_id=None, pad_token_id=0)
+    config = transformers.GenerationConfig(
+        max_new_tokens=max_new_tokens, min_new_tokens=0, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
     with torch.no_grad():
         out = model.generate(torch.tensor([input_ids]), generation_config=config)
-    ids = out[0, len(input_ids):].tolist()
+    ids = out[0, len(input_ids) :].tolist()
     assert len(ids) == max_new_tokens
     return ids

@@ -40,29 +40,70 @@ import common  # noqa: E402
 # Published shapes (each model's config.json on the HF hub).
 MODELS = {
     "qwen2.5-0.5b": {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896,
-        "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
-        "intermediate_size": 4864, "vocab_size": 151936, "rope_theta": 1000000.0,
-        "tie_word_embeddings": True, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
-        "use_sliding_window": False, "hidden_act": "silu"},
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_size": 896,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "intermediate_size": 4864,
+        "vocab_size": 151936,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "use_sliding_window": False,
+        "hidden_act": "silu",
+    },
     "llama-3.1-8b": {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "intermediate_size": 14336, "vocab_size": 128256, "rope_theta": 500000.0,
-        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-        "tie_word_embeddings": False, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
-        "hidden_act": "silu"},
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 14336,
+        "vocab_size": 128256,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "hidden_act": "silu",
+    },
     "qwen3-0.6b": {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,
-        "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
-        "head_dim": 128, "intermediate_size": 3072, "vocab_size": 151936,
-        "rope_theta": 1000000.0, "tie_word_embeddings": True, "max_position_embeddings": 40960,
-        "rms_norm_eps": 1e-6, "hidden_act": "silu"},
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": 1024,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 3072,
+        "vocab_size": 151936,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+    },
 }
 # --tiny: the same architectures, a few thousand parameters (vocab 1000 > stories260k's 512)
-TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "vocab_size": 1000}
+TINY = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "vocab_size": 1000,
+}
 
 
 def parse_args() -> argparse.Namespace:
@@ -71,10 +112,17 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="tiny shapes (the CPU dry run)")
     p.add_argument("--parts", default="kernels,decode,throughput")
     p.add_argument("--host-dummy-init", action="store_true")
-    p.add_argument("--attention-backend", default="auto",
-                   help="of the decode runners and the throughput engine (auto: triton on CUDA)")
-    p.add_argument("--throughput-budget-s", type=float, default=None,
-                   help="per engine in (iii); past it the run is cut short and reported partial")
+    p.add_argument(
+        "--attention-backend",
+        default="auto",
+        help="of the decode runners and the throughput engine (auto: triton on CUDA)",
+    )
+    p.add_argument(
+        "--throughput-budget-s",
+        type=float,
+        default=None,
+        help="per engine in (iii); past it the run is cut short and reported partial",
+    )
     return p.parse_args()
 
 
@@ -82,11 +130,10 @@ ARGS = parse_args()
 if ARGS.device == "cpu":  # the Triton kernels run on CPU tensors only in the interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
 import kernel_bench  # noqa: E402
+import numpy as np  # noqa: E402
 import offline_bench  # noqa: E402
+import torch  # noqa: E402
 
 
 def write_model(folder: str, name: str, tiny: bool) -> str:
@@ -161,11 +208,17 @@ class DecodeDriver:
         slots = self.slot(np.repeat(rows, context_len), pos)
         greedy = SamplingParams(temperature=0.0)
         plan = StepPlan(
-            ForwardMode.EXTEND, req_pool_indices=rows,
-            seq_lens=np.full(max_bs, context_len, np.int32), positions=pos, out_cache_loc=slots,
-            input_ids=np.zeros(pos.shape[0], np.int32), prefix_lens=np.zeros(max_bs, np.int32),
-            extend_lens=np.full(max_bs, context_len, np.int32), row_slots=slots,
-            new_sampling_rows=[SamplingRow(int(r), greedy, frozenset()) for r in rows])
+            ForwardMode.EXTEND,
+            req_pool_indices=rows,
+            seq_lens=np.full(max_bs, context_len, np.int32),
+            positions=pos,
+            out_cache_loc=slots,
+            input_ids=np.zeros(pos.shape[0], np.int32),
+            prefix_lens=np.zeros(max_bs, np.int32),
+            extend_lens=np.full(max_bs, context_len, np.int32),
+            row_slots=slots,
+            new_sampling_rows=[SamplingRow(int(r), greedy, frozenset()) for r in rows],
+        )
         with torch.inference_mode():
             self.state.forward_batch(plan)
             for layer in range(runner.model_config.num_hidden_layers):
@@ -184,10 +237,13 @@ class DecodeDriver:
         """One decode step of rows 0..batch_size-1 writing `position`; returns once the
         sampled ids are on the host (the step's end, as the worker sees it)."""
         rows = np.arange(batch_size, dtype=np.int32)
-        plan = self._plan(self._mode.DECODE, req_pool_indices=rows,
-                          seq_lens=np.full(batch_size, position + 1, np.int32),
-                          positions=np.full(batch_size, position, np.int32),
-                          out_cache_loc=self.slot(rows, np.full(batch_size, position)))
+        plan = self._plan(
+            self._mode.DECODE,
+            req_pool_indices=rows,
+            seq_lens=np.full(batch_size, position + 1, np.int32),
+            positions=np.full(batch_size, position, np.int32),
+            out_cache_loc=self.slot(rows, np.full(batch_size, position)),
+        )
         on_stream = torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
         with torch.inference_mode(), on_stream:
             batch = self.state.forward_batch(plan)
@@ -237,16 +293,14 @@ def decode_rows(folder: str, copy_bps: float, notes: list[str]) -> list[list]:
             try:
                 decode_model_rows(path, label, graphs, copy_bps, rows, notes)
             except Exception as exc:  # one model failing (OOM, capture) leaves the others
-                rows.append(["decode", label, "-", "-", "-", "-",
-                             f"ERROR {type(exc).__name__}: {str(exc)[:100]}"])
+                rows.append(["decode", label, "-", "-", "-", "-", f"ERROR {type(exc).__name__}: {str(exc)[:100]}"])
             gc.collect()
             if ARGS.device == "cuda":
                 torch.cuda.empty_cache()
     return rows
 
 
-def decode_model_rows(path: str, label: str, graphs: bool, copy_bps: float, rows: list[list],
-                      notes: list[str]) -> None:
+def decode_model_rows(path: str, label: str, graphs: bool, copy_bps: float, rows: list[list], notes: list[str]) -> None:
     from pyserve.model_executor.model_runner import ModelRunner
 
     if ARGS.tiny:
@@ -254,13 +308,18 @@ def decode_model_rows(path: str, label: str, graphs: bool, copy_bps: float, rows
         warmup, steps = TINY_DECODE_WARMUP, TINY_DECODE_STEPS
     else:
         sizes, context_len, warmup, steps = DECODE_SIZES, DECODE_CONTEXT, DECODE_WARMUP, DECODE_STEPS
-    wanted = {"dtype": "float32" if ARGS.device == "cpu" else "bfloat16", "device": ARGS.device,
-              "load_format": "dummy", "load_progress": False,
-              "attention_backend": ARGS.attention_backend,
-              "max_total_tokens": max(sizes) * (context_len + warmup + steps) + 64,
-              "context_length": context_len + warmup + steps + 16,
-              "max_running_requests": max(sizes), "disable_cuda_graph": not graphs,
-              "cuda_graph_bs": list(sizes)}  # capture only the sizes measured
+    wanted = {
+        "dtype": "float32" if ARGS.device == "cpu" else "bfloat16",
+        "device": ARGS.device,
+        "load_format": "dummy",
+        "load_progress": False,
+        "attention_backend": ARGS.attention_backend,
+        "max_total_tokens": max(sizes) * (context_len + warmup + steps) + 64,
+        "context_length": context_len + warmup + steps + 16,
+        "max_running_requests": max(sizes),
+        "disable_cuda_graph": not graphs,
+        "cuda_graph_bs": list(sizes),
+    }  # capture only the sizes measured
     kwargs = supported_kwargs(ModelRunner.__init__, wanted, notes)
     if graphs and "disable_cuda_graph" not in kwargs:
         rows.append(["decode", label, "-", "-", "-", "-", "skipped: ModelRunner has no CUDA graphs yet"])
@@ -277,10 +336,17 @@ def decode_model_rows(path: str, label: str, graphs: bool, copy_bps: float, rows
         ms = driver.median_step_ms(bs, warmup, steps)
         w_bytes, kv_bytes = step_bytes(runner, bs, context_len + warmup + steps / 2)
         floor_ms = (w_bytes + kv_bytes) / copy_bps * 1e3
-        rows.append(["decode", f"{label} bs={bs} ctx={context_len}", f"{ms:.3f} ms",
-                     f"{bs / ms * 1e3:,.0f} tok/s", f"{floor_ms / ms:.1%}", f"floor {floor_ms:.3f} ms",
-                     f"{backend}; {fmt_bytes(w_bytes)} weights + {fmt_bytes(kv_bytes)} KV; "
-                     f"start {start_s:.1f} s"])
+        rows.append(
+            [
+                "decode",
+                f"{label} bs={bs} ctx={context_len}",
+                f"{ms:.3f} ms",
+                f"{bs / ms * 1e3:,.0f} tok/s",
+                f"{floor_ms / ms:.1%}",
+                f"floor {floor_ms:.3f} ms",
+                f"{backend}; {fmt_bytes(w_bytes)} weights + {fmt_bytes(kv_bytes)} KV; start {start_s:.1f} s",
+            ]
+        )
         common.log("  " + " | ".join(rows[-1]))
 
 
@@ -297,17 +363,34 @@ def main() -> int:
     notes: list[str] = []
     clock = kernel_bench.Clock(ARGS.device)
     copy_bps = kernel_bench.copy_bandwidth(clock, ARGS.device, ARGS.tiny)
-    rows = [["ceiling", "device copy_", "-", f"{copy_bps / 1e9:,.0f} GB/s", "100%", "-",
-             "read + write bytes, median of timed copies"]]
+    rows = [
+        [
+            "ceiling",
+            "device copy_",
+            "-",
+            f"{copy_bps / 1e9:,.0f} GB/s",
+            "100%",
+            "-",
+            "read + write bytes, median of timed copies",
+        ]
+    ]
     if "kernels" in parts:
         common.log("bench_decode: (i) kernels")
         for k in kernel_bench.kernel_rows(ARGS.device, ARGS.tiny, copy_bps):
             if "skipped" in k:
                 rows.append(["kernel", k["name"], "-", "-", "-", "-", k["skipped"]])
             else:
-                rows.append(["kernel", f"{k['name']} {k['shape']}", f"{k['us']:.1f} us",
-                             f"{k['gbps']:,.0f} GB/s", f"{k['fraction']:.1%}",
-                             fmt_bytes(k["bytes"]), k["note"]])
+                rows.append(
+                    [
+                        "kernel",
+                        f"{k['name']} {k['shape']}",
+                        f"{k['us']:.1f} us",
+                        f"{k['gbps']:,.0f} GB/s",
+                        f"{k['fraction']:.1%}",
+                        fmt_bytes(k["bytes"]),
+                        k["note"],
+                    ]
+                )
                 common.log("  " + " | ".join(rows[-1]))
     with tempfile.TemporaryDirectory() as folder:
         if "decode" in parts:
@@ -316,19 +399,32 @@ def main() -> int:
         if "throughput" in parts:
             common.log("bench_decode: (iii) offline throughput")
             rows += offline_bench.throughput_rows(
-                write_model(folder, "qwen3-0.6b", ARGS.tiny), ARGS.device, ARGS.tiny,
-                ARGS.attention_backend, ARGS.throughput_budget_s or 60.0, notes)
+                write_model(folder, "qwen3-0.6b", ARGS.tiny),
+                ARGS.device,
+                ARGS.tiny,
+                ARGS.attention_backend,
+                ARGS.throughput_budget_s or 60.0,
+                notes,
+            )
     if ARGS.device == "cpu":
-        notes.append("CPU: Triton kernels ran under TRITON_INTERPRET=1 and the times are "
-                     "host times: only the code paths are checked")
+        notes.append(
+            "CPU: Triton kernels ran under TRITON_INTERPRET=1 and the times are "
+            "host times: only the code paths are checked"
+        )
     name = torch.cuda.get_device_name() if ARGS.device == "cuda" else "cpu"
-    print(common.format_table(f"bench_decode on {name}{' (tiny shapes)' if ARGS.tiny else ''}",
-                              ["part", "what", "time", "rate", "vs ceiling", "bytes / floor", "note"],
-                              rows))
+    print(
+        common.format_table(
+            f"bench_decode on {name}{' (tiny shapes)' if ARGS.tiny else ''}",
+            ["part", "what", "time", "rate", "vs ceiling", "bytes / floor", "note"],
+            rows,
+        )
+    )
     for note in notes:
         print(f"  note: {note}")
-    common.write_json("bench_decode.json", {"device": name, "tiny": ARGS.tiny, "rows": rows,
-                                            "notes": notes, "copy_bytes_per_s": copy_bps})
+    common.write_json(
+        "bench_decode.json",
+        {"device": name, "tiny": ARGS.tiny, "rows": rows, "notes": notes, "copy_bytes_per_s": copy_bps},
+    )
     return 0
 
 

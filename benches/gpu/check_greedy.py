@@ -31,8 +31,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 NEW_TOKENS = 32
-SHARED_OPENING = ("Once upon a time, there was a little girl named Lily. She loved to play "
-                  "outside in the park with her friends. One day,")
+SHARED_OPENING = (
+    "Once upon a time, there was a little girl named Lily. She loved to play "
+    "outside in the park with her friends. One day,"
+)
 PROMPTS = [
     SHARED_OPENING + " she saw a big red ball",
     SHARED_OPENING + " her mom said",
@@ -72,8 +74,10 @@ def variants(device: str, notes: list[str]) -> tuple[Variant, list[Variant]]:
     if "disable_cuda_graph" not in common.server_arg_names():
         notes.append("ServerArgs has no disable_cuda_graph yet: graphs on/off not compared")
         return Variant("torch_native", "torch_native", False), [Variant("triton", "triton", False, ["triton"])]
-    others = [Variant("triton, graphs off", "triton", False, ["triton"]),
-              Variant("triton, graphs on", "triton", True, ["triton"])]
+    others = [
+        Variant("triton, graphs off", "triton", False, ["triton"]),
+        Variant("triton, graphs on", "triton", True, ["triton"]),
+    ]
     if graph_capable("torch_native"):
         others.insert(0, Variant("torch_native, graphs on", "torch_native", True))
     else:
@@ -87,17 +91,26 @@ def missing(variant: Variant) -> list[str]:
     return [need for need in variant.needs if need not in have]
 
 
-def engine_kwargs(model: str, tokenizer: str | None, dtype: str, device: str, variant: Variant,
-                  notes: list[str]) -> dict:
-    kwargs = {"model_path": model, "dtype": dtype, "device": device,
-              "attention_backend": variant.backend, "max_total_tokens": 8192,
-              "max_running_requests": len(PROMPTS), "random_seed": 0, "log_level": "warning"}
+def engine_kwargs(
+    model: str, tokenizer: str | None, dtype: str, device: str, variant: Variant, notes: list[str]
+) -> dict:
+    kwargs = {
+        "model_path": model,
+        "dtype": dtype,
+        "device": device,
+        "attention_backend": variant.backend,
+        "max_total_tokens": 8192,
+        "max_running_requests": len(PROMPTS),
+        "random_seed": 0,
+        "log_level": "warning",
+    }
     if tokenizer:
         kwargs["tokenizer_path"] = tokenizer
     if device == "cuda":
         # capture only the batch sizes this check runs: graph capture time stays small
-        kwargs.update(common.engine_options(
-            {"disable_cuda_graph": not variant.graphs, "cuda_graph_max_bs": len(PROMPTS)}, notes))
+        kwargs.update(
+            common.engine_options({"disable_cuda_graph": not variant.graphs, "cuda_graph_max_bs": len(PROMPTS)}, notes)
+        )
     return kwargs
 
 
@@ -117,12 +130,19 @@ def compare(ref: list[list[int]], got: list[list[int]]) -> dict:
     equal) over the 9 sequences."""
     equal_tokens = sum(a == b for r, g in zip(ref, got) for a, b in zip(r, g))
     total = sum(len(r) for r in ref)
-    firsts = [next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), None if len(r) == len(g)
-                   else min(len(r), len(g))) for r, g in zip(ref, got)]
+    firsts = [
+        next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), None if len(r) == len(g) else min(len(r), len(g)))
+        for r, g in zip(ref, got)
+    ]
     diffs = [f for f in firsts if f is not None]
-    return {"equal_tokens": equal_tokens, "total_tokens": total,
-            "equal_seqs": sum(f is None for f in firsts), "num_seqs": len(ref),
-            "first_diff": min(diffs) if diffs else None, "first_diff_per_seq": firsts}
+    return {
+        "equal_tokens": equal_tokens,
+        "total_tokens": total,
+        "equal_seqs": sum(f is None for f in firsts),
+        "num_seqs": len(ref),
+        "first_diff": min(diffs) if diffs else None,
+        "first_diff_per_seq": firsts,
+    }
 
 
 def gguf_tokenizer_folder(gguf_path: str, into: str) -> str:
@@ -150,8 +170,17 @@ class Report:
             self.results.append(result)
 
 
-def check(report: Report, label: str, path: str, tokenizer: str | None, dtype: str, device: str,
-          reference: Variant, others: list[Variant], notes: list[str]) -> None:
+def check(
+    report: Report,
+    label: str,
+    path: str,
+    tokenizer: str | None,
+    dtype: str,
+    device: str,
+    reference: Variant,
+    others: list[Variant],
+    notes: list[str],
+) -> None:
     """Run the reference, then every variant, on one model and dtype; add their rows."""
     key = {"model": label, "dtype": dtype}
     start = time.perf_counter()
@@ -159,23 +188,26 @@ def check(report: Report, label: str, path: str, tokenizer: str | None, dtype: s
         ref_ids = run_engine(engine_kwargs(path, tokenizer, dtype, device, reference, notes))
     except Exception as exc:
         report.failed = True
-        report.add([label, dtype, reference.name, "-", "-", "-", f"ERROR (reference) {exc!r:.80}"],
-                   {**key, "variant": reference.name, "error": repr(exc)})
+        report.add(
+            [label, dtype, reference.name, "-", "-", "-", f"ERROR (reference) {exc!r:.80}"],
+            {**key, "variant": reference.name, "error": repr(exc)},
+        )
         return
     common.log(f"{label} {dtype} reference ({reference.name}) in {time.perf_counter() - start:.1f} s")
     for variant in others:
         gone = missing(variant)
         if gone:
-            report.add([label, dtype, variant.name, "-", "-", "-",
-                        f"skipped: pyserve has no {', '.join(gone)} yet"])
+            report.add([label, dtype, variant.name, "-", "-", "-", f"skipped: pyserve has no {', '.join(gone)} yet"])
             continue
         start = time.perf_counter()
         try:
             got = run_engine(engine_kwargs(path, tokenizer, dtype, device, variant, notes))
         except Exception as exc:  # a backend that fails to start or run fails the check
             report.failed = True
-            report.add([label, dtype, variant.name, "-", "-", "-", f"ERROR {exc!r:.90}"],
-                       {**key, "variant": variant.name, "error": repr(exc)})
+            report.add(
+                [label, dtype, variant.name, "-", "-", "-", f"ERROR {exc!r:.90}"],
+                {**key, "variant": variant.name, "error": repr(exc)},
+            )
             continue
         cmp = compare(ref_ids, got)
         exact = cmp["equal_tokens"] == cmp["total_tokens"]
@@ -185,10 +217,18 @@ def check(report: Report, label: str, path: str, tokenizer: str | None, dtype: s
         else:
             status = "ok" if exact else "diverged (bf16: allowed)"
         first = "-" if cmp["first_diff"] is None else cmp["first_diff"]
-        report.add([label, dtype, variant.name, f"{cmp['equal_tokens']}/{cmp['total_tokens']}",
-                    f"{cmp['equal_seqs']}/{cmp['num_seqs']}", first, status],
-                   {**key, "variant": variant.name, "seconds": time.perf_counter() - start,
-                    **cmp, "status": status})
+        report.add(
+            [
+                label,
+                dtype,
+                variant.name,
+                f"{cmp['equal_tokens']}/{cmp['total_tokens']}",
+                f"{cmp['equal_seqs']}/{cmp['num_seqs']}",
+                first,
+                status,
+            ],
+            {**key, "variant": variant.name, "seconds": time.perf_counter() - start, **cmp, "status": status},
+        )
 
 
 def main() -> int:
@@ -217,16 +257,19 @@ def main() -> int:
             tokenizer = gguf_tokenizer_folder(path, os.path.join(tmp, label)) if is_gguf else None
             for dtype in dtypes:
                 check(report, label, path, tokenizer, dtype, args.device, reference, others, notes)
-    title = (f"check_greedy on {args.device}: {NEW_TOKENS} greedy tokens x 9 sequences "
-             f"vs {reference.name}")
-    print(common.format_table(title, ["model", "dtype", "variant", "equal tokens", "equal seqs",
-                                      "first diff", "status"], report.rows))
+    title = f"check_greedy on {args.device}: {NEW_TOKENS} greedy tokens x 9 sequences vs {reference.name}"
+    print(
+        common.format_table(
+            title, ["model", "dtype", "variant", "equal tokens", "equal seqs", "first diff", "status"], report.rows
+        )
+    )
     for note in notes:
         print(f"  note: {note}")
-    common.write_json("check_greedy.json", {"device": args.device, "reference": reference.name,
-                                            "results": report.results, "notes": notes})
-    print("check_greedy: FAILED (a float32 mismatch or an error)" if report.failed
-          else "check_greedy: passed")
+    common.write_json(
+        "check_greedy.json",
+        {"device": args.device, "reference": reference.name, "results": report.results, "notes": notes},
+    )
+    print("check_greedy: FAILED (a float32 mismatch or an error)" if report.failed else "check_greedy: passed")
     return 1 if report.failed else 0
 
 

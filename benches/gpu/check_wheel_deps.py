@@ -24,9 +24,15 @@ from packaging.version import Version
 
 # The environment markers of the device's interpreter (KINDS.md: Python 3.12.3, x86-64 Linux).
 DEVICE_ENV = {
-    "python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
-    "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
-    "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": "",
+    "python_version": "3.12",
+    "python_full_version": "3.12.3",
+    "sys_platform": "linux",
+    "platform_system": "Linux",
+    "platform_machine": "x86_64",
+    "os_name": "posix",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+    "extra": "",
 }
 
 

@@ -23,8 +23,9 @@ import inspect
 import math
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -78,10 +79,10 @@ class Shapes:
     hidden: int
     intermediate: int
     dtype: torch.dtype
-    decode_batch: int      # decode attention
+    decode_batch: int  # decode attention
     decode_context: int
-    tokens: int            # the element-wise kernels' batch
-    kv_slots: int          # store_kv's pool
+    tokens: int  # the element-wise kernels' batch
+    kv_slots: int  # store_kv's pool
 
 
 FULL = Shapes(32, 8, 128, 4096, 14336, torch.bfloat16, 64, 4096, 256, 65536)
@@ -128,11 +129,13 @@ def _decode_attention(s: Shapes, dev: str, tiny: bool) -> Case:
     out = torch.empty_like(q)
     extra = {"out": out}
     if hasattr(mod, "decode_workspace"):  # a fixed workspace, as a captured decode step has
-        extra["workspace"] = mod.decode_workspace(b, s.heads, s.head_dim,
-                                                  **_accepted(mod.decode_workspace, device=dev))
+        extra["workspace"] = mod.decode_workspace(b, s.heads, s.head_dim, **_accepted(mod.decode_workspace, device=dev))
     extra = _accepted(mod.decode_attention_fwd, **extra)
-    fwd, scaling = mod.decode_attention_fwd, s.head_dim ** -0.5
-    call = lambda: fwd(q, k_buf, v_buf, req_to_token, rows, seq_lens, scaling, **extra)
+    fwd, scaling = mod.decode_attention_fwd, s.head_dim**-0.5
+
+    def call() -> None:
+        fwd(q, k_buf, v_buf, req_to_token, rows, seq_lens, scaling, **extra)
+
     nbytes = 2 * b * ctx * s.kv_heads * s.head_dim * elt + 2 * q.numel() * elt + req_to_token.numel() * 4
     return Case("decode_attention", f"bs={b} ctx={ctx} {s.heads}/{s.kv_heads}x{s.head_dim}", nbytes, [call])
 
@@ -146,7 +149,7 @@ def _store_kv(s: Shapes, dev: str, tiny: bool) -> Case:
     elt = torch.finfo(s.dtype).bits // 8
     k_buf = torch.randn(s.kv_slots, s.kv_heads, s.head_dim, device=dev, dtype=s.dtype)
     v_buf = torch.randn_like(k_buf)
-    loc = torch.randperm(s.kv_slots - 1, device=dev)[:s.tokens] + 1
+    loc = torch.randperm(s.kv_slots - 1, device=dev)[: s.tokens] + 1
     nbytes = 4 * s.tokens * s.kv_heads * s.head_dim * elt + loc.numel() * 8
     q_size, kv_size = s.heads * s.head_dim, s.kv_heads * s.head_dim
     calls = []
@@ -238,9 +241,11 @@ def kernel_rows(device: str, tiny: bool, copy_bps: float) -> list[dict[str, Any]
     for build in BUILDERS:
         name = build.__name__.lstrip("_")
         try:
-            case = build(shapes, device, tiny)
-            eager_ms = clock.median_ms(lambda: [c() for c in case.calls],
-                                       reps=3 if tiny else 20, warmup=1 if tiny else 3) / len(case.calls)
+            bench_case = build(shapes, device, tiny)
+            calls = bench_case.calls
+            eager_ms = clock.median_ms(
+                lambda calls=calls: [c() for c in calls], reps=3 if tiny else 20, warmup=1 if tiny else 3
+            ) / len(calls)
         except ImportError as exc:
             rows.append({"name": name, "skipped": f"not importable yet ({exc})"})
             continue
@@ -250,14 +255,23 @@ def kernel_rows(device: str, tiny: bool, copy_bps: float) -> list[dict[str, Any]
         ms, how = eager_ms, "eager"
         if device == "cuda":
             try:
-                ms, how = _graph_ms_per_call(case, clock), "graph"
+                ms, how = _graph_ms_per_call(bench_case, clock), "graph"
             except Exception as exc:
                 how = f"eager (capture failed: {type(exc).__name__})"
-        bps = case.bytes_per_call / (ms / 1e3)
-        note = f"{how}, {len(case.calls)} input sets"
+        bps = bench_case.bytes_per_call / (ms / 1e3)
+        note = f"{how}, {len(bench_case.calls)} input sets"
         if how == "graph":
             note += f"; eager {eager_ms * 1e3:.1f} us/call"
-        rows.append({"name": case.name, "shape": case.shape, "bytes": case.bytes_per_call,
-                     "us": ms * 1e3, "gbps": bps / 1e9, "fraction": bps / copy_bps, "note": note})
-        del case
+        rows.append(
+            {
+                "name": bench_case.name,
+                "shape": bench_case.shape,
+                "bytes": bench_case.bytes_per_call,
+                "us": ms * 1e3,
+                "gbps": bps / 1e9,
+                "fraction": bps / copy_bps,
+                "note": note,
+            }
+        )
+        del bench_case
     return rows

@@ -73,8 +73,9 @@ def check(folder: str, pins: dict[str, str]) -> list[str]:
             problems.append(f"pack.sh: {wheel.name}: {name} is not in pyserve's pinned closure")
         elif version != Version(pins[name]):
             problems.append(f"pack.sh: {wheel.name}: {name} {version} differs from the venv's {pins[name]}")
-    problems += [f"pack.sh: no wheel of {name}=={version} in {folder}"
-                 for name, version in pins.items() if name not in found]
+    problems += [
+        f"pack.sh: no wheel of {name}=={version} in {folder}" for name, version in pins.items() if name not in found
+    ]
     return problems
 
 

@@ -20,6 +20,14 @@ from pyserve_kernels.rotary import rotary_embedding_
 __version__ = "0.1.0"
 
 __all__ = [
-    "apply_rotary_pos_emb", "decode_attention", "fused_add_rms_norm", "native_available",
-    "rms_norm", "rotary_embedding_", "rotate_half", "silu_and_mul", "store_kv", "__version__",
+    "apply_rotary_pos_emb",
+    "decode_attention",
+    "fused_add_rms_norm",
+    "native_available",
+    "rms_norm",
+    "rotary_embedding_",
+    "rotate_half",
+    "silu_and_mul",
+    "store_kv",
+    "__version__",
 ]

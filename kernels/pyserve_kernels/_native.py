@@ -27,8 +27,9 @@ def native_applies(*tensors: torch.Tensor) -> bool:
     """Whether the native kernels can take these tensors: module built, each float32 on CPU,
     C-contiguous, and not requiring grad (the kernels write through numpy views)."""
     return _cpu is not None and all(
-        t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
-        and not t.requires_grad for t in tensors)
+        t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() and not t.requires_grad
+        for t in tensors
+    )
 
 
 def as_int_array(t: torch.Tensor, dtype: torch.dtype, name: str):
@@ -63,8 +64,10 @@ def _attach_openmp() -> None:
         return
     try:
         lib = ctypes.CDLL(path)  # the already-loaded copy: dlopen returns its handle
-        addr = [ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
-                for name in ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads")]
+        addr = [
+            ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+            for name in ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads")
+        ]
     except (OSError, AttributeError) as e:
         logger.debug("native kernels keep their own threads: %s", e)
         return

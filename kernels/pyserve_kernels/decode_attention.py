@@ -51,9 +51,14 @@ def decode_attention(
     elif out.shape != q.shape or out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError(f"out must be a C-contiguous float32 tensor of shape {tuple(q.shape)}")
     _cpu.decode_attention(
-        q.numpy(), k_buffer.numpy(), v_buffer.numpy(),
+        q.numpy(),
+        k_buffer.numpy(),
+        v_buffer.numpy(),
         as_int_array(kv_indptr, torch.int32, "kv_indptr"),
         as_int_array(kv_indices, torch.int32, "kv_indices"),
-        out.numpy(), float(scaling), sliding_window, torch.get_num_threads(),
+        out.numpy(),
+        float(scaling),
+        sliding_window,
+        torch.get_num_threads(),
     )
     return out

@@ -29,8 +29,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual): a pre-norm block's residual add and the next
     norm in one pass, as SGLang's and vLLM's `fused_add_rms_norm`.
 
@@ -48,6 +49,5 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
         return norm.fused_add_rms_norm(x, residual, weight, eps)
     if x.shape[-1:] != weight.shape or not native_applies(x, residual, weight) or x.numel() == 0:
         return reference.fused_add_rms_norm(x, residual, weight, eps)
-    _cpu.fused_add_rms_norm(x.numpy(), residual.numpy(), weight.numpy(), float(eps),
-                            torch.get_num_threads())
+    _cpu.fused_add_rms_norm(x.numpy(), residual.numpy(), weight.numpy(), float(eps), torch.get_num_threads())
     return x, residual

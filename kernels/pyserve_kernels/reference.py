@@ -29,8 +29,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * normed.to(x.dtype)
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual): a residual add followed by RMSNorm.
 
     x, residual: [..., hidden] same shape; weight: [hidden]. Returns new tensors
@@ -40,8 +41,9 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return rms_norm(total, weight, eps), total
 
 
-def store_kv(k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor,
-             k: torch.Tensor, v: torch.Tensor) -> None:
+def store_kv(
+    k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
     """k_buffer[loc] = k and v_buffer[loc] = v, cast to the buffers' dtype (mutates them).
 
     k_buffer, v_buffer: [num_slots, num_kv_heads, head_dim]; loc: [num_tokens] integer;
@@ -75,9 +77,7 @@ def apply_rotary_pos_emb(
     Raises ValueError on mismatched token counts or head_dim.
     """
     if cos.shape != sin.shape or cos.shape[0] != q.shape[0] or cos.shape[-1] != q.shape[-1]:
-        raise ValueError(
-            f"apply_rotary_pos_emb: q {tuple(q.shape)} cos {tuple(cos.shape)} sin {tuple(sin.shape)}"
-        )
+        raise ValueError(f"apply_rotary_pos_emb: q {tuple(q.shape)} cos {tuple(cos.shape)} sin {tuple(sin.shape)}")
     if k.shape[0] != q.shape[0] or k.shape[-1] != q.shape[-1]:
         raise ValueError(f"apply_rotary_pos_emb: q {tuple(q.shape)} k {tuple(k.shape)}")
     return rotary(q, cos, sin), rotary(k, cos, sin)
@@ -139,7 +139,7 @@ def decode_attention(
         if end == start:
             continue
         slots = kv_indices[start:end]  # int32 or int64: torch indexes with either
-        keys = k_buffer[slots].float().repeat_interleave(group, dim=1)      # [n, H, D]
+        keys = k_buffer[slots].float().repeat_interleave(group, dim=1)  # [n, H, D]
         values = v_buffer[slots].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,nhd->hn", q[b].float(), keys) * scaling
         out[b] = torch.einsum("hn,nhd->hd", torch.softmax(scores, dim=-1), values)
@@ -181,7 +181,7 @@ def extend_attention(
     for b in range(req_pool_indices.shape[0]):
         prefix, extend = int(prefix_lens[b]), int(extend_lens[b])
         slots = req_to_token[int(req_pool_indices[b]), : prefix + extend]
-        keys = k_buffer[slots].float().repeat_interleave(group, dim=1)      # [n, H, D]
+        keys = k_buffer[slots].float().repeat_interleave(group, dim=1)  # [n, H, D]
         values = v_buffer[slots].float().repeat_interleave(group, dim=1)
         rows = slice(row_start, row_start + extend)
         scores = torch.einsum("thd,nhd->htn", q[rows].float(), keys) * scaling

@@ -16,8 +16,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 import aiohttp
 import orjson
@@ -71,8 +72,11 @@ class RequestSpec:
 def request_url_and_body(backend: str, base_url: str, spec: RequestSpec) -> tuple[str, dict[str, Any]]:
     """The URL and JSON body of `spec` for `backend`."""
     if backend == "pyserve":
-        body: dict[str, Any] = {"text": spec.prompt, "stream": spec.stream, "sampling_params": {
-            "max_new_tokens": spec.output_len, "temperature": 0.0, "ignore_eos": spec.ignore_eos}}
+        body: dict[str, Any] = {
+            "text": spec.prompt,
+            "stream": spec.stream,
+            "sampling_params": {"max_new_tokens": spec.output_len, "temperature": 0.0, "ignore_eos": spec.ignore_eos},
+        }
         body["sampling_params"].update(spec.extra_body)
         return base_url + "/generate", body
     body = {"model": spec.model, "max_tokens": spec.output_len, "temperature": 0.0, "stream": spec.stream}
@@ -107,7 +111,7 @@ class _StreamState:
             text, meta = event["text"], event["meta_info"]
             n = int(meta["completion_tokens"])
             if n > self.prev_tokens:
-                self.result.chunks.append(RawChunk(now, text[len(self.prev_text):], n - self.prev_tokens))
+                self.result.chunks.append(RawChunk(now, text[len(self.prev_text) :], n - self.prev_tokens))
             self.prev_text, self.prev_tokens = text, max(n, self.prev_tokens)
             self.result.usage = (int(meta["prompt_tokens"]), n)
             if meta.get("cached_tokens") is not None:
@@ -126,7 +130,6 @@ class _StreamState:
                 delta = (choice.get("delta") or {}).get("content") or ""
             if delta:
                 self.result.chunks.append(RawChunk(now, delta))
-
 
     def add_whole(self, body: dict[str, Any], now: float) -> None:
         """A non-streamed response, as one event carrying everything."""
@@ -160,8 +163,9 @@ class _StreamError(Exception):
     """The server broke off or garbled a stream (counted as a `stream_error` failure)."""
 
 
-async def send_request(session: aiohttp.ClientSession, backend: str, base_url: str,
-                       spec: RequestSpec, headers: dict[str, str]) -> RawResult:
+async def send_request(
+    session: aiohttp.ClientSession, backend: str, base_url: str, spec: RequestSpec, headers: dict[str, str]
+) -> RawResult:
     """Send `spec`, read its SSE stream to the end; never raises for request failures (they
     become RawResult.error: "http_<status>", "connection", "timeout", "stream_error",
     "bad_response")."""

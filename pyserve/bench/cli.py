@@ -39,15 +39,23 @@ def _json_object(text: str) -> dict[str, Any]:
 
 def add_dataset_args(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
-    a("--dataset-name", choices=DATASETS, default="random",
-      help="workload (see pyserve/bench/datasets.py); default random")
+    a(
+        "--dataset-name",
+        choices=DATASETS,
+        default="random",
+        help="workload (see pyserve/bench/datasets.py); default random",
+    )
     a("--dataset-path", default=None, help="local file for sharegpt (JSON) and jsonl; nothing is downloaded")
     a("--num-prompts", type=int, default=1000, help="requests in the timed run (not generated-shared-prefix)")
     a("--seed", type=int, default=1, help="seed of the workload and of the arrival times")
     a("--random-input-len", type=int, default=1024)
     a("--random-output-len", type=int, default=1024)
-    a("--random-range-ratio", type=float, default=0.0,
-      help="lengths are uniform integers in [max(1, int(len * ratio)), len]; 1.0 = fixed lengths")
+    a(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths are uniform integers in [max(1, int(len * ratio)), len]; 1.0 = fixed lengths",
+    )
     a("--sharegpt-output-len", type=int, default=None, help="output length of every sharegpt request")
     a("--sharegpt-context-len", type=int, default=None, help="skip pairs longer than this in total")
     a("--gsp-num-groups", type=int, default=64)
@@ -59,15 +67,22 @@ def add_dataset_args(p: argparse.ArgumentParser) -> None:
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
-    a("--backend", choices=BACKENDS, default="pyserve",
-      help="pyserve: POST /generate; openai: /v1/completions; openai-chat: /v1/chat/completions")
+    a(
+        "--backend",
+        choices=BACKENDS,
+        default="pyserve",
+        help="pyserve: POST /generate; openai: /v1/completions; openai-chat: /v1/chat/completions",
+    )
     a("--base-url", default=None, help="e.g. http://127.0.0.1:30000 (overrides --host/--port)")
     a("--host", default="127.0.0.1")
     a("--port", type=int, default=30000)
     a("--model", default=None, help="model name sent to OpenAI routes; default: first id of GET /v1/models")
-    a("--tokenizer", default=None,
-      help="tokenizer (HF folder or .gguf) for the workload and token counts; default: the model "
-           "path the server reports, if it exists here")
+    a(
+        "--tokenizer",
+        default=None,
+        help="tokenizer (HF folder or .gguf) for the workload and token counts; default: the model "
+        "path the server reports, if it exists here",
+    )
     a("--api-key", default=None, help="bearer token; default: $OPENAI_API_KEY")
     add_dataset_args(p)
     a("--request-rate", type=float, default=math.inf, help="requests per second; inf sends all at once")
@@ -75,12 +90,23 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     a("--max-concurrency", type=int, default=None, help="most requests in flight at once")
     a("--warmup-requests", type=int, default=1, help="requests sent before the timed run, not counted")
     a("--disable-ignore-eos", action="store_true", help="let requests stop at EOS")
-    a("--disable-stream", action="store_true",
-      help="ask for whole responses, not streams (TTFT is then the whole latency)")
-    a("--extra-request-body", type=_json_object, default={},
-      help="JSON object merged into each request body (pyserve backend: into sampling_params)")
-    a("--token-count", choices=TOKEN_COUNT_SOURCES, default="auto",
-      help="count tokens from the server's usage or with the tokenizer; auto = usage when reported")
+    a(
+        "--disable-stream",
+        action="store_true",
+        help="ask for whole responses, not streams (TTFT is then the whole latency)",
+    )
+    a(
+        "--extra-request-body",
+        type=_json_object,
+        default={},
+        help="JSON object merged into each request body (pyserve backend: into sampling_params)",
+    )
+    a(
+        "--token-count",
+        choices=TOKEN_COUNT_SOURCES,
+        default="auto",
+        help="count tokens from the server's usage or with the tokenizer; auto = usage when reported",
+    )
     a("--request-timeout-s", type=float, default=6 * 3600.0)
     a("--output-file", default=None, help="append one JSON line with all figures and the configuration")
     a("--output-details", action="store_true", help="include per-request figures in the JSON line")
@@ -96,8 +122,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser(prog: str = "pyserve bench") -> OneLineArgumentParser:
     parser = OneLineArgumentParser(prog=prog, description="pyserve's load and latency tool")
-    sub = parser.add_subparsers(dest="bench_command", metavar="{serve,offline,host,one-batch}", required=True,
-                                parser_class=OneLineArgumentParser)
+    sub = parser.add_subparsers(
+        dest="bench_command",
+        metavar="{serve,offline,host,one-batch}",
+        required=True,
+        parser_class=OneLineArgumentParser,
+    )
     serve = sub.add_parser("serve", help="load a running server (pyserve or OpenAI-compatible)")
     add_serve_args(serve)
     offline = sub.add_parser("offline", help="in-process Engine throughput on a workload")
@@ -117,9 +147,19 @@ def build_parser(prog: str = "pyserve bench") -> OneLineArgumentParser:
 
 def check_args(args: argparse.Namespace) -> str | None:
     """The first invalid flag value as a message, or None."""
-    positive = ["num_prompts", "random_input_len", "random_output_len", "gsp_num_groups",
-                "gsp_prompts_per_group", "gsp_system_prompt_len", "gsp_question_len", "gsp_output_len",
-                "sharegpt_output_len", "sharegpt_context_len", "max_concurrency"]
+    positive = [
+        "num_prompts",
+        "random_input_len",
+        "random_output_len",
+        "gsp_num_groups",
+        "gsp_prompts_per_group",
+        "gsp_system_prompt_len",
+        "gsp_question_len",
+        "gsp_output_len",
+        "sharegpt_output_len",
+        "sharegpt_context_len",
+        "max_concurrency",
+    ]
     for name in positive:
         value = getattr(args, name, None)
         if value is not None and value < 1:
@@ -173,8 +213,9 @@ def main(argv: list[str] | None = None, prog: str = "pyserve bench") -> int:
     args, unknown = parser.parse_known_args(argv)
     sub_prog = f"{prog} {args.bench_command}"
     if unknown:
-        print(f"{sub_prog}: error: unrecognized arguments: {' '.join(unknown)} "
-              f"(see {sub_prog} --help)", file=sys.stderr)
+        print(
+            f"{sub_prog}: error: unrecognized arguments: {' '.join(unknown)} (see {sub_prog} --help)", file=sys.stderr
+        )
         return 2
     problem = check_args(args)
     if problem:

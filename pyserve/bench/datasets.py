@@ -55,8 +55,11 @@ def _regular_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     (`<0x41>`: alone they decode to replacement characters that re-encode longer)."""
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
     pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-    return [i for i, piece in enumerate(pieces)
-            if i not in special and not (isinstance(piece, str) and _BYTE_PIECE.match(piece))]
+    return [
+        i
+        for i, piece in enumerate(pieces)
+        if i not in special and not (isinstance(piece, str) and _BYTE_PIECE.match(piece))
+    ]
 
 
 def _random_text(tokenizer: PreTrainedTokenizerBase, rng: random.Random, vocab: list[int], num_tokens: int) -> str:
@@ -80,8 +83,9 @@ def lens_in_range(rng: random.Random, length: int, range_ratio: float, n: int) -
     return [rng.randint(low, length) for _ in range(n)]
 
 
-def sample_random(tokenizer: PreTrainedTokenizerBase, num_prompts: int, input_len: int, output_len: int,
-                  range_ratio: float, seed: int) -> list[DatasetRow]:
+def sample_random(
+    tokenizer: PreTrainedTokenizerBase, num_prompts: int, input_len: int, output_len: int, range_ratio: float, seed: int
+) -> list[DatasetRow]:
     rng = random.Random(seed)
     vocab = _regular_token_ids(tokenizer)
     in_lens = lens_in_range(rng, input_len, range_ratio, num_prompts)
@@ -93,8 +97,14 @@ def sample_random(tokenizer: PreTrainedTokenizerBase, num_prompts: int, input_le
     return rows
 
 
-def sample_sharegpt(tokenizer: PreTrainedTokenizerBase, path: str, num_prompts: int, seed: int,
-                    output_len: int | None = None, context_len: int | None = None) -> list[DatasetRow]:
+def sample_sharegpt(
+    tokenizer: PreTrainedTokenizerBase,
+    path: str,
+    num_prompts: int,
+    seed: int,
+    output_len: int | None = None,
+    context_len: int | None = None,
+) -> list[DatasetRow]:
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
@@ -126,9 +136,15 @@ def sample_sharegpt(tokenizer: PreTrainedTokenizerBase, path: str, num_prompts: 
     return rows
 
 
-def sample_generated_shared_prefix(tokenizer: PreTrainedTokenizerBase, num_groups: int, prompts_per_group: int,
-                                   system_prompt_len: int, question_len: int, output_len: int,
-                                   seed: int) -> list[DatasetRow]:
+def sample_generated_shared_prefix(
+    tokenizer: PreTrainedTokenizerBase,
+    num_groups: int,
+    prompts_per_group: int,
+    system_prompt_len: int,
+    question_len: int,
+    output_len: int,
+    seed: int,
+) -> list[DatasetRow]:
     rng = random.Random(seed)
     vocab = _regular_token_ids(tokenizer)
     rows: list[DatasetRow] = []
@@ -154,11 +170,14 @@ def load_jsonl(tokenizer: PreTrainedTokenizerBase, path: str, num_prompts: int) 
                     obj = json.loads(line)
                     prompt, out_len = obj["prompt"], obj["output_len"]
                 except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                    raise DatasetError(f"--dataset-path {path!r} line {line_no}: expected "
-                                       f'{{"prompt": str, "output_len": int}} ({exc})') from exc
+                    raise DatasetError(
+                        f'--dataset-path {path!r} line {line_no}: expected {{"prompt": str, "output_len": int}} ({exc})'
+                    ) from exc
                 if not isinstance(prompt, str) or not isinstance(out_len, int) or out_len < 1:
-                    raise DatasetError(f"--dataset-path {path!r} line {line_no}: prompt must be a "
-                                       "string and output_len a positive integer")
+                    raise DatasetError(
+                        f"--dataset-path {path!r} line {line_no}: prompt must be a "
+                        "string and output_len a positive integer"
+                    )
                 rows.append(DatasetRow(prompt, _count(tokenizer, prompt), out_len))
     except OSError as exc:
         raise DatasetError(f"--dataset-path {path!r}: {exc.strerror}") from exc
@@ -173,15 +192,33 @@ def build_dataset(args: Any, tokenizer: PreTrainedTokenizerBase) -> list[Dataset
     if name in ("sharegpt", "jsonl") and not args.dataset_path:
         raise DatasetError(f"--dataset-name {name} needs --dataset-path FILE")
     if name == "random":
-        return sample_random(tokenizer, args.num_prompts, args.random_input_len,
-                             args.random_output_len, args.random_range_ratio, args.seed)
+        return sample_random(
+            tokenizer,
+            args.num_prompts,
+            args.random_input_len,
+            args.random_output_len,
+            args.random_range_ratio,
+            args.seed,
+        )
     if name == "sharegpt":
-        return sample_sharegpt(tokenizer, args.dataset_path, args.num_prompts, args.seed,
-                               args.sharegpt_output_len, args.sharegpt_context_len)
+        return sample_sharegpt(
+            tokenizer,
+            args.dataset_path,
+            args.num_prompts,
+            args.seed,
+            args.sharegpt_output_len,
+            args.sharegpt_context_len,
+        )
     if name == "generated-shared-prefix":
         return sample_generated_shared_prefix(
-            tokenizer, args.gsp_num_groups, args.gsp_prompts_per_group, args.gsp_system_prompt_len,
-            args.gsp_question_len, args.gsp_output_len, args.seed)
+            tokenizer,
+            args.gsp_num_groups,
+            args.gsp_prompts_per_group,
+            args.gsp_system_prompt_len,
+            args.gsp_question_len,
+            args.gsp_output_len,
+            args.seed,
+        )
     if name == "jsonl":
         return load_jsonl(tokenizer, args.dataset_path, args.num_prompts)
     raise DatasetError(f"--dataset-name: unknown {name!r}")

@@ -42,29 +42,71 @@ DEFAULT_DECODE_STEP_MS = [2.0, 5.0]
 def add_host_args(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
     a("--model-path", default=None, help="whose tokenizer serves (default: the default model, SmolLM2)")
-    a("--clients", type=int, nargs="+", default=DEFAULT_CLIENTS, help="concurrent clients per case (default: %(default)s)")
-    a("--decode-step-ms", type=float, nargs="+", default=DEFAULT_DECODE_STEP_MS,
-      help="simulated decode step time of the whole batch, per case (default: %(default)s)")
-    a("--decode-us-per-req", type=float, default=0.0, help="extra decode time per running request (default: %(default)s)")
+    a(
+        "--clients",
+        type=int,
+        nargs="+",
+        default=DEFAULT_CLIENTS,
+        help="concurrent clients per case (default: %(default)s)",
+    )
+    a(
+        "--decode-step-ms",
+        type=float,
+        nargs="+",
+        default=DEFAULT_DECODE_STEP_MS,
+        help="simulated decode step time of the whole batch, per case (default: %(default)s)",
+    )
+    a(
+        "--decode-us-per-req",
+        type=float,
+        default=0.0,
+        help="extra decode time per running request (default: %(default)s)",
+    )
     a("--extend-us-per-token", type=float, default=1.0, help="simulated prefill time per token (default: %(default)s)")
-    a("--backend", choices=BACKENDS, nargs="+", default=["pyserve"],
-      help="the API the load uses, per case: pyserve (/generate), openai (/v1/completions), "
-           "openai-chat (/v1/chat/completions) (default: %(default)s)")
-    a("--stream", choices=["on", "off", "both"], default="both", help="streamed and/or whole responses (default: %(default)s)")
+    a(
+        "--backend",
+        choices=BACKENDS,
+        nargs="+",
+        default=["pyserve"],
+        help="the API the load uses, per case: pyserve (/generate), openai (/v1/completions), "
+        "openai-chat (/v1/chat/completions) (default: %(default)s)",
+    )
+    a(
+        "--stream",
+        choices=["on", "off", "both"],
+        default="both",
+        help="streamed and/or whole responses (default: %(default)s)",
+    )
     a("--input-len", type=int, default=256, help="prompt tokens per request (default: %(default)s)")
     a("--output-len", type=int, default=256, help="output tokens per request (default: %(default)s)")
     a("--requests-per-client", type=int, default=1, help="requests each client sends in a case (default: %(default)s)")
-    a("--request-rate", type=float, default=float("inf"),
-      help="requests/s sent at most (Poisson arrivals, as bench serve's flag); finite rates stagger "
-           "the clients so they do not run in lockstep (default: %(default)s: all at once)")
-    a("--overlap", choices=["on", "off", "both"], default="both",
-      help="overlap scheduling on and/or off (--disable-overlap-schedule) (default: %(default)s)")
-    a("--client-cpus", default=None, metavar="LIST",
-      help="run the load generator on these CPUs (taskset's list, e.g. 12-15) and the server on the "
-           "others, so the client does not take the server's cores (default: both on all)")
-    a("--writer", choices=["socket", "asgi"], default="socket",
-      help="what writes the streams: the socket writer thread, or the ASGI send (what any ASGI server "
-           "other than uvicorn gets) (default: %(default)s)")
+    a(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="requests/s sent at most (Poisson arrivals, as bench serve's flag); finite rates stagger "
+        "the clients so they do not run in lockstep (default: %(default)s: all at once)",
+    )
+    a(
+        "--overlap",
+        choices=["on", "off", "both"],
+        default="both",
+        help="overlap scheduling on and/or off (--disable-overlap-schedule) (default: %(default)s)",
+    )
+    a(
+        "--client-cpus",
+        default=None,
+        metavar="LIST",
+        help="run the load generator on these CPUs (taskset's list, e.g. 12-15) and the server on the "
+        "others, so the client does not take the server's cores (default: both on all)",
+    )
+    a(
+        "--writer",
+        choices=["socket", "asgi"],
+        default="socket",
+        help="what writes the streams: the socket writer thread, or the ASGI send (what any ASGI server "
+        "other than uvicorn gets) (default: %(default)s)",
+    )
     a("--output-file", default=None, help="append one JSON line per case")
 
 
@@ -80,16 +122,24 @@ def parse_cpu_list(text: str) -> set[int]:
         raise BenchError(f"--client-cpus {text!r}: expected a list like 12-15 or 2,3") from None
     allowed = os.sched_getaffinity(0)
     if not cpus or not cpus < allowed:
-        raise BenchError(f"--client-cpus {text!r}: must be a proper subset of the CPUs this process "
-                         f"may use ({min(allowed)}-{max(allowed)}, {len(allowed)} of them)")
+        raise BenchError(
+            f"--client-cpus {text!r}: must be a proper subset of the CPUs this process "
+            f"may use ({min(allowed)}-{max(allowed)}, {len(allowed)} of them)"
+        )
     return cpus
 
 
 class HostServer:
     """The pyserve app on a SimulatedRunner, served by uvicorn on its own thread and loop."""
 
-    def __init__(self, model_path: str | None, max_running_requests: int, context_len: int,
-                 max_total_tokens: int, socket_writes: bool = True) -> None:
+    def __init__(
+        self,
+        model_path: str | None,
+        max_running_requests: int,
+        context_len: int,
+        max_total_tokens: int,
+        socket_writes: bool = True,
+    ) -> None:
         import socket
 
         import uvicorn
@@ -109,13 +159,19 @@ class HostServer:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        args = ServerArgs(model_path=path, port=self.port, max_running_requests=max_running_requests,
-                          max_prefill_tokens=max(8192, context_len), log_level="warning",
-                          stats_interval_s=3600.0)
+        args = ServerArgs(
+            model_path=path,
+            port=self.port,
+            max_running_requests=max_running_requests,
+            max_prefill_tokens=max(8192, context_len),
+            log_level="warning",
+            stats_interval_s=3600.0,
+        )
         self.app = create_app(args, model_runner=self.runner)
         self.app.state.stream_hub = StreamHub(socket_writes=socket_writes)
-        config = uvicorn.Config(self.app, host="127.0.0.1",
-                                port=self.port, loop="uvloop", http=HTTP1Protocol, log_level="warning")
+        config = uvicorn.Config(
+            self.app, host="127.0.0.1", port=self.port, loop="uvloop", http=HTTP1Protocol, log_level="warning"
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="pyserve-host-loop", daemon=True)
         self.thread.start()
@@ -152,8 +208,9 @@ class HostServer:
         self.thread.join(timeout=30)
 
 
-def run_case(server: HostServer, clients: int, stream: bool, decode_ms: float, overlap: bool,
-             args: Any, backend: str = "pyserve") -> dict[str, Any]:
+def run_case(
+    server: HostServer, clients: int, stream: bool, decode_ms: float, overlap: bool, args: Any, backend: str = "pyserve"
+) -> dict[str, Any]:
     """One case: the runner's timing and the scheduler's overlap set, the cache flushed,
     `bench serve` run against it."""
     runner = server.runner
@@ -164,12 +221,34 @@ def run_case(server: HostServer, clients: int, stream: bool, decode_ms: float, o
     num = clients * args.requests_per_client
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "serve.jsonl"
-        cmd = [sys.executable, "-m", "pyserve", "bench", "serve", "--backend", backend,
-               "--port", str(server.port), "--num-prompts", str(num), "--max-concurrency", str(clients),
-               "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
-               "--random-range-ratio", "1", "--warmup-requests", "0", "--disable-tqdm",
-               "--request-rate", str(args.request_rate),
-               "--output-file", str(out)] + ([] if stream else ["--disable-stream"])
+        cmd = [
+            sys.executable,
+            "-m",
+            "pyserve",
+            "bench",
+            "serve",
+            "--backend",
+            backend,
+            "--port",
+            str(server.port),
+            "--num-prompts",
+            str(num),
+            "--max-concurrency",
+            str(clients),
+            "--random-input-len",
+            str(args.input_len),
+            "--random-output-len",
+            str(args.output_len),
+            "--random-range-ratio",
+            "1",
+            "--warmup-requests",
+            "0",
+            "--disable-tqdm",
+            "--request-rate",
+            str(args.request_rate),
+            "--output-file",
+            str(out),
+        ] + ([] if stream else ["--disable-stream"])
         if args.client_cpus:
             cmd = ["taskset", "-c", args.client_cpus] + cmd
         runner.reset_busy()
@@ -183,15 +262,23 @@ def run_case(server: HostServer, clients: int, stream: bool, decode_ms: float, o
         metrics = json.loads(out.read_text().splitlines()[-1])["metrics"]
     tokens = metrics["total_output_tokens"]
     return {
-        "kind": "host", "backend": backend, "writer": getattr(args, "writer", "socket"),
-        "clients": clients, "stream": stream, "decode_step_ms": decode_ms,
-        "input_len": args.input_len, "output_len": args.output_len, "requests": num,
-        "completed": metrics["completed"], "failed": metrics["failed"],
+        "kind": "host",
+        "backend": backend,
+        "writer": getattr(args, "writer", "socket"),
+        "clients": clients,
+        "stream": stream,
+        "decode_step_ms": decode_ms,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "requests": num,
+        "completed": metrics["completed"],
+        "failed": metrics["failed"],
         "output_tok_s": metrics["output_throughput"],
         "device_busy_fraction": busy_s / metrics["duration_s"] if metrics["duration_s"] else None,
         "loop_cpu_us_per_token": 1e6 * cpu_s / tokens if tokens else None,
         "writer_cpu_us_per_token": 1e6 * writer_s / tokens if tokens else None,
-        "device_steps": runner.num_steps, "duration_s": metrics["duration_s"],
+        "device_steps": runner.num_steps,
+        "duration_s": metrics["duration_s"],
         "overlap": overlap,
     }
 
@@ -209,25 +296,35 @@ def run_host(args: Any) -> list[dict[str, Any]]:
         os.sched_setaffinity(0, server_cpus)
         print(f"load generator on CPUs {args.client_cpus}, server on the other {len(server_cpus)}")
     most = max(args.clients)
-    server = HostServer(args.model_path, most, context_len, max_total_tokens=most * context_len + 4096,
-                        socket_writes=args.writer == "socket")
+    server = HostServer(
+        args.model_path,
+        most,
+        context_len,
+        max_total_tokens=most * context_len + 4096,
+        socket_writes=args.writer == "socket",
+    )
     rows = []
     overlaps = {"on": [True], "off": [False], "both": [True, False]}[args.overlap]
-    header = (f"{'backend':>11} {'overlap':>7} {'clients':>7} {'stream':>6} {'step ms':>7} {'out tok/s':>10} "
-              f"{'busy':>6} {'loop us/tok':>11} {'writer us/tok':>13} {'done/fail':>9}")
+    header = (
+        f"{'backend':>11} {'overlap':>7} {'clients':>7} {'stream':>6} {'step ms':>7} {'out tok/s':>10} "
+        f"{'busy':>6} {'loop us/tok':>11} {'writer us/tok':>13} {'done/fail':>9}"
+    )
     print(header)
     print("-" * len(header))
     try:
         for decode_ms, stream, clients, overlap, backend in itertools.product(
-                args.decode_step_ms, streams, args.clients, overlaps, args.backend):
+            args.decode_step_ms, streams, args.clients, overlaps, args.backend
+        ):
             row = run_case(server, clients, stream, decode_ms, overlap, args, backend)
             rows.append(row)
             busy = row["device_busy_fraction"]
-            print(f"{backend:>11} {'on' if overlap else 'off':>7} {clients:>7} {'on' if stream else 'off':>6} "
-                  f"{decode_ms:>7.1f} {row['output_tok_s']:>10.0f} {busy:>6.3f} "
-                  f"{row['loop_cpu_us_per_token']:>11.1f} {row['writer_cpu_us_per_token']:>13.1f} "
-                  f"{row['completed']:>4}/{row['failed']:<4}",
-                  flush=True)
+            print(
+                f"{backend:>11} {'on' if overlap else 'off':>7} {clients:>7} {'on' if stream else 'off':>6} "
+                f"{decode_ms:>7.1f} {row['output_tok_s']:>10.0f} {busy:>6.3f} "
+                f"{row['loop_cpu_us_per_token']:>11.1f} {row['writer_cpu_us_per_token']:>13.1f} "
+                f"{row['completed']:>4}/{row['failed']:<4}",
+                flush=True,
+            )
             if args.output_file:
                 with open(args.output_file, "a", encoding="utf-8") as f:
                     f.write(json.dumps(row) + "\n")

@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -49,7 +49,9 @@ def chunk_token_counts(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> 
     return counts
 
 
-def to_record(raw: RawResult, dataset_prompt_len: int, source: str, tokenizer: PreTrainedTokenizerBase) -> RequestRecord:
+def to_record(
+    raw: RawResult, dataset_prompt_len: int, source: str, tokenizer: PreTrainedTokenizerBase
+) -> RequestRecord:
     """The RequestRecord of `raw`. source: "usage" (the server's prompt/completion tokens) or
     "tokenizer" (the dataset's prompt_len; the output text re-encoded).
 
@@ -57,8 +59,14 @@ def to_record(raw: RawResult, dataset_prompt_len: int, source: str, tokenizer: P
     stream), else chunk_token_counts. Chunks adding no token are dropped (they carry no
     token's arrival). Raises ValueError for source "usage" when raw has no usage.
     """
-    rec = RequestRecord(prompt_len=dataset_prompt_len, start_s=raw.start_s, end_s=raw.end_s,
-                        error=raw.error, error_detail=raw.error_detail, cached_len=raw.cached_tokens)
+    rec = RequestRecord(
+        prompt_len=dataset_prompt_len,
+        start_s=raw.start_s,
+        end_s=raw.end_s,
+        error=raw.error,
+        error_detail=raw.error_detail,
+        cached_len=raw.cached_tokens,
+    )
     if raw.error is not None:
         return rec
     if all(c.num_tokens is not None for c in raw.chunks):
@@ -79,7 +87,7 @@ def to_record(raw: RawResult, dataset_prompt_len: int, source: str, tokenizer: P
 
 
 def resolve_count_source(requested: str, results: list[RawResult]) -> str:
-    """"usage" or "tokenizer": auto picks usage when every successful request reported it."""
+    """ "usage" or "tokenizer": auto picks usage when every successful request reported it."""
     if requested != "auto":
         return requested
     ok = [r for r in results if r.error is None]

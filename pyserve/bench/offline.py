@@ -61,16 +61,23 @@ def run_offline(args: Any) -> dict[str, Any]:
     total_in = sum(o["meta_info"]["prompt_tokens"] for o in outs)
     total_out = sum(o["meta_info"]["completion_tokens"] for o in outs)
     metrics = {
-        "num_requests": len(outs), "duration_s": duration_s,
-        "total_input_tokens": total_in, "total_output_tokens": total_out,
+        "num_requests": len(outs),
+        "duration_s": duration_s,
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
         "request_throughput": len(outs) / duration_s,
         "input_throughput": total_in / duration_s,
         "output_throughput": total_out / duration_s,
         "total_token_throughput": (total_in + total_out) / duration_s,
     }
-    result = {"kind": "offline", "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
-              "model_path": engine.core.model_path, "token_count_source": "engine",
-              "config": {k: v for k, v in vars(args).items()}, "metrics": metrics}
+    result = {
+        "kind": "offline",
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "model_path": engine.core.model_path,
+        "token_count_source": "engine",
+        "config": {k: v for k, v in vars(args).items()},
+        "metrics": metrics,
+    }
     print(format_offline_table(result))
     if args.output_file:
         write_result(args.output_file, result)

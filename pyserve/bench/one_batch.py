@@ -45,9 +45,8 @@ def _check(args: Any) -> None:
 
 def run_case(runner: Any, batch_size: int, input_len: int, output_len: int, seed: int) -> dict[str, Any]:
     """Time one static batch on `runner` (a fresh KVCache over its pool). Returns the figures."""
-    import torch
-
     import numpy as np
+    import torch
 
     from pyserve.forward_batch_info import ForwardMode, SamplingRow, StepPlan
     from pyserve.mem_cache.kv_cache import KVCache
@@ -81,11 +80,18 @@ def run_case(runner: Any, batch_size: int, input_len: int, output_len: int, seed
         raise ValueError("the KV pool is too small for this batch")
     rows = arrays.req_pool_indices
     greedy = SamplingParams(temperature=0.0)
-    plan = StepPlan(ForwardMode.EXTEND, rows, arrays.seq_lens, arrays.positions,
-                    arrays.out_cache_loc, input_ids=input_ids.flatten().numpy().astype(np.int32),
-                    prefix_lens=arrays.prefix_lens,
-                    extend_lens=arrays.extend_lens, row_slots=arrays.kv_indices,
-                    new_sampling_rows=[SamplingRow(int(r), greedy, frozenset()) for r in rows])
+    plan = StepPlan(
+        ForwardMode.EXTEND,
+        rows,
+        arrays.seq_lens,
+        arrays.positions,
+        arrays.out_cache_loc,
+        input_ids=input_ids.flatten().numpy().astype(np.int32),
+        prefix_lens=arrays.prefix_lens,
+        extend_lens=arrays.extend_lens,
+        row_slots=arrays.kv_indices,
+        new_sampling_rows=[SamplingRow(int(r), greedy, frozenset()) for r in rows],
+    )
     sync()
     start = time.perf_counter()
     step(plan)
@@ -96,8 +102,7 @@ def run_case(runner: Any, batch_size: int, input_len: int, output_len: int, seed
         arrays = kv.prepare_decode(req_ids)
         if arrays is None:
             raise ValueError("the KV pool is too small for this batch")
-        plan = StepPlan(ForwardMode.DECODE, rows, arrays.seq_lens, arrays.positions,
-                        arrays.out_cache_loc)
+        plan = StepPlan(ForwardMode.DECODE, rows, arrays.seq_lens, arrays.positions, arrays.out_cache_loc)
         sync()
         start = time.perf_counter()
         step(plan)
@@ -106,7 +111,9 @@ def run_case(runner: Any, batch_size: int, input_len: int, output_len: int, seed
     median_decode_s = statistics.median(decode_s) if decode_s else None
     total_s = prefill_s + sum(decode_s)
     return {
-        "batch_size": batch_size, "input_len": input_len, "output_len": output_len,
+        "batch_size": batch_size,
+        "input_len": input_len,
+        "output_len": output_len,
         "prefill_latency_ms": prefill_s * 1000.0,
         "prefill_throughput": batch_size * input_len / prefill_s,
         "median_decode_latency_ms": None if median_decode_s is None else median_decode_s * 1000.0,
@@ -137,18 +144,27 @@ def run_one_batch(args: Any) -> list[dict[str, Any]]:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         model_path = args.model_path or default_model_path()
-        runner = ModelRunner(model_path, dtype=args.dtype, device=device, context_length=args.context_length,
-                             max_total_tokens=pool_tokens, random_seed=args.seed, load_progress=False)
+        runner = ModelRunner(
+            model_path,
+            dtype=args.dtype,
+            device=device,
+            context_length=args.context_length,
+            max_total_tokens=pool_tokens,
+            random_seed=args.seed,
+            load_progress=False,
+        )
     except (ValueError, OSError) as exc:
         raise BenchError(f"cannot load the model: {exc}") from None
     context_len = runner.model_config.context_len
-    for b, i, o in cases:
+    for _, i, o in cases:
         if i + o > context_len:
             raise BenchError(f"--input-len {i} + --output-len {o} exceeds the context length {context_len}")
     for b, i, o in cases:  # warm-up: first-use costs (allocations, thread pools) stay out
         run_case(runner, b, i, min(o, 4), args.seed)
-    header = (f"{'batch':>6}{'input':>7}{'output':>7}{'prefill ms':>12}{'prefill tok/s':>15}"
-              f"{'decode ms':>11}{'decode tok/s':>14}{'total ms':>11}")
+    header = (
+        f"{'batch':>6}{'input':>7}{'output':>7}{'prefill ms':>12}{'prefill tok/s':>15}"
+        f"{'decode ms':>11}{'decode tok/s':>14}{'total ms':>11}"
+    )
     print(f"pyserve bench one-batch: {model_path} on {runner.device} ({str(runner.dtype).removeprefix('torch.')})")
     print(header)
     results = []
@@ -156,9 +172,11 @@ def run_one_batch(args: Any) -> list[dict[str, Any]]:
         r = run_case(runner, b, i, o, args.seed)
         r.update(kind="one-batch", model_path=model_path, device=runner.device)
         results.append(r)
-        print(f"{b:>6}{i:>7}{o:>7}{_fmt(r['prefill_latency_ms']):>12}{_fmt(r['prefill_throughput']):>15}"
-              f"{_fmt(r['median_decode_latency_ms']):>11}{_fmt(r['median_decode_throughput']):>14}"
-              f"{_fmt(r['total_latency_ms']):>11}")
+        print(
+            f"{b:>6}{i:>7}{o:>7}{_fmt(r['prefill_latency_ms']):>12}{_fmt(r['prefill_throughput']):>15}"
+            f"{_fmt(r['median_decode_latency_ms']):>11}{_fmt(r['median_decode_throughput']):>14}"
+            f"{_fmt(r['total_latency_ms']):>11}"
+        )
         if args.output_file:
             write_result(args.output_file, dict(r, config=vars(args)))
     return results

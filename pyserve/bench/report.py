@@ -30,8 +30,10 @@ def format_table(result: dict[str, Any]) -> str:
         ("backend", f"{cfg['backend']} @ {result['base_url']}"),
         ("model", str(result["model"])),
         ("dataset", f"{cfg['dataset_name']} ({m['num_requests']} requests)"),
-        ("request rate / max concurrency",
-         f"{cfg['request_rate']} req/s, burstiness {cfg['burstiness']} / {cfg['max_concurrency'] or 'none'}"),
+        (
+            "request rate / max concurrency",
+            f"{cfg['request_rate']} req/s, burstiness {cfg['burstiness']} / {cfg['max_concurrency'] or 'none'}",
+        ),
         ("tokens counted by", tokens_by),
         ("successful / failed requests", f"{m['completed']} / {m['failed']}"),
         ("errors", errors),

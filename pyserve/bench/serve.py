@@ -89,8 +89,7 @@ def pick_tokenizer_path(args: Any, models: Any, info: Any) -> str:
     for path in candidates:
         if isinstance(path, str) and os.path.exists(path):
             return path
-    raise BenchError("no local tokenizer for the served model; pass --tokenizer PATH "
-                     "(an HF folder or a .gguf file)")
+    raise BenchError("no local tokenizer for the served model; pass --tokenizer PATH (an HF folder or a .gguf file)")
 
 
 def load_tokenizer(path: str) -> Any:
@@ -102,8 +101,9 @@ def load_tokenizer(path: str) -> Any:
         raise BenchError(f"--tokenizer {path!r}: cannot load a tokenizer ({exc})") from None
 
 
-async def run_requests(args: Any, base_url: str, rows: list[DatasetRow], model: str | None,
-                       headers: dict[str, str]) -> tuple[list[RawResult], float, list[RawResult]]:
+async def run_requests(
+    args: Any, base_url: str, rows: list[DatasetRow], model: str | None, headers: dict[str, str]
+) -> tuple[list[RawResult], float, list[RawResult]]:
     """Send the warm-up then the timed requests. Returns (timed results in dataset order,
     the timed run's start time, warm-up results)."""
     timeout = aiohttp.ClientTimeout(total=args.request_timeout_s)
@@ -111,10 +111,17 @@ async def run_requests(args: Any, base_url: str, rows: list[DatasetRow], model: 
     limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
 
     def spec(row: DatasetRow) -> RequestSpec:
-        return RequestSpec(row.prompt, row.output_len, model, not args.disable_ignore_eos,
-                           args.extra_request_body, stream=not getattr(args, "disable_stream", False))
+        return RequestSpec(
+            row.prompt,
+            row.output_len,
+            model,
+            not args.disable_ignore_eos,
+            args.extra_request_body,
+            stream=not getattr(args, "disable_stream", False),
+        )
 
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+
         async def one(row: DatasetRow) -> RawResult:
             if limit is None:
                 return await send_request(session, args.backend, base_url, spec(row), headers)
@@ -173,16 +180,30 @@ def run_serve(args: Any) -> dict[str, Any]:
     metrics = compute_metrics(records, start_s)
     config = {k: v for k, v in vars(args).items() if k not in ("api_key", "func")}
     result: dict[str, Any] = {
-        "kind": "serve", "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "base_url": base_url, "model": model, "tokenizer": tokenizer_path,
-        "token_count_source": source, "config": config, "metrics": metrics,
+        "kind": "serve",
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "base_url": base_url,
+        "model": model,
+        "tokenizer": tokenizer_path,
+        "token_count_source": source,
+        "config": config,
+        "metrics": metrics,
     }
     if args.output_details:
-        result["requests"] = [{
-            "prompt_len": r.prompt_len, "output_len": r.output_len, "ttft_ms": r.ttft_ms,
-            "e2e_ms": r.e2e_ms, "tpot_ms": r.tpot_ms, "itl_ms": r.itl_ms(),
-            "chunk_num_tokens": r.chunk_num_tokens, "error": r.error, "error_detail": r.error_detail,
-        } for r in records]
+        result["requests"] = [
+            {
+                "prompt_len": r.prompt_len,
+                "output_len": r.output_len,
+                "ttft_ms": r.ttft_ms,
+                "e2e_ms": r.e2e_ms,
+                "tpot_ms": r.tpot_ms,
+                "itl_ms": r.itl_ms(),
+                "chunk_num_tokens": r.chunk_num_tokens,
+                "error": r.error,
+                "error_detail": r.error_detail,
+            }
+            for r in records
+        ]
     print(format_table(result))
     if args.output_file:
         write_result(args.output_file, result)

@@ -14,7 +14,8 @@ chunks always concatenate to the final text.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence, cast
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -84,10 +85,10 @@ def token_deltas(tokenizer: PreTrainedTokenizerBase, ids: list[int], skip_specia
     prefix_offset = read_offset = 0
     for k in range(len(ids)):
         prefix_text = decode(ids[prefix_offset:read_offset], skip_special_tokens=skip_special_tokens)
-        new_text = decode(ids[prefix_offset:k + 1], skip_special_tokens=skip_special_tokens)
+        new_text = decode(ids[prefix_offset : k + 1], skip_special_tokens=skip_special_tokens)
         last = k == len(ids) - 1
         if len(new_text) > len(prefix_text) and (last or not new_text.endswith(REPLACEMENT_CHAR)):
-            deltas.append(new_text[len(prefix_text):])
+            deltas.append(new_text[len(prefix_text) :])
             prefix_offset, read_offset = read_offset, k + 1
         else:
             deltas.append("")
@@ -106,9 +107,16 @@ class DecodeState:
     refused a step.
     """
 
-    def __init__(self, stop_strs: list[str], skip_special_tokens: bool,
-                 logprob: LogprobParams | None = None, prompt_tail: list[int] | None = None,
-                 no_stop_trim: bool = False, stream: bool = True, stream_interval: int = 1) -> None:
+    def __init__(
+        self,
+        stop_strs: list[str],
+        skip_special_tokens: bool,
+        logprob: LogprobParams | None = None,
+        prompt_tail: list[int] | None = None,
+        no_stop_trim: bool = False,
+        stream: bool = True,
+        stream_interval: int = 1,
+    ) -> None:
         self.ids: list[int] = []
         self.decode_ids: list[int] = list(prompt_tail or [])
         self.no_stop_trim = no_stop_trim
@@ -144,8 +152,12 @@ class Detokenizer:
     see `batch_decoder`).
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, deliver: Callable[[GenerateOutput], None],
-                 finish: Callable[[str, FinishReason], None]) -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        deliver: Callable[[GenerateOutput], None],
+        finish: Callable[[str, FinishReason], None],
+    ) -> None:
         self.tokenizer = tokenizer
         self.deliver = deliver
         self.finish = finish
@@ -154,15 +166,24 @@ class Detokenizer:
         self._decode_batch = batch_decoder(tokenizer)
         self._stream_backend = stream_backend(tokenizer)
 
-    def register(self, rid: str, stop_strs: list[str], skip_special_tokens: bool,
-                 logprob: LogprobParams | None = None, prompt_ids: Sequence[int] | np.ndarray | None = None,
-                 no_stop_trim: bool = False, stream: bool = True, stream_interval: int = 1) -> None:
+    def register(
+        self,
+        rid: str,
+        stop_strs: list[str],
+        skip_special_tokens: bool,
+        logprob: LogprobParams | None = None,
+        prompt_ids: Sequence[int] | np.ndarray | None = None,
+        no_stop_trim: bool = False,
+        stream: bool = True,
+        stream_interval: int = 1,
+    ) -> None:
         """Start tracking `rid`. prompt_ids: the prompt (its last PROMPT_CONTEXT_TOKENS are
         the decoding context). no_stop_trim: keep a matched stop string or token in the text.
         stream: deliver chunks (every `stream_interval` tokens), else only the final output."""
         tail = [int(t) for t in (prompt_ids if prompt_ids is not None else [])[-PROMPT_CONTEXT_TOKENS:]]
-        self.states[rid] = DecodeState(stop_strs, skip_special_tokens, logprob, tail, no_stop_trim,
-                                       stream, stream_interval)
+        self.states[rid] = DecodeState(
+            stop_strs, skip_special_tokens, logprob, tail, no_stop_trim, stream, stream_interval
+        )
 
     def forget(self, rid: str) -> None:
         self.states.pop(rid, None)
@@ -205,8 +226,13 @@ class Detokenizer:
     def _append(self, state: DecodeState, out: TokenOut) -> None:
         state.ids.extend(out.ids_delta)
         reason = out.finish_reason
-        if reason is not None and isinstance(reason.matched, int) and not state.no_stop_trim \
-                and out.ids_delta and out.ids_delta[-1] == reason.matched:
+        if (
+            reason is not None
+            and isinstance(reason.matched, int)
+            and not state.no_stop_trim
+            and out.ids_delta
+            and out.ids_delta[-1] == reason.matched
+        ):
             state.decode_ids.extend(out.ids_delta[:-1])  # the stop token's text is trimmed
         else:
             state.decode_ids.extend(out.ids_delta)
@@ -233,13 +259,14 @@ class Detokenizer:
                 rest_flush.append(last)
         if not rest:
             return
-        windows = [(s.decode_ids[s.prefix_offset:s.read_offset], s.decode_ids[s.prefix_offset:]) for s in rest]
-        texts = self._decode_batch([w for pair in windows for w in pair],
-                                   [s.skip_special_tokens for s in rest for _ in (0, 1)])
+        windows = [(s.decode_ids[s.prefix_offset : s.read_offset], s.decode_ids[s.prefix_offset :]) for s in rest]
+        texts = self._decode_batch(
+            [w for pair in windows for w in pair], [s.skip_special_tokens for s in rest for _ in (0, 1)]
+        )
         for k, state in enumerate(rest):
             prefix_text, new_text = texts[2 * k], texts[2 * k + 1]
             if len(new_text) > len(prefix_text) and (rest_flush[k] or not new_text.endswith(REPLACEMENT_CHAR)):
-                state.text += new_text[len(prefix_text):]
+                state.text += new_text[len(prefix_text) :]
                 state.prefix_offset = state.read_offset
                 state.read_offset = len(state.decode_ids)
 
@@ -256,7 +283,7 @@ class Detokenizer:
         if stream is None:
             from tokenizers.decoders import DecodeStream
 
-            window = ids[state.prefix_offset:state.read_offset]
+            window = ids[state.prefix_offset : state.read_offset]
             if backend.decode(window, skip_special_tokens=state.skip_special_tokens).endswith(REPLACEMENT_CHAR):
                 # the context ends inside a character (a prompt given as ids, cut there): the
                 # stream would count that character's text as the output's
@@ -296,10 +323,10 @@ class Detokenizer:
         emit_len = len(state.text) if finished else len(state.text) - self._holdback(state)
         if not finished and len(state.ids) - state.sent_ids < state.stream_interval:
             return
-        delta = state.text[state.sent_len:emit_len]
+        delta = state.text[state.sent_len : emit_len]
         if not delta and not finished and len(state.ids) == state.sent_ids:
             return
-        ids_delta = state.ids[state.sent_ids:]
+        ids_delta = state.ids[state.sent_ids :]
         state.sent_len = max(state.sent_len, emit_len)
         state.sent_ids = len(state.ids)
         if finished:
@@ -312,12 +339,20 @@ class Detokenizer:
             assert output_lists is not None  # set by the first _add_logprobs
             num_logprobs_delta = len(output_lists) - state.sent_logprobs
             state.sent_logprobs += num_logprobs_delta
-        self.deliver(GenerateOutput(
-            rid=out.rid, text=state.text[:state.sent_len], text_delta=delta,
-            output_ids=IdsPrefix(state.ids), ids_delta=ids_delta, prompt_tokens=out.prompt_tokens,
-            cached_tokens=out.cached_tokens, finish_reason=state.finish_reason,
-            logprobs=logprobs, num_logprobs_delta=num_logprobs_delta,
-        ))
+        self.deliver(
+            GenerateOutput(
+                rid=out.rid,
+                text=state.text[: state.sent_len],
+                text_delta=delta,
+                output_ids=IdsPrefix(state.ids),
+                ids_delta=ids_delta,
+                prompt_tokens=out.prompt_tokens,
+                cached_tokens=out.cached_tokens,
+                finish_reason=state.finish_reason,
+                logprobs=logprobs,
+                num_logprobs_delta=num_logprobs_delta,
+            )
+        )
 
     def _stream_chunk(self, out: TokenOut, state: DecodeState) -> None:
         """`_finish_chunk` for the step of a running request with no stop strings and no
@@ -328,15 +363,18 @@ class Detokenizer:
         if not state.stream or num_ids - state.sent_ids < state.stream_interval:
             return
         text = state.text
-        delta = text[state.sent_len:]
+        delta = text[state.sent_len :]
         if not delta and num_ids == state.sent_ids:
             return
-        ids_delta = ids[state.sent_ids:]
+        ids_delta = ids[state.sent_ids :]
         state.sent_len = len(text)
         state.sent_ids = num_ids
         # (positional: rid, text, text_delta, output_ids, ids_delta, prompt_tokens, cached_tokens)
-        self.deliver(GenerateOutput(out.rid, text, delta, IdsPrefix(ids, num_ids), ids_delta,
-                                    out.prompt_tokens, out.cached_tokens))
+        self.deliver(
+            GenerateOutput(
+                out.rid, text, delta, IdsPrefix(ids, num_ids), ids_delta, out.prompt_tokens, out.cached_tokens
+            )
+        )
 
     def token_text(self, token_id: int) -> str:
         """The text one token adds after other text (as in logprob entries), so that the
@@ -351,7 +389,7 @@ class Detokenizer:
                 anchor = self._anchor = self.tokenizer.encode("a", add_special_tokens=False)[-1]
             decode = _decode_one(self.tokenizer)
             both, alone = decode([anchor, token_id]), decode([anchor])
-            text = both[len(alone):] if both.startswith(alone) else decode([token_id])
+            text = both[len(alone) :] if both.startswith(alone) else decode([token_id])
             if len(cache) < 1 << 20:
                 cache[token_id] = text
         return text
@@ -359,14 +397,17 @@ class Detokenizer:
     def _entry(self, logprob: float | None, token_id: int, with_text: bool) -> list[Any]:
         return [json_safe_logprob(logprob), token_id, self.token_text(token_id) if with_text else None]
 
-    def _entries(self, items: TokenLogprobs, ids: list[int], prefix: str, with_text: bool,
-                 lists: dict[str, list | None]) -> None:
+    def _entries(
+        self, items: TokenLogprobs, ids: list[int], prefix: str, with_text: bool, lists: dict[str, list | None]
+    ) -> None:
         chosen = lists.get(f"{prefix}_token_logprobs")
         if chosen is None:
             chosen = lists[f"{prefix}_token_logprobs"] = []
         chosen.extend(self._entry(lp, t, with_text) for lp, t in zip(items.token_logprobs, ids))
-        for key, alts in ((f"{prefix}_top_logprobs", items.top_logprobs),
-                          (f"{prefix}_token_ids_logprobs", items.token_ids_logprobs)):
+        for key, alts in (
+            (f"{prefix}_top_logprobs", items.top_logprobs),
+            (f"{prefix}_token_ids_logprobs", items.token_ids_logprobs),
+        ):
             if alts is None:
                 lists.setdefault(key, None)
                 continue
@@ -402,7 +443,7 @@ class Detokenizer:
                 best = (pos, stop)
         if best is None:
             return False
-        state.text = state.text[:best[0] + (len(best[1]) if state.no_stop_trim else 0)]
+        state.text = state.text[: best[0] + (len(best[1]) if state.no_stop_trim else 0)]
         state.finish_reason = FinishReason.stop(best[1])
         return True
 

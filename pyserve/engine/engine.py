@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any, AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 from pyserve.config import ServerArgs
 from pyserve.engine.engine_core import EngineCore
@@ -38,8 +39,7 @@ class Engine:
         self.server_args = server_args or ServerArgs(**kwargs)
         self.core = EngineCore(self.server_args)
         self._loop = _new_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="pyserve-engine-loop",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._loop.run_forever, name="pyserve-engine-loop", daemon=True)
         self._thread.start()
         try:
             self._call(self.core.start())
@@ -51,15 +51,21 @@ class Engine:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     @staticmethod
-    def _request(prompt: str | list[str] | None, sampling_params: Any, input_ids: Any,
-                 stream: bool, options: dict[str, Any]) -> GenerateReqInput:
-        return GenerateReqInput(text=prompt, input_ids=input_ids, sampling_params=sampling_params,
-                                stream=stream, **options)
+    def _request(
+        prompt: str | list[str] | None, sampling_params: Any, input_ids: Any, stream: bool, options: dict[str, Any]
+    ) -> GenerateReqInput:
+        return GenerateReqInput(
+            text=prompt, input_ids=input_ids, sampling_params=sampling_params, stream=stream, **options
+        )
 
-    def generate(self, prompt: str | list[str] | None = None,
-                 sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
-                 input_ids: list[int] | list[list[int]] | None = None,
-                 stream: bool = False, **options: Any) -> Any:
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        stream: bool = False,
+        **options: Any,
+    ) -> Any:
         """Generate from one prompt (dict), a list (list of dicts) or, with stream=True, one
         prompt as an iterator of chunk dicts. `options`: other /generate fields
         (return_logprob, logprob_start_len, top_logprobs_num, token_ids_logprob,
@@ -84,10 +90,14 @@ class Engine:
         finally:
             self._call(agen.aclose())
 
-    async def async_generate(self, prompt: str | list[str] | None = None,
-                             sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
-                             input_ids: list[int] | list[list[int]] | None = None,
-                             stream: bool = False, **options: Any) -> Any:
+    async def async_generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        stream: bool = False,
+        **options: Any,
+    ) -> Any:
         """Like generate, awaitable from any event loop; with stream=True returns an async
         iterator of chunk dicts."""
         obj = self._request(prompt, sampling_params, input_ids, stream, options)
@@ -118,19 +128,24 @@ class Engine:
         """End the request `rid` (and those the engine derived from it: the prompts of a
         batch, the samples of n > 1), or all with `abort_all`; their outputs finish with
         reason abort. Returns how many were ended. Any thread."""
+
         async def abort() -> int:
             return self.core.abort_request(rid, abort_all=abort_all)
+
         return self._call(abort())
 
     def flush_cache(self) -> bool:
         """Empty the radix cache; False (nothing changed) while requests run. Any thread."""
+
         async def flush() -> bool:
             return self.core.flush_cache()
+
         return self._call(flush())
 
     def get_server_info(self) -> dict[str, Any]:
         async def info() -> dict[str, Any]:
             return self.core.get_server_info()
+
         return self._call(info())
 
     def shutdown(self) -> None:
@@ -146,7 +161,7 @@ class Engine:
         self._thread.join(timeout=30)
         self._loop.close()
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc: Any) -> None:

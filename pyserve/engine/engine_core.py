@@ -13,7 +13,8 @@ import gc
 import logging
 import os
 import time
-from typing import Any, AsyncGenerator, AsyncIterator, cast
+from collections.abc import AsyncGenerator
+from typing import Any, cast
 
 import torch
 
@@ -63,30 +64,47 @@ class EngineCore:
         await loop.run_in_executor(None, self._load)
         args = self.server_args
         runner = self.model_runner
-        self.kv_cache = KVCache(runner.max_total_num_tokens, args.max_running_requests,
-                                self.context_len, disable_radix_cache=args.disable_radix_cache,
-                                page_size=args.page_size)
+        self.kv_cache = KVCache(
+            runner.max_total_num_tokens,
+            args.max_running_requests,
+            self.context_len,
+            disable_radix_cache=args.disable_radix_cache,
+            page_size=args.page_size,
+        )
         mc = runner.model_config
         # on CUDA the worker captures the decode graphs before it is ready: not on the loop
         self.worker = await loop.run_in_executor(
-            None, ModelWorker, runner, self.kv_cache.num_rows, self.kv_cache.max_context_len, mc.vocab_size)
-        self.scheduler = Scheduler(self.kv_cache, self.worker, self.context_len,
-                                   args.max_running_requests, args.max_prefill_tokens,
-                                   emit=self._emit, stats_interval_s=args.stats_interval_s,
-                                   overlap=not args.disable_overlap_schedule,
-                                   chunked_prefill_size=args.resolved_chunked_prefill_size(
-                                       _device_memory_bytes(str(runner.device))),
-                                   enable_mixed_chunk=args.enable_mixed_chunk,
-                                   schedule_policy=args.schedule_policy, random_seed=args.random_seed,
-                                   enable_priority_scheduling=args.enable_priority_scheduling,
-                                   low_priority_values_first=args.schedule_low_priority_values_first,
-                                   preemption_threshold=args.priority_scheduling_preemption_threshold,
-                                   schedule_conservativeness=args.schedule_conservativeness)
+            None, ModelWorker, runner, self.kv_cache.num_rows, self.kv_cache.max_context_len, mc.vocab_size
+        )
+        self.scheduler = Scheduler(
+            self.kv_cache,
+            self.worker,
+            self.context_len,
+            args.max_running_requests,
+            args.max_prefill_tokens,
+            emit=self._emit,
+            stats_interval_s=args.stats_interval_s,
+            overlap=not args.disable_overlap_schedule,
+            chunked_prefill_size=args.resolved_chunked_prefill_size(_device_memory_bytes(str(runner.device))),
+            enable_mixed_chunk=args.enable_mixed_chunk,
+            schedule_policy=args.schedule_policy,
+            random_seed=args.random_seed,
+            enable_priority_scheduling=args.enable_priority_scheduling,
+            low_priority_values_first=args.schedule_low_priority_values_first,
+            preemption_threshold=args.priority_scheduling_preemption_threshold,
+            schedule_conservativeness=args.schedule_conservativeness,
+        )
         self.tokenizer_manager = TokenizerManager(
-            self.tokenizer, self.scheduler, self.context_len, runner.max_total_num_tokens,
-            vocab_size=mc.vocab_size, eos_token_ids=frozenset(mc.eos_token_ids),
-            stream_interval=args.stream_interval, max_queued_requests=args.max_queued_requests,
-            abort_on_priority_when_disabled=args.abort_on_priority_when_disabled)
+            self.tokenizer,
+            self.scheduler,
+            self.context_len,
+            runner.max_total_num_tokens,
+            vocab_size=mc.vocab_size,
+            eos_token_ids=frozenset(mc.eos_token_ids),
+            stream_interval=args.stream_interval,
+            max_queued_requests=args.max_queued_requests,
+            abort_on_priority_when_disabled=args.abort_on_priority_when_disabled,
+        )
         self._scheduler_task = asyncio.create_task(self.scheduler.run(), name="pyserve-scheduler")
         self._tasks = [
             self._scheduler_task,
@@ -132,13 +150,21 @@ class EngineCore:
             return
         logger.info("loading model from %s", self.model_path)
         self.model_runner = ModelRunner(
-            self.model_path, dtype=args.dtype, device=args.resolved_device,
-            context_length=args.context_length, max_total_tokens=args.max_total_tokens,
-            mem_fraction_static=args.mem_fraction_static, random_seed=args.random_seed,
-            page_size=args.page_size, load_format=args.load_format,
-            attention_backend=args.attention_backend, disable_cuda_graph=args.disable_cuda_graph,
-            cuda_graph_max_bs=args.cuda_graph_max_bs, cuda_graph_bs=args.cuda_graph_bs,
-            max_running_requests=args.max_running_requests)
+            self.model_path,
+            dtype=args.dtype,
+            device=args.resolved_device,
+            context_length=args.context_length,
+            max_total_tokens=args.max_total_tokens,
+            mem_fraction_static=args.mem_fraction_static,
+            random_seed=args.random_seed,
+            page_size=args.page_size,
+            load_format=args.load_format,
+            attention_backend=args.attention_backend,
+            disable_cuda_graph=args.disable_cuda_graph,
+            cuda_graph_max_bs=args.cuda_graph_max_bs,
+            cuda_graph_bs=args.cuda_graph_bs,
+            max_running_requests=args.max_running_requests,
+        )
         self._describe_model()
 
     def _describe_model(self) -> None:
@@ -146,11 +172,19 @@ class EngineCore:
         mc = self.model_runner.model_config
         self.context_len = mc.context_len
         self.model_name = args.served_model_name or _default_name(self.model_path)
-        logger.info("model %s (%s) loaded: dtype=%s device=%s context_length=%d",
-                    self.model_name, mc.architecture, str(self.model_runner.dtype).removeprefix("torch."),
-                    self.model_runner.device, self.context_len)
-        logger.info("KV pool: %d tokens, %.1f MiB", self.model_runner.max_total_num_tokens,
-                    self.model_runner.kv_cache_bytes / 2**20)
+        logger.info(
+            "model %s (%s) loaded: dtype=%s device=%s context_length=%d",
+            self.model_name,
+            mc.architecture,
+            str(self.model_runner.dtype).removeprefix("torch."),
+            self.model_runner.device,
+            self.context_len,
+        )
+        logger.info(
+            "KV pool: %d tokens, %.1f MiB",
+            self.model_runner.max_total_num_tokens,
+            self.model_runner.kv_cache_bytes / 2**20,
+        )
 
     async def shutdown(self) -> None:
         if not self.started:
@@ -304,7 +338,10 @@ class EngineCore:
             return self.model_name
         raise InvalidRequestError(
             f"The model `{requested}` does not exist; this server serves `{self.model_name}`.",
-            param="model", code="model_not_found", status=404)
+            param="model",
+            code="model_not_found",
+            status=404,
+        )
 
     # ---- control -------------------------------------------------------------------------------
     def abort_request(self, rid: str | None = None, abort_all: bool = False) -> int:
@@ -335,7 +372,8 @@ class EngineCore:
         request was validated."""
         ids = await self._prompt_ids(req)
         return await asyncio.get_running_loop().run_in_executor(
-            self.tokenizer_manager.executor, lambda: cast(str, self.tokenizer.decode(ids, skip_special_tokens=True)))
+            self.tokenizer_manager.executor, lambda: cast(str, self.tokenizer.decode(ids, skip_special_tokens=True))
+        )
 
     async def prompt_text_offsets(self, req: SingleReq) -> tuple[str, list[int]]:
         """`prompt_text(req)` and the character offset in it where each prompt token's text
@@ -359,14 +397,19 @@ class EngineCore:
         the messages."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError(
-                "this model has no chat template; start the server with --chat-template FILE",
-                param="messages")
+                "this model has no chat template; start the server with --chat-template FILE", param="messages"
+            )
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(
                 self.tokenizer_manager.executor,
-                lambda: cast(str, self.tokenizer.apply_chat_template(  # tokenize=False: the text
-                    messages, tokenize=False, **({"add_generation_prompt": True} | kwargs))))
+                lambda: cast(
+                    str,
+                    self.tokenizer.apply_chat_template(  # tokenize=False: the text
+                        messages, tokenize=False, **({"add_generation_prompt": True} | kwargs)
+                    ),
+                ),
+            )
         except Exception as exc:  # jinja errors: the template refused these messages
             raise InvalidRequestError(f"chat template failed: {exc}", param="messages") from exc
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from pyserve.forward_batch_info import FinishReason
 from pyserve.io_struct import GenerateOutput, SingleReq, TokenizedGenerateReq
@@ -38,10 +38,17 @@ def derived_rids(rid: str, n: int) -> list[str]:
 
 def aborted_output(treq: TokenizedGenerateReq, index: int | None) -> GenerateOutput:
     """The final output of a sample that never started (its prefill was aborted)."""
-    return GenerateOutput(rid=treq.rid, text="", text_delta="", output_ids=[], ids_delta=[],
-                          prompt_tokens=len(treq.input_ids), cached_tokens=0,
-                          finish_reason=FinishReason.abort("aborted by /abort_request"),
-                          index=index)
+    return GenerateOutput(
+        rid=treq.rid,
+        text="",
+        text_delta="",
+        output_ids=[],
+        ids_delta=[],
+        prompt_tokens=len(treq.input_ids),
+        cached_tokens=0,
+        finish_reason=FinishReason.abort("aborted by /abort_request"),
+        index=index,
+    )
 
 
 def expand(req: SingleReq, treq: TokenizedGenerateReq) -> list[tuple[SingleReq, TokenizedGenerateReq]]:
@@ -53,8 +60,12 @@ def expand(req: SingleReq, treq: TokenizedGenerateReq) -> list[tuple[SingleReq, 
         sp = req.sampling_params.model_copy(update={"n": 1, "seed": sample_seed(req.sampling_params.seed, i)})
         rid = sample_rid(req.rid, i) if n > 1 else req.rid
         logprob = dataclasses.replace(treq.logprob)
-        out.append((dataclasses.replace(req, rid=rid, sampling_params=sp, logprob=logprob),
-                    dataclasses.replace(treq, rid=rid, sampling_params=sp, logprob=logprob)))
+        out.append(
+            (
+                dataclasses.replace(req, rid=rid, sampling_params=sp, logprob=logprob),
+                dataclasses.replace(treq, rid=rid, sampling_params=sp, logprob=logprob),
+            )
+        )
     return out
 
 
@@ -64,8 +75,10 @@ def prefill_only(req: SingleReq, treq: TokenizedGenerateReq) -> tuple[SingleReq,
     sp = req.sampling_params.model_copy(update={"n": 1, "max_new_tokens": 0, "stop": None})
     rid = f"{req.rid}-prefill"
     lp = dataclasses.replace(treq.logprob, return_logprob=False, logprob_start_len=None)
-    return (dataclasses.replace(req, rid=rid, sampling_params=sp, stream=False, logprob=lp),
-            dataclasses.replace(treq, rid=rid, sampling_params=sp, logprob=lp))
+    return (
+        dataclasses.replace(req, rid=rid, sampling_params=sp, stream=False, logprob=lp),
+        dataclasses.replace(treq, rid=rid, sampling_params=sp, logprob=lp),
+    )
 
 
 async def merge(streams: list[AsyncIterator[GenerateOutput]]) -> AsyncIterator[GenerateOutput]:

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from pyserve.engine.schedule_batch import Req
 from pyserve.engine.schedule_policy import reserved_tokens, span_tokens
@@ -30,18 +31,18 @@ logger = logging.getLogger("pyserve.engine.scheduler")
 # SGLang's steps of headroom in the new estimate after a retraction
 RETRACT_DECODE_STEPS = 20
 # the priority of a request that gives none under priority scheduling (SGLang's values)
-LEAST_URGENT = -(2 ** 63)
-LEAST_URGENT_LOW_FIRST = 2 ** 63 - 1
+LEAST_URGENT = -(2**63)
+LEAST_URGENT_LOW_FIRST = 2**63 - 1
 
 
 class Retraction:
     """The scheduler's retraction and priority methods (see the module docstring)."""
 
-    kv_cache: "KVCache"
+    kv_cache: KVCache
     running: list[Req]
     waiting: deque[Req]
     chunked_req: Req | None
-    policy: "SchedulePolicy"
+    policy: SchedulePolicy
     inflight: deque
     max_running_requests: int
     enable_priority_scheduling: bool
@@ -69,8 +70,11 @@ class Retraction:
             # a prompt being prefilled in chunks has no output yet (the first pick of
             # SGLang's rule) and holds its chunks: it goes back, they stay cached
             self._send_back(chunked)
-            logger.warning("KV pool full: retracted the prefill of request %s (%d tokens so far)",
-                           chunked.rid, len(chunked.origin_input_ids))
+            logger.warning(
+                "KV pool full: retracted the prefill of request %s (%d tokens so far)",
+                chunked.rid,
+                len(chunked.origin_input_ids),
+            )
             return
         live = [r for r in self.running if not r.finished]
         if len(live) == 1:
@@ -135,8 +139,10 @@ class Retraction:
         victim = min(reversed(candidates), key=self._urgency)
         if urgency <= self._urgency(victim):
             return False
-        self.finish_request(victim.rid, FinishReason.abort(
-            "the request was let go from the full queue for a more urgent one", status_code=503))
+        self.finish_request(
+            victim.rid,
+            FinishReason.abort("the request was let go from the full queue for a more urgent one", status_code=503),
+        )
         return True
 
     def _order_waiting(self) -> None:
@@ -151,16 +157,22 @@ class Retraction:
         less urgent than the waiting `head` (least urgent first, then the newest) until it
         has a row and its KV fits. True if it now fits; with steps in flight, asks for a
         drain first (their KV is being written) and returns False."""
-        victims = sorted((r for r in reversed(self.running) if not r.finished  # newest first
-                          and self._urgency(head) - self._urgency(r) > self.preemption_threshold),
-                         key=self._urgency)
+        victims = sorted(
+            (
+                r
+                for r in reversed(self.running)
+                if not r.finished  # newest first
+                and self._urgency(head) - self._urgency(r) > self.preemption_threshold
+            ),
+            key=self._urgency,
+        )
         if not victims:
             return False
         kv = self.kv_cache
         # as SGLang: preempt only when the victims (least urgent first) free enough
-        short = (span_tokens(int(kv.match_lens([head.prefix_key()])[0]),
-                             head.seq_len + reserved_tokens(head), kv.page_size)
-                 - (kv.available_size() - self._reserved()))
+        short = span_tokens(
+            int(kv.match_lens([head.prefix_key()])[0]), head.seq_len + reserved_tokens(head), kv.page_size
+        ) - (kv.available_size() - self._reserved())
         rows_short = len(self.running) + 1 > self.max_running_requests or kv.free_req_rows() <= 1
         chosen: list[Req] = []
         for victim in victims:
@@ -177,8 +189,13 @@ class Retraction:
             return False
         for victim in chosen:
             self._send_back(victim)
-            logger.info("preempted request %s (priority %d) for %s (priority %d)",
-                        victim.rid, victim.priority, head.rid, head.priority)
+            logger.info(
+                "preempted request %s (priority %d) for %s (priority %d)",
+                victim.rid,
+                victim.priority,
+                head.rid,
+                head.priority,
+            )
         return True
 
     def _reserved(self) -> int:

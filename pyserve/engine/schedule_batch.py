@@ -25,13 +25,12 @@ from pyserve.io_struct import LogprobParams
 from pyserve.mem_cache.kv_cache import BatchArrays
 from pyserve.sampling_params import SamplingParams
 
-
 # (attrgetters: the per-step passes over a batch's requests run in C)
 _GREEDY = attrgetter("greedy")
 _RETURN_LOGPROB = attrgetter("return_logprob")
 
 
-def decodable(reqs: list["Req"]) -> list["Req"]:
+def decodable(reqs: list[Req]) -> list[Req]:
     """The requests of `reqs` that the next decode step should include: running, and their
     planned tokens short of max_new_tokens (a length finish is known ahead, so it costs no
     extra step). One comprehension, no call per request: it runs over every running request
@@ -65,9 +64,16 @@ class Req:
         device without a host round trip), so a retracted request continues the same stream.
     """
 
-    def __init__(self, rid: str, input_ids: np.ndarray | list[int], sampling_params: SamplingParams,
-                 max_new_tokens: int, stop_token_ids: frozenset[int],
-                 logprob: LogprobParams | None = None, generator_device: str = "cpu") -> None:
+    def __init__(
+        self,
+        rid: str,
+        input_ids: np.ndarray | list[int],
+        sampling_params: SamplingParams,
+        max_new_tokens: int,
+        stop_token_ids: frozenset[int],
+        logprob: LogprobParams | None = None,
+        generator_device: str = "cpu",
+    ) -> None:
         self.rid = rid
         self.origin_input_ids = np.asarray(input_ids, dtype=np.int32)
         self.sampling_params = sampling_params
@@ -120,8 +126,12 @@ class Req:
     @property
     def wants_input_logprobs(self) -> bool:
         lp = self.logprob
-        return (lp.return_logprob and lp.logprob_start_len is not None and not self.input_logprobs_done
-                and lp.logprob_start_len < len(self.origin_input_ids))
+        return (
+            lp.return_logprob
+            and lp.logprob_start_len is not None
+            and not self.input_logprobs_done
+            and lp.logprob_start_len < len(self.origin_input_ids)
+        )
 
     def prefix_key(self) -> np.ndarray:
         """[n] int32: the tokens whose cached KV it may reuse (fill_ids up to max_prefix_len),
@@ -129,7 +139,7 @@ class Req:
         is retracted)."""
         key = self._prefix_key
         if key is None or self._prefix_key_outputs != len(self.output_ids):
-            key = self.fill_ids()[:self.max_prefix_len()]
+            key = self.fill_ids()[: self.max_prefix_len()]
             self._prefix_key, self._prefix_key_outputs = key, len(self.output_ids)
         return key
 
@@ -175,9 +185,15 @@ class Req:
             seen = self.fill_ids()
         outputs = np.asarray(self.output_ids, dtype=np.int32) if sp.has_penalties and self.output_ids else None
         assert self.req_pool_idx is not None
-        return SamplingRow(self.req_pool_idx, sp, self.stop_token_ids, seen_ids=seen,
-                           output_ids=outputs, num_sampled=len(self.output_ids),
-                           generator=self.generator)
+        return SamplingRow(
+            self.req_pool_idx,
+            sp,
+            self.stop_token_ids,
+            seen_ids=seen,
+            output_ids=outputs,
+            num_sampled=len(self.output_ids),
+            generator=self.generator,
+        )
 
 
 @dataclass
@@ -195,41 +211,59 @@ class ScheduleBatch:
         return self.plan.forward_mode
 
     @classmethod
-    def extend(cls, reqs: list[Req], fill: list[np.ndarray], arrays: BatchArrays,
-               released_rows: list[int], step_id: int, partial: Req | None = None,
-               decodes: list[Req] | None = None) -> "ScheduleBatch":
+    def extend(
+        cls,
+        reqs: list[Req],
+        fill: list[np.ndarray],
+        arrays: BatchArrays,
+        released_rows: list[int],
+        step_id: int,
+        partial: Req | None = None,
+        decodes: list[Req] | None = None,
+    ) -> ScheduleBatch:
         """An EXTEND step: `fill[i]` are request i's tokens up to the end of this step; those
         after its prefix are new. Every request of it but `partial` (a prompt chunk that is
         not the last) starts its sampling row. `decodes`: running requests that decode one
         token each in the same step (a mixed chunk; rows after `reqs`, inputs on the worker)."""
         decodes = decodes or []
-        input_ids = np.concatenate([f[r.prefix_len:] for f, r in zip(fill, reqs)], dtype=np.int32)
+        input_ids = np.concatenate([f[r.prefix_len :] for f, r in zip(fill, reqs)], dtype=np.int32)
         for r, row in zip(reqs, arrays.req_pool_indices.tolist()):
             r.req_pool_idx = row
         prefills, reqs = reqs, reqs + decodes
         plan = StepPlan(
-            ForwardMode.EXTEND, req_pool_indices=arrays.req_pool_indices,
-            seq_lens=arrays.seq_lens, positions=arrays.positions,
-            out_cache_loc=arrays.out_cache_loc, input_ids=input_ids,
-            prefix_lens=arrays.prefix_lens, extend_lens=arrays.extend_lens,
-            row_slots=arrays.kv_indices, num_decode_rows=len(decodes),
+            ForwardMode.EXTEND,
+            req_pool_indices=arrays.req_pool_indices,
+            seq_lens=arrays.seq_lens,
+            positions=arrays.positions,
+            out_cache_loc=arrays.out_cache_loc,
+            input_ids=input_ids,
+            prefix_lens=arrays.prefix_lens,
+            extend_lens=arrays.extend_lens,
+            row_slots=arrays.kv_indices,
+            num_decode_rows=len(decodes),
             new_sampling_rows=[r.sampling_row() for r in prefills if r is not partial],
             released_rows=released_rows,
             all_greedy=all(r.greedy for r in reqs if r is not partial),
-            logprob_info=_logprob_info(reqs, extend=True, partial=partial), step_id=step_id)
+            logprob_info=_logprob_info(reqs, extend=True, partial=partial),
+            step_id=step_id,
+        )
         return cls(reqs, plan, partial)
 
     @classmethod
-    def decode(cls, reqs: list[Req], arrays: BatchArrays, released_rows: list[int],
-               step_id: int) -> "ScheduleBatch":
+    def decode(cls, reqs: list[Req], arrays: BatchArrays, released_rows: list[int], step_id: int) -> ScheduleBatch:
         """A DECODE step: one new token per request; its input is the request's last sampled
         token, which the worker reads from its token table."""
         plan = StepPlan(
-            ForwardMode.DECODE, req_pool_indices=arrays.req_pool_indices,
-            seq_lens=arrays.seq_lens, positions=arrays.positions,
-            out_cache_loc=arrays.out_cache_loc, released_rows=released_rows,
+            ForwardMode.DECODE,
+            req_pool_indices=arrays.req_pool_indices,
+            seq_lens=arrays.seq_lens,
+            positions=arrays.positions,
+            out_cache_loc=arrays.out_cache_loc,
+            released_rows=released_rows,
             all_greedy=all(map(_GREEDY, reqs)),
-            logprob_info=_logprob_info(reqs, extend=False), step_id=step_id)
+            logprob_info=_logprob_info(reqs, extend=False),
+            step_id=step_id,
+        )
         return cls(reqs, plan)
 
 

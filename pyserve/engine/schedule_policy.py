@@ -123,9 +123,16 @@ class PrefillAdder:
     admitted request's `extend_end` says where its part of this batch ends.
     """
 
-    def __init__(self, kv_cache: KVCache, running: list[Req], max_running_requests: int,
-                 max_prefill_tokens: int, chunk_size: int | None = None,
-                 chunked_req: Req | None = None, new_token_ratio: float = 1.0) -> None:
+    def __init__(
+        self,
+        kv_cache: KVCache,
+        running: list[Req],
+        max_running_requests: int,
+        max_prefill_tokens: int,
+        chunk_size: int | None = None,
+        chunked_req: Req | None = None,
+        new_token_ratio: float = 1.0,
+    ) -> None:
         self.kv_cache = kv_cache
         self.num_running = len(running)
         self.max_running_requests = max_running_requests
@@ -180,8 +187,7 @@ class PrefillAdder:
         req.prefix_len = kv_len  # the stored tokens: the next chunk starts after them
         remaining = len(fill_ids) - kv_len
         # the rest of its prompt and its output stay reserved
-        self._take(req, remaining, span_tokens(kv_len, len(fill_ids) + reserved_tokens(req),
-                                               self.kv_cache.page_size))
+        self._take(req, remaining, span_tokens(kv_len, len(fill_ids) + reserved_tokens(req), self.kv_cache.page_size))
 
     def _take(self, req: Req, extend_len: int, need: int) -> None:
         """Admit `req` into the batch with the part of its `extend_len` new tokens that fits

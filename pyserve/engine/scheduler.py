@@ -29,14 +29,14 @@ import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Callable
 
 import numpy as np
 
-from pyserve.engine.schedule_batch import Req, ScheduleBatch, decodable
 from pyserve.engine.retraction import Retraction
+from pyserve.engine.schedule_batch import Req, ScheduleBatch, decodable
 from pyserve.engine.schedule_policy import PrefillAdder, SchedulePolicy
 from pyserve.engine.worker import ModelWorker
 from pyserve.forward_batch_info import FinishReason, ForwardMode, StepOutput, TokenLogprobs
@@ -80,14 +80,25 @@ class Scheduler(Retraction):
     """Owns the waiting queue, the running requests and the KV bookkeeping (giving KV back,
     by retraction or priority preemption, is `Retraction`'s part)."""
 
-    def __init__(self, kv_cache: KVCache, worker: ModelWorker, context_len: int,
-                 max_running_requests: int, max_prefill_tokens: int,
-                 emit: Callable[[list[TokenOut]], None], stats_interval_s: float = 10.0,
-                 overlap: bool = True, chunked_prefill_size: int | None = None,
-                 enable_mixed_chunk: bool = False, schedule_policy: str = "fcfs",
-                 random_seed: int | None = None, enable_priority_scheduling: bool = False,
-                 low_priority_values_first: bool = False, preemption_threshold: int = 10,
-                 schedule_conservativeness: float = 1.0) -> None:
+    def __init__(
+        self,
+        kv_cache: KVCache,
+        worker: ModelWorker,
+        context_len: int,
+        max_running_requests: int,
+        max_prefill_tokens: int,
+        emit: Callable[[list[TokenOut]], None],
+        stats_interval_s: float = 10.0,
+        overlap: bool = True,
+        chunked_prefill_size: int | None = None,
+        enable_mixed_chunk: bool = False,
+        schedule_policy: str = "fcfs",
+        random_seed: int | None = None,
+        enable_priority_scheduling: bool = False,
+        low_priority_values_first: bool = False,
+        preemption_threshold: int = 10,
+        schedule_conservativeness: float = 1.0,
+    ) -> None:
         self.kv_cache = kv_cache
         self.worker = worker
         self.context_len = context_len
@@ -109,7 +120,9 @@ class Scheduler(Retraction):
         # admission reserves; it decays per decode step and a retraction raises it again
         self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * schedule_conservativeness, 1.0)
         self.min_new_token_ratio = min(self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR, 1.0)
-        self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
+        self.new_token_ratio_decay = (
+            self.init_new_token_ratio - self.min_new_token_ratio
+        ) / NEW_TOKEN_RATIO_DECAY_STEPS
         self.new_token_ratio = self.init_new_token_ratio
         # seeded requests draw from a generator on the model's device
         self.generator_device = str(getattr(getattr(worker, "model_runner", None), "device", "cpu"))
@@ -134,8 +147,15 @@ class Scheduler(Retraction):
         # A request must fit alone in both the context and the KV pool.
         room = min(self.context_len, self.kv_cache.max_total_tokens) - len(treq.input_ids)
         max_new = room if sp.max_new_tokens is None else min(sp.max_new_tokens, room)
-        req = Req(treq.rid, treq.input_ids, sp, max_new, treq.stop_token_ids, treq.logprob,
-                  generator_device=self.generator_device)
+        req = Req(
+            treq.rid,
+            treq.input_ids,
+            sp,
+            max_new,
+            treq.stop_token_ids,
+            treq.logprob,
+            generator_device=self.generator_device,
+        )
         req.quiet = treq.quiet
         req.priority = treq.priority
         self.reqs[req.rid] = req
@@ -245,8 +265,11 @@ class Scheduler(Retraction):
         if not self.overlap or len(self.inflight) != 2:
             return False
         newer = self.inflight[-1].batch
-        return (newer.forward_mode is ForwardMode.EXTEND and newer.plan.num_decode_rows == 0
-                and all(r.num_inflight == 1 for r in newer.reqs))
+        return (
+            newer.forward_mode is ForwardMode.EXTEND
+            and newer.plan.num_decode_rows == 0
+            and all(r.num_inflight == 1 for r in newer.reqs)
+        )
 
     def _step_done(self, future: asyncio.Future) -> None:
         """The worker resolved `future` (a step's output). Runs on the loop, right when the
@@ -268,7 +291,7 @@ class Scheduler(Retraction):
             req.num_inflight += 1
             req.num_planned += 1
         if batch.forward_mode is ForwardMode.EXTEND:  # its prefills join (decode rows are in)
-            prefills = batch.reqs[:len(batch.reqs) - batch.plan.num_decode_rows]
+            prefills = batch.reqs[: len(batch.reqs) - batch.plan.num_decode_rows]
             self.running.extend(r for r in prefills if r is not batch.partial)
         if batch.partial is not None:
             batch.partial.num_planned -= 1  # a prompt chunk plans no output token
@@ -306,20 +329,38 @@ class Scheduler(Retraction):
                 return batch
         # a full batch admits nothing (unless a more urgent request may preempt): skip the
         # ordering and the admission pass, which cost O(waiting + running) per step
-        full = (chunked is None and not self.enable_priority_scheduling
-                and len(self.running) >= self.max_running_requests)
+        full = (
+            chunked is None and not self.enable_priority_scheduling and len(self.running) >= self.max_running_requests
+        )
         if (self.waiting and not full) or chunked is not None:
             self._order_waiting()
-            adder = PrefillAdder(self.kv_cache, self.running, self.max_running_requests,
-                                 self.max_prefill_tokens, self.chunked_prefill_size, chunked,
-                                 self.new_token_ratio)
+            adder = PrefillAdder(
+                self.kv_cache,
+                self.running,
+                self.max_running_requests,
+                self.max_prefill_tokens,
+                self.chunked_prefill_size,
+                chunked,
+                self.new_token_ratio,
+            )
             admitted = adder.admit_from(self.waiting)
-            if (not admitted and self.enable_priority_scheduling and self.waiting and chunked is None
-                    and self._preempt_for(self.waiting[0])):
+            if (
+                not admitted
+                and self.enable_priority_scheduling
+                and self.waiting
+                and chunked is None
+                and self._preempt_for(self.waiting[0])
+            ):
                 self._order_waiting()  # the preempted wait behind it again
-                adder = PrefillAdder(self.kv_cache, self.running, self.max_running_requests,
-                                     self.max_prefill_tokens, self.chunked_prefill_size, None,
-                                     self.new_token_ratio)
+                adder = PrefillAdder(
+                    self.kv_cache,
+                    self.running,
+                    self.max_running_requests,
+                    self.max_prefill_tokens,
+                    self.chunked_prefill_size,
+                    None,
+                    self.new_token_ratio,
+                )
                 admitted = adder.admit_from(self.waiting)
             if self._need_drain and not admitted:
                 return None
@@ -370,7 +411,7 @@ class Scheduler(Retraction):
         after all (without `decodes` first)."""
         decodes = decodes or []
         fill = [r.fill_ids() for r in reqs]
-        fill = [f if r.extend_end is None else f[:r.extend_end] for f, r in zip(fill, reqs)]
+        fill = [f if r.extend_end is None else f[: r.extend_end] for f, r in zip(fill, reqs)]
         extend_lens = [len(f) - r.prefix_len for f, r in zip(fill, reqs)]
         ids = [_kv_id(r) for r in reqs]
         arrays = self.kv_cache.prepare_extend(ids + [_kv_id(r) for r in decodes], extend_lens + [1] * len(decodes))
@@ -386,8 +427,7 @@ class Scheduler(Retraction):
             self.chunked_req = None  # a chunked one resumes from its cached chunks
             return None
         partial = self.chunked_req if self.chunked_req in reqs else None
-        return ScheduleBatch.extend(reqs, fill, arrays, self._take_released_rows(), self.num_steps,
-                                    partial, decodes)
+        return ScheduleBatch.extend(reqs, fill, arrays, self._take_released_rows(), self.num_steps, partial, decodes)
 
     def _decode_batch(self) -> ScheduleBatch | None:
         while True:
@@ -397,8 +437,7 @@ class Scheduler(Retraction):
             req_ids = np.fromiter(map(_REQ_ID, reqs), dtype=np.int64, count=len(reqs))
             arrays = self.kv_cache.prepare_decode(req_ids)
             if arrays is not None:
-                self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay,
-                                           self.min_new_token_ratio)
+                self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
                 return ScheduleBatch.decode(reqs, arrays, self._take_released_rows(), self.num_steps)
             if self.inflight:  # retract only once every token in flight is known
                 self._need_drain = True
@@ -424,10 +463,14 @@ class Scheduler(Retraction):
                 req.dropped_ids.append(token)
                 continue
             if i in failed:  # its own parameters left nothing to sample: it alone fails
-                self._end(req, FinishReason.abort(
-                    "the sampling parameters leave no token to sample at output token "
-                    f"{len(req.output_ids)} (every logit banned, or a bias or penalty overflowed)",
-                    status_code=400))
+                self._end(
+                    req,
+                    FinishReason.abort(
+                        "the sampling parameters leave no token to sample at output token "
+                        f"{len(req.output_ids)} (every logit banned, or a bias or penalty overflowed)",
+                        status_code=400,
+                    ),
+                )
                 outs.append(self._out(req))
                 continue
             if req.max_new_tokens == 0:  # a prefill-only request: no output token
@@ -461,7 +504,7 @@ class Scheduler(Retraction):
         """Attach row i's prompt logprobs (once per request) to its TokenOut."""
         if result.input_logprobs is not None and result.input_logprobs[i] is not None:
             out.input_logprobs = result.input_logprobs[i]
-            out.input_logprob_ids = req.origin_input_ids[req.logprob.logprob_start_len:].tolist()
+            out.input_logprob_ids = req.origin_input_ids[req.logprob.logprob_start_len :].tolist()
             req.input_logprobs_done = True
 
     def _end(self, req: Req, reason: FinishReason) -> None:
@@ -516,9 +559,15 @@ class Scheduler(Retraction):
             return
         total = self.kv_cache.max_total_tokens
         used = total - self.kv_cache.free_slots()
-        logger.info("running=%d queued=%d kv_used=%d/%d (%.1f%%) gen_throughput=%.1f tok/s",
-                    len(self.running), len(self.waiting), used, total, 100.0 * used / total,
-                    self.last_gen_throughput)
+        logger.info(
+            "running=%d queued=%d kv_used=%d/%d (%.1f%%) gen_throughput=%.1f tok/s",
+            len(self.running),
+            len(self.waiting),
+            used,
+            total,
+            100.0 * used / total,
+            self.last_gen_throughput,
+        )
 
 
 def _kv_id(req: Req) -> int:

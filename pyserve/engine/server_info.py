@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from pyserve.engine.engine_core import EngineCore
 
 
-def model_info(core: "EngineCore") -> dict[str, Any]:
+def model_info(core: EngineCore) -> dict[str, Any]:
     """SGLang's /get_model_info fields (model_path, tokenizer_path, is_generation,
     preferred_sampling_params, weight_version) and pyserve's own."""
     mc = core.model_runner.model_config
@@ -29,48 +29,56 @@ def model_info(core: "EngineCore") -> dict[str, Any]:
     }
 
 
-def server_info(core: "EngineCore") -> dict[str, Any]:
+def server_info(core: EngineCore) -> dict[str, Any]:
     """SGLang's /get_server_info shape: the server args, the scheduler's figures
     (max_total_num_tokens, max_req_input_len), `internal_states` (one entry per data-parallel
     rank: here one) and version, plus pyserve's live KV figures."""
     kv = core.kv_cache
     sched = core.scheduler
     info: dict[str, Any] = dict(vars(core.server_args))
-    info.update({
-        "model_path": core.model_path,
-        "context_length": core.context_len,
-        "max_total_tokens": kv.max_total_tokens,
-        "max_total_num_tokens": kv.max_total_tokens,
-        "max_req_input_len": min(core.context_len, kv.max_total_tokens) - 1,
-        "status": "ready",
-        "internal_states": [_internal_state(core)],
-        "version": version(),
-        "device": core.model_runner.device,
-        "kv_free_slots": kv.free_slots(),
-        "kv_total_slots": kv.max_total_tokens,
-        "kv_evictable_slots": kv.evictable_slots(),
-        "kv_protected_slots": kv.protected_slots(),
-        "kv_cache_bytes": core.model_runner.kv_cache_bytes,
-        "num_running_reqs": len(sched.running),
-        "num_waiting_reqs": len(sched.waiting),
-        "num_inflight_steps": len(sched.inflight),
-        "num_req_rows_used": kv.num_reqs(),
-        "num_sampling_rows_live": core.worker.num_live_sampling_rows,
-        "num_generated_tokens": sched.num_generated_tokens,
-    })
+    info.update(
+        {
+            "model_path": core.model_path,
+            "context_length": core.context_len,
+            "max_total_tokens": kv.max_total_tokens,
+            "max_total_num_tokens": kv.max_total_tokens,
+            "max_req_input_len": min(core.context_len, kv.max_total_tokens) - 1,
+            "status": "ready",
+            "internal_states": [_internal_state(core)],
+            "version": version(),
+            "device": core.model_runner.device,
+            "kv_free_slots": kv.free_slots(),
+            "kv_total_slots": kv.max_total_tokens,
+            "kv_evictable_slots": kv.evictable_slots(),
+            "kv_protected_slots": kv.protected_slots(),
+            "kv_cache_bytes": core.model_runner.kv_cache_bytes,
+            "num_running_reqs": len(sched.running),
+            "num_waiting_reqs": len(sched.waiting),
+            "num_inflight_steps": len(sched.inflight),
+            "num_req_rows_used": kv.num_reqs(),
+            "num_sampling_rows_live": core.worker.num_live_sampling_rows,
+            "num_generated_tokens": sched.num_generated_tokens,
+        }
+    )
     return info
 
 
-def load_info(core: "EngineCore") -> list[dict[str, Any]]:
+def load_info(core: EngineCore) -> list[dict[str, Any]]:
     """SGLang's /get_load: one entry per data-parallel rank (here one) with the requests
     running and waiting and `num_tokens`, the load the router's policies compare: KV slots held
     by running requests plus the prompt tokens of waiting ones (as SGLang counts)."""
     sched = core.scheduler
-    return [{"dp_rank": 0, "num_reqs": len(sched.running) + len(sched.waiting),
-             "num_waiting_reqs": len(sched.waiting), "num_tokens": sched.load()}]
+    return [
+        {
+            "dp_rank": 0,
+            "num_reqs": len(sched.running) + len(sched.waiting),
+            "num_waiting_reqs": len(sched.waiting),
+            "num_tokens": sched.load(),
+        }
+    ]
 
 
-def _internal_state(core: "EngineCore") -> dict[str, Any]:
+def _internal_state(core: EngineCore) -> dict[str, Any]:
     """What SGLang's scheduler reports per rank and its clients read (bench_serving reads
     `avg_spec_accept_length`, absent without speculative decoding)."""
     kv = core.kv_cache

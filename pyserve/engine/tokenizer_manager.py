@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -57,10 +58,18 @@ class ReqState:
 class TokenizerManager:
     """Tokenizes, validates, tracks and aborts requests. Loop thread only."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, scheduler: Scheduler, context_len: int,
-                 max_total_tokens: int, vocab_size: int, eos_token_ids: frozenset[int],
-                 stream_interval: int = 1, max_queued_requests: int | None = None,
-                 abort_on_priority_when_disabled: bool = False) -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        scheduler: Scheduler,
+        context_len: int,
+        max_total_tokens: int,
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+        stream_interval: int = 1,
+        max_queued_requests: int | None = None,
+        abort_on_priority_when_disabled: bool = False,
+    ) -> None:
         """stream_interval: the server's default tokens per streamed chunk (a request's own
         stream_interval overrides it). max_queued_requests: refuse new requests (503) while
         that many wait for admission; None: no limit. abort_on_priority_when_disabled: a
@@ -102,10 +111,16 @@ class TokenizerManager:
         call."""
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is not None and self._plain_backend:
-            return [np.array(e.ids, dtype=np.int32)
-                    for e in backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
-        return [np.array(ids, dtype=np.int32) for ids in self.tokenizer(
-            texts, add_special_tokens=add_special_tokens, return_attention_mask=False)["input_ids"]]
+            return [
+                np.array(e.ids, dtype=np.int32)
+                for e in backend.encode_batch(texts, add_special_tokens=add_special_tokens)
+            ]
+        return [
+            np.array(ids, dtype=np.int32)
+            for ids in self.tokenizer(texts, add_special_tokens=add_special_tokens, return_attention_mask=False)[
+                "input_ids"
+            ]
+        ]
 
     def _flush_encodes(self) -> None:
         pending, self._pending_encodes = self._pending_encodes, []
@@ -119,7 +134,8 @@ class TokenizerManager:
                     continue
                 try:
                     rows: list[np.ndarray | BaseException] = list(
-                        self._encode_batch([pending[k][0] for k in picked], flag))
+                        self._encode_batch([pending[k][0] for k in picked], flag)
+                    )
                 except Exception:  # one bad text: encode them one by one
                     rows = []
                     for k in picked:
@@ -163,8 +179,8 @@ class TokenizerManager:
             bad = [t for t, ok in zip(input_ids, in_vocab) if not ok][:1] or [input_ids]
         if bad:
             raise InvalidRequestError(
-                f"input_ids contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})",
-                param="input_ids")
+                f"input_ids contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})", param="input_ids"
+            )
         assert ids is not None
         return ids.astype(np.int32)
 
@@ -178,8 +194,8 @@ class TokenizerManager:
                 text.encode("utf-8")
             except UnicodeEncodeError as exc:
                 raise InvalidRequestError(
-                    f"the prompt is not valid Unicode (a lone surrogate at character {exc.start})",
-                    param="prompt") from exc
+                    f"the prompt is not valid Unicode (a lone surrogate at character {exc.start})", param="prompt"
+                ) from exc
             ids = await self.encode(text, req.add_special_tokens)
         if len(ids) == 0:
             raise InvalidRequestError("the prompt is empty (no tokens)", param="prompt")
@@ -187,11 +203,15 @@ class TokenizerManager:
             raise InvalidRequestError(
                 f"the prompt has {len(ids)} tokens; this model's context length is "
                 f"{self.context_len}, which must also leave room for at least one output token",
-                param="prompt", code="context_length_exceeded")
+                param="prompt",
+                code="context_length_exceeded",
+            )
         if len(ids) >= self.max_total_tokens:
             raise InvalidRequestError(
                 f"the prompt has {len(ids)} tokens but the KV pool holds {self.max_total_tokens}",
-                param="prompt", code="context_length_exceeded")
+                param="prompt",
+                code="context_length_exceeded",
+            )
         sp = req.sampling_params
         # asked for explicitly: refused when it cannot fit, as SGLang, vLLM and OpenAI do (the
         # default, 128, is cut to the room left, as SGLang does)
@@ -202,40 +222,53 @@ class TokenizerManager:
                     f"requested {total} tokens ({len(ids)} of prompt + {sp.max_new_tokens} "
                     f"max_new_tokens); this model's context length is {self.context_len}: "
                     "shorten the prompt or lower max_new_tokens",
-                    param="max_new_tokens", code="context_length_exceeded")
+                    param="max_new_tokens",
+                    code="context_length_exceeded",
+                )
             if total > self.max_total_tokens:
                 raise InvalidRequestError(
                     f"requested {total} tokens ({len(ids)} of prompt + {sp.max_new_tokens} "
                     f"max_new_tokens) but the KV pool holds {self.max_total_tokens}: it could "
-                    "never run", param="max_new_tokens", code="context_length_exceeded")
+                    "never run",
+                    param="max_new_tokens",
+                    code="context_length_exceeded",
+                )
         stop_ids = set(sp.stop_token_ids or ())
         if not sp.ignore_eos:
             stop_ids |= self.eos_token_ids
         lp = req.logprob
-        for name, token_ids in (("logit_bias", [t for t, _ in sp.logit_bias_items]),
-                                ("token_ids_logprob", lp.token_ids_logprob or []),
-                                ("stop_token_ids", sp.stop_token_ids or [])):
+        for name, token_ids in (
+            ("logit_bias", [t for t, _ in sp.logit_bias_items]),
+            ("token_ids_logprob", lp.token_ids_logprob or []),
+            ("stop_token_ids", sp.stop_token_ids or []),
+        ):
             bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise InvalidRequestError(
-                    f"{name} names token {bad[0]}, outside the vocabulary [0, {self.vocab_size})",
-                    param=name)
+                    f"{name} names token {bad[0]}, outside the vocabulary [0, {self.vocab_size})", param=name
+                )
         if sp.min_new_tokens > 0 and len(stop_ids) >= self.vocab_size:
             raise InvalidRequestError(
-                "stop_token_ids and EOS cover the whole vocabulary: with min_new_tokens no "
-                "token is left to sample", param="min_new_tokens")
+                "stop_token_ids and EOS cover the whole vocabulary: with min_new_tokens no token is left to sample",
+                param="min_new_tokens",
+            )
         if lp.logprob_start_len is not None and lp.logprob_start_len >= len(ids):
             lp.logprob_start_len = None  # nothing of the prompt to report
         quiet = not req.stream and not sp.stop_strs and not lp.return_logprob
-        if req.priority is not None and not self.scheduler.enable_priority_scheduling \
-                and self.abort_on_priority_when_disabled:
-            raise InvalidRequestError("priority scheduling is not enabled (--enable-priority-scheduling)",
-                                      param="priority")
+        if (
+            req.priority is not None
+            and not self.scheduler.enable_priority_scheduling
+            and self.abort_on_priority_when_disabled
+        ):
+            raise InvalidRequestError(
+                "priority scheduling is not enabled (--enable-priority-scheduling)", param="priority"
+            )
         priority = self.scheduler.priority_of(req.priority)
         return TokenizedGenerateReq(req.rid, ids, sp, frozenset(stop_ids), lp, quiet=quiet, priority=priority)
 
-    async def generate(self, req: SingleReq,
-                       tokenized: TokenizedGenerateReq | None = None) -> AsyncGenerator[GenerateOutput, None]:
+    async def generate(
+        self, req: SingleReq, tokenized: TokenizedGenerateReq | None = None
+    ) -> AsyncGenerator[GenerateOutput, None]:
         """Yield outputs: every chunk when req.stream, else only the final one.
 
         `tokenized`: the result of `tokenize(req)` when the caller already has it.
@@ -264,8 +297,7 @@ class TokenizerManager:
             if not state.finished:
                 self.abort_request(req.rid)
 
-    def start_stream(self, req: SingleReq, treq: TokenizedGenerateReq,
-                     sink: Callable[[GenerateOutput], None]) -> None:
+    def start_stream(self, req: SingleReq, treq: TokenizedGenerateReq, sink: Callable[[GenerateOutput], None]) -> None:
         """Start `req` (tokenized as `treq`) with its outputs handed to `sink` as they come,
         synchronously on the loop (every chunk when req.stream, else the final output; a
         failure is the final output with its finish reason's status_code, not an exception).
@@ -290,9 +322,16 @@ class TokenizerManager:
         """Track `state` for req's rid, register its text state, hand it to the scheduler."""
         self.states[req.rid] = state
         sp = req.sampling_params
-        self.detokenizer.register(req.rid, sp.stop_strs, sp.skip_special_tokens, treq.logprob,
-                                  prompt_ids=treq.input_ids, no_stop_trim=sp.no_stop_trim,
-                                  stream=req.stream, stream_interval=sp.stream_interval or self.stream_interval)
+        self.detokenizer.register(
+            req.rid,
+            sp.stop_strs,
+            sp.skip_special_tokens,
+            treq.logprob,
+            prompt_ids=treq.input_ids,
+            no_stop_trim=sp.no_stop_trim,
+            stream=req.stream,
+            stream_interval=sp.stream_interval or self.stream_interval,
+        )
         self.scheduler.add_request(treq)
         return state
 
@@ -346,7 +385,10 @@ def _encodes_like_backend(tokenizer: PreTrainedTokenizerBase) -> bool:
         return False
     probes = ["Hello world!", "  two  spaces\nand a line", "caf\u00e9 \u65e5\u672c <s> </s>"]
     try:
-        return all(tokenizer.encode(t, add_special_tokens=f) == backend.encode(t, add_special_tokens=f).ids
-                   for t in probes for f in (True, False))
+        return all(
+            tokenizer.encode(t, add_special_tokens=f) == backend.encode(t, add_special_tokens=f).ids
+            for t in probes
+            for f in (True, False)
+        )
     except Exception:  # a tokenizer whose backend cannot encode these: use its own calls
         return False

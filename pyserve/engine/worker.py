@@ -26,7 +26,8 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -57,7 +58,8 @@ class ModelWorker:
         self._cuda = str(model_runner.device).startswith("cuda")
         # a CPU runner whose launches are asynchronous (SimulatedRunner) says how to wait for a step
         self._step_done_waiter: Callable[[], Callable[[], None]] | None = getattr(
-            model_runner, "step_done_waiter", None)
+            model_runner, "step_done_waiter", None
+        )
         self._async = self._cuda or self._step_done_waiter is not None
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._ready = threading.Event()
@@ -189,8 +191,9 @@ class ModelWorker:
         ids = self.state.record_sampled(plan, batch, next_ids)  # [B] int32, what the host gets
         if not self._cuda:
             failed_np = failed.numpy()
-            out = StepOutput(next_token_ids=ids.numpy(),
-                             failed_rows=np.flatnonzero(failed_np).tolist() if failed_np.any() else [])
+            out = StepOutput(
+                next_token_ids=ids.numpy(), failed_rows=np.flatnonzero(failed_np).tolist() if failed_np.any() else []
+            )
             runner.add_logprobs(out, logits, batch, next_ids)
             return out, (self._step_done_waiter() if self._step_done_waiter is not None else None)
         ids_host = torch.empty(next_ids.shape, dtype=torch.int32, pin_memory=True)
@@ -209,8 +212,7 @@ class ModelWorker:
         return out, wait
 
 
-def _resolve(future: asyncio.Future, done: Callable[[asyncio.Future], None] | None, ok: bool,
-             result: Any) -> None:
+def _resolve(future: asyncio.Future, done: Callable[[asyncio.Future], None] | None, ok: bool, result: Any) -> None:
     if future.cancelled():
         return
     if ok:

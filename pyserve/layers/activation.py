@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from pyserve_kernels import silu_and_mul
 
 

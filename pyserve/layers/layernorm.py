@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import torch
+
 from pyserve_kernels import fused_add_rms_norm, rms_norm
 
 
@@ -16,15 +17,20 @@ class RMSNorm(torch.nn.Module):
       may reuse x's and residual's memory for the results (use only the returned tensors).
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None,
-                 device: str | torch.device | None = None) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device | None = None,
+    ) -> None:
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device),
-                                         requires_grad=False)
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return fused_add_rms_norm(x, residual, self.weight, self.eps)

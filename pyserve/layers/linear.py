@@ -22,9 +22,13 @@ import torch.nn.functional as F
 
 def prepack_supported(weight: torch.Tensor) -> bool:
     """Whether `weight` ([out, in]) can be prepacked: float32 on CPU, with oneDNN present."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
-            and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and weight.dim() == 2
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor:
@@ -33,8 +37,9 @@ def prepack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: torch.Tensor | None = None
+) -> torch.Tensor:
     """x [..., in] @ weight[out, in].T + bias [out] -> [..., out], in x.dtype.
 
     With `packed` (= `prepack(weight)`), runs oneDNN on the packed copy; else `F.linear`."""

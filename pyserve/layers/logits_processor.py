@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from pyserve.layers.linear import linear
 from pyserve.forward_batch_info import ForwardBatch, ForwardMode
+from pyserve.layers.linear import linear
 
 
 def last_token_indices(forward_batch: ForwardBatch) -> torch.Tensor:
@@ -34,8 +34,13 @@ class LogitsProcessor(torch.nn.Module):
         super().__init__()
         self.vocab_size = vocab_size
 
-    def forward(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor,
-                forward_batch: ForwardBatch, lm_head_packed: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+        forward_batch: ForwardBatch,
+        lm_head_packed: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         rows = last_token_indices(forward_batch)
         extra = forward_batch.input_logits_rows
         if extra is not None:

@@ -14,9 +14,13 @@ def _pairs(values: list[float], ids: list[int]) -> list[tuple[float, int]]:
     return list(zip(values, ids))
 
 
-def logprobs_of_rows(logits: torch.Tensor, token_ids: torch.Tensor, top_nums: list[int],
-                     token_ids_logprob: list[list[int] | None],
-                     row_groups: list[tuple[int, int]]) -> list[TokenLogprobs]:
+def logprobs_of_rows(
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    top_nums: list[int],
+    token_ids_logprob: list[list[int] | None],
+    row_groups: list[tuple[int, int]],
+) -> list[TokenLogprobs]:
     """Logprobs of `token_ids` under `logits`, grouped into one TokenLogprobs per request.
 
     logits: [N, vocab] float32; token_ids: [N] int64 (the token each row predicts).
@@ -40,7 +44,7 @@ def logprobs_of_rows(logits: torch.Tensor, token_ids: torch.Tensor, top_nums: li
             item.top_logprobs = [_pairs(top_vals[r][:top_num], top_ids[r][:top_num]) for r in rows]
         if wanted:
             ids_t = torch.tensor(wanted, dtype=torch.int64, device=logits.device)
-            vals = logprobs[first:first + count][:, ids_t].tolist()
+            vals = logprobs[first : first + count][:, ids_t].tolist()
             item.token_ids_logprobs = [_pairs(v, list(wanted)) for v in vals]
         out.append(item)
     return out

@@ -7,6 +7,7 @@ import math
 from typing import Any
 
 import torch
+
 from pyserve_kernels import apply_rotary_pos_emb
 
 
@@ -33,7 +34,7 @@ def compute_inv_freq(head_dim: int, rope: dict[str, Any], seq_len: int | None = 
         factor = float(rope["factor"])
         base = base * ((factor * seq / max_pos) - (factor - 1)) ** (head_dim / (head_dim - 2))
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (base ** exponents)
+    inv_freq = 1.0 / (base**exponents)
     if rope_type in ("default", "dynamic"):
         return inv_freq
     if rope_type == "linear":
@@ -60,8 +61,9 @@ class RotaryEmbedding(torch.nn.Module):
     forward(positions [T] int32 (or int64), q [T, H, D], k [T, H_kv, D]) -> (q, k) rotated, same shapes.
     """
 
-    def __init__(self, head_dim: int, max_position: int, rope: dict[str, Any],
-                 device: str | torch.device | None = None) -> None:
+    def __init__(
+        self, head_dim: int, max_position: int, rope: dict[str, Any], device: str | torch.device | None = None
+    ) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.rope = dict(rope)
@@ -107,7 +109,6 @@ class RotaryEmbedding(torch.nn.Module):
             self._build_cache(2 * int(positions.max()) + 1)
         return self.cos_cache[positions], self.sin_cache[positions]
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.get_cos_sin(positions)
         return apply_rotary_pos_emb(q, k, cos, sin)

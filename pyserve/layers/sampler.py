@@ -37,8 +37,9 @@ def apply_logit_adjustments(logits: torch.Tensor, info: SamplingBatchInfo) -> to
     if info.frequency_penalties is not None and info.output_token_counts is not None:
         assert info.presence_penalties is not None  # set with the frequency penalties
         counts = info.output_token_counts
-        penalty = (info.frequency_penalties[:, None] * counts
-                   + info.presence_penalties[:, None] * (counts > 0).to(logits.dtype))
+        penalty = info.frequency_penalties[:, None] * counts + info.presence_penalties[:, None] * (counts > 0).to(
+            logits.dtype
+        )
         out = out - penalty
     if info.banned_rows is not None:
         out = out.clone() if out is logits else out
@@ -46,8 +47,9 @@ def apply_logit_adjustments(logits: torch.Tensor, info: SamplingBatchInfo) -> to
     return out
 
 
-def top_k_top_p_probs(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
-                      min_ps: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def top_k_top_p_probs(
+    probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Zero out tokens outside each row's top-k, top-p (nucleus) and min-p sets.
 
     Top-k: Fan et al., "Hierarchical Neural Story Generation" (2018). Top-p: Holtzman et al.,
@@ -129,7 +131,9 @@ def sample_checked(logits: torch.Tensor, sampling_info: SamplingBatchInfo) -> tu
         bad = bad | overflow
     probs = torch.softmax(scaled, dim=-1)
     sorted_probs, sorted_ids = top_k_top_p_probs(
-        probs, sampling_info.top_ks.to(torch.int64), sampling_info.top_ps.to(torch.float32),
+        probs,
+        sampling_info.top_ks.to(torch.int64),
+        sampling_info.top_ps.to(torch.float32),
         sampling_info.min_ps,
     )
     generators = list(sampling_info.generators or [])

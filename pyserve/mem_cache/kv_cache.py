@@ -46,16 +46,27 @@ class KVCache:
     Raises ValueError if the pool holds no whole page.
     """
 
-    def __init__(self, max_total_tokens: int, max_running_requests: int, max_context_len: int,
-                 disable_radix_cache: bool = False, page_size: int = 1) -> None:
+    def __init__(
+        self,
+        max_total_tokens: int,
+        max_running_requests: int,
+        max_context_len: int,
+        disable_radix_cache: bool = False,
+        page_size: int = 1,
+    ) -> None:
         self.page_size = page_size
         self.disable_radix_cache = disable_radix_cache
         self.max_total_tokens = usable_pool_tokens(max_total_tokens, page_size)
         # One spare row: a request is admitted before the finished ones of the step leave.
         self.num_rows = max_running_requests + 1
         self.max_context_len = max_context_len + 1  # tokens a row holds
-        self.core = _rs.KVCache(self.max_total_tokens, self.num_rows, self.max_context_len,
-                                page_size=page_size, disable_radix_cache=disable_radix_cache)
+        self.core = _rs.KVCache(
+            self.max_total_tokens,
+            self.num_rows,
+            self.max_context_len,
+            page_size=page_size,
+            disable_radix_cache=disable_radix_cache,
+        )
 
     # ---- sizes (tokens) --------------------------------------------------------------------
     def available_size(self) -> int:
@@ -129,8 +140,7 @@ class KVCache:
     # ---- one step ------------------------------------------------------------------------------
     def prepare_extend(self, req_ids: list[int], extend_lens: list[int]) -> BatchArrays | None:
         """Allocate the pages of an extend batch (evicting if needed); None if they do not fit."""
-        return self.core.prepare_extend(np.asarray(req_ids, dtype=np.int64),
-                                        np.asarray(extend_lens, dtype=np.int64))
+        return self.core.prepare_extend(np.asarray(req_ids, dtype=np.int64), np.asarray(extend_lens, dtype=np.int64))
 
     def prepare_decode(self, req_ids: list[int] | np.ndarray) -> BatchArrays | None:
         """Allocate one token per request (a new page only at page boundaries, evicting if

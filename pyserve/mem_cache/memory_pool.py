@@ -10,6 +10,7 @@ Only the worker thread touches these tensors.
 from __future__ import annotations
 
 import torch
+
 from pyserve_kernels import store_kv
 
 
@@ -54,9 +55,7 @@ class MHATokenToKVPool:
         self.v_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
 
     @staticmethod
-    def bytes_per_token_for(
-        num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
-    ) -> int:
+    def bytes_per_token_for(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         """Bytes one token's K and V take across all layers (used to size the pool)."""
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * num_kv_heads * head_dim * elem
@@ -83,9 +82,7 @@ class MHATokenToKVPool:
         """(K buffer, V buffer) of `layer_id`."""
         return self.k_buffer[layer_id], self.v_buffer[layer_id]
 
-    def set_kv_buffer(
-        self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> None:
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write new tokens' K and V into their slots (mutates this layer's buffers).
 
         loc: [num_tokens] int32 (or int64) slot ids in 0..size + page_size - 1, on the pool

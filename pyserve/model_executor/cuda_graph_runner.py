@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import bisect
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -31,8 +32,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_CUDA_GRAPH_MAX_BS = 256
 
 
-def capture_batch_sizes(max_running_requests: int, cuda_graph_max_bs: int | None = None,
-                        cuda_graph_bs: list[int] | None = None) -> list[int]:
+def capture_batch_sizes(
+    max_running_requests: int, cuda_graph_max_bs: int | None = None, cuda_graph_bs: list[int] | None = None
+) -> list[int]:
     """The padded batch sizes to capture, ascending (see the module docstring).
 
     Raises ValueError for a non-positive size."""
@@ -65,8 +67,14 @@ class CudaGraphRunner:
     sizes; stream: the worker's CUDA stream.
     """
 
-    def __init__(self, forward: Callable[[ForwardBatch], torch.Tensor], attn_backend: CapturableAttentionBackend,
-                 req_to_token: torch.Tensor, sizes: list[int], stream: torch.cuda.Stream) -> None:
+    def __init__(
+        self,
+        forward: Callable[[ForwardBatch], torch.Tensor],
+        attn_backend: CapturableAttentionBackend,
+        req_to_token: torch.Tensor,
+        sizes: list[int],
+        stream: torch.cuda.Stream,
+    ) -> None:
         self.forward = forward
         self.attn_backend = attn_backend
         self.req_to_token = req_to_token
@@ -87,10 +95,17 @@ class CudaGraphRunner:
 
     def _batch(self, bs: int) -> ForwardBatch:
         return ForwardBatch(
-            forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=self.input_ids[:bs],
-            positions=self.positions[:bs], out_cache_loc=self.out_cache_loc[:bs],
-            seq_lens=self.seq_lens[:bs], kv_indptr=None, kv_indices=None,
-            req_pool_indices=self.req_pool_indices[:bs], req_to_token=self.req_to_token)
+            forward_mode=ForwardMode.DECODE,
+            batch_size=bs,
+            input_ids=self.input_ids[:bs],
+            positions=self.positions[:bs],
+            out_cache_loc=self.out_cache_loc[:bs],
+            seq_lens=self.seq_lens[:bs],
+            kv_indptr=None,
+            kv_indices=None,
+            req_pool_indices=self.req_pool_indices[:bs],
+            req_to_token=self.req_to_token,
+        )
 
     def _capture_all(self, stream: torch.cuda.Stream) -> None:
         # largest first: the smaller graphs reuse the pool the largest one sized
@@ -118,8 +133,12 @@ class CudaGraphRunner:
     def can_run(self, batch: ForwardBatch) -> bool:
         """Whether `batch` replays a graph: DECODE, at most max_bs requests, the captured
         req_to_token table, no prompt logits asked."""
-        return (batch.forward_mode == ForwardMode.DECODE and batch.batch_size <= self.max_bs
-                and batch.req_to_token is self.req_to_token and batch.input_logits_rows is None)
+        return (
+            batch.forward_mode == ForwardMode.DECODE
+            and batch.batch_size <= self.max_bs
+            and batch.req_to_token is self.req_to_token
+            and batch.input_logits_rows is None
+        )
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [B, vocab] float32 of `batch` (see can_run), from its padded graph. The

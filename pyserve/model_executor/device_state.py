@@ -32,8 +32,9 @@ class DeviceState:
 
     def __init__(self, num_rows: int, row_width: int, vocab_size: int, device: str) -> None:
         if num_rows * row_width > _INT32_MAX:
-            raise ValueError(f"a request table of {num_rows} rows x {row_width} tokens exceeds "
-                             f"{_INT32_MAX} cells (int32 offsets)")
+            raise ValueError(
+                f"a request table of {num_rows} rows x {row_width} tokens exceeds {_INT32_MAX} cells (int32 offsets)"
+            )
         self.device = device
         self.req_to_token = torch.zeros(num_rows, row_width, dtype=torch.int32, device=device)
         self._req_to_token_flat = self.req_to_token.view(-1)  # the same memory, indexed flat
@@ -72,8 +73,9 @@ class DeviceState:
             np.cumsum(plan.seq_lens, dtype=np.int32, out=indptr[1:])
             # each row's entries, flat in req_to_token: row * width + column, column counted
             # from the row's start in row_slots (below num_rows * width: int32)
-            flat = (np.repeat(rows_np * np.int32(row_width) - indptr[:-1], plan.seq_lens)
-                    + np.arange(total, dtype=np.int32))
+            flat = np.repeat(rows_np * np.int32(row_width) - indptr[:-1], plan.seq_lens) + np.arange(
+                total, dtype=np.int32
+            )
             parts += [indptr, plan.prefix_lens, plan.extend_lens, plan.input_ids, plan.row_slots, flat]
             max_extend_len: int | None = int(plan.extend_lens.max()) if batch_size else 0
         views = _unpack(to_device(_pack(parts), torch.int32, self.device), parts)
@@ -83,19 +85,27 @@ class DeviceState:
             kv_indptr, prefix_lens, extend_lens, input_ids, kv_indices, flat_t = views[4:]
             self._req_to_token_flat[flat_t] = kv_indices
             if plan.num_decode_rows:  # a mixed chunk: the decoding rows' inputs are on the device
-                decode_rows = rows[batch_size - plan.num_decode_rows:]
+                decode_rows = rows[batch_size - plan.num_decode_rows :]
                 input_ids = torch.cat([input_ids, self.token_table.index_select(0, decode_rows)])
         else:
             max_extend_len = None
             self.req_to_token[rows, positions] = out_cache_loc
             input_ids = self.token_table.index_select(0, rows)  # kv_indices: gathered if a backend asks
         return ForwardBatch(
-            forward_mode=plan.forward_mode, batch_size=batch_size, input_ids=input_ids,
-            positions=positions, out_cache_loc=out_cache_loc, seq_lens=seq_lens,
-            kv_indptr=kv_indptr, kv_indices=kv_indices,
-            extend_prefix_lens=prefix_lens, extend_seq_lens=extend_lens,
+            forward_mode=plan.forward_mode,
+            batch_size=batch_size,
+            input_ids=input_ids,
+            positions=positions,
+            out_cache_loc=out_cache_loc,
+            seq_lens=seq_lens,
+            kv_indptr=kv_indptr,
+            kv_indices=kv_indices,
+            extend_prefix_lens=prefix_lens,
+            extend_seq_lens=extend_lens,
             sampling_info=self.sampling.batch_info(plan.req_pool_indices, rows, plan.all_greedy),
-            logprob_info=plan.logprob_info, req_pool_indices=rows, req_to_token=self.req_to_token,
+            logprob_info=plan.logprob_info,
+            req_pool_indices=rows,
+            req_to_token=self.req_to_token,
             max_extend_len=max_extend_len,
         )
 

@@ -12,20 +12,20 @@ import os
 
 import torch
 
-from pyserve.layers.attention.base import AttentionBackend, CapturableAttentionBackend
-from pyserve.layers.attention.registry import capturable_backend, create_attention_backend
-from pyserve.layers.rotary_embedding import RotaryEmbedding
-from pyserve.model_executor.cuda_graph_runner import CudaGraphRunner, capture_batch_sizes
-from pyserve.layers.logprobs import logprobs_of_rows
-from pyserve.layers.sampler import sample as sample_tokens
-from pyserve.layers.sampler import sample_checked
-from pyserve.mem_cache.memory_pool import MHATokenToKVPool
 from pyserve.forward_batch_info import (
     ForwardBatch,
     ForwardMode,
     SamplingBatchInfo,
     StepOutput,
 )
+from pyserve.layers.attention.base import AttentionBackend, CapturableAttentionBackend
+from pyserve.layers.attention.registry import capturable_backend, create_attention_backend
+from pyserve.layers.logprobs import logprobs_of_rows
+from pyserve.layers.rotary_embedding import RotaryEmbedding
+from pyserve.layers.sampler import sample as sample_tokens
+from pyserve.layers.sampler import sample_checked
+from pyserve.mem_cache.memory_pool import MHATokenToKVPool
+from pyserve.model_executor.cuda_graph_runner import CudaGraphRunner, capture_batch_sizes
 from pyserve.model_loader.config import ModelConfig
 from pyserve.model_loader.weights import load_model
 
@@ -106,13 +106,13 @@ class ModelRunner:
             model_path, dtype=dtype, device=torch_device, context_length=context_length
         )
         self.dtype = self.model_config.dtype
-        self.model = load_model(self.model_config, torch_device, progress=load_progress,
-                                load_format=load_format)
+        self.model = load_model(self.model_config, torch_device, progress=load_progress, load_format=load_format)
         # On CPU in float32, oneDNN-packed copies of the projection weights (layers/linear.py).
         prepack_weights = getattr(self.model, "prepack_linear_weights", None)
         self.packed_weight_bytes: int = prepack_weights() if prepack_weights else 0
         self.weight_bytes: int = self.packed_weight_bytes + sum(
-            p.numel() * p.element_size() for p in self.model.parameters())
+            p.numel() * p.element_size() for p in self.model.parameters()
+        )
         self.page_size = int(page_size)
         cfg = self.model_config
         for module in self.model.modules():  # positions stay below the context: no host check
@@ -133,8 +133,13 @@ class ModelRunner:
         if self.max_total_num_tokens <= 0:
             raise ValueError(f"a KV pool of {pool} tokens holds no page of {self.page_size}")
         self.kv_pool = MHATokenToKVPool(
-            self.max_total_num_tokens, cfg.num_hidden_layers, cfg.num_key_value_heads,
-            cfg.head_dim, self.dtype, torch_device, page_size=self.page_size,
+            self.max_total_num_tokens,
+            cfg.num_hidden_layers,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            self.dtype,
+            torch_device,
+            page_size=self.page_size,
         )
         self.kv_cache_bytes = self.kv_pool.total_bytes
         self.attn_backend: AttentionBackend = create_attention_backend(attention_backend, self.kv_pool)
@@ -144,11 +149,15 @@ class ModelRunner:
             logger.info("CUDA graphs off: attention backend %s cannot be captured", self.attention_backend_name)
             self.graph_sizes = []
         logger.info(
-            "KV cache: %d tokens, %.1f MiB (%s, %s); attention backend %s", self.max_total_num_tokens,
-            self.kv_cache_bytes / 2**20, self.dtype, self.device, self.attention_backend_name,
+            "KV cache: %d tokens, %.1f MiB (%s, %s); attention backend %s",
+            self.max_total_num_tokens,
+            self.kv_cache_bytes / 2**20,
+            self.dtype,
+            self.device,
+            self.attention_backend_name,
         )
 
-    def init_cuda_graphs(self, req_to_token: torch.Tensor, stream: "torch.cuda.Stream") -> None:
+    def init_cuda_graphs(self, req_to_token: torch.Tensor, stream: torch.cuda.Stream) -> None:
         """Capture the decode graphs over the worker's req_to_token table on its stream (the
         worker thread, before its first step). No-op when graphs are off."""
         backend = self.attn_backend
@@ -156,10 +165,10 @@ class ModelRunner:
             # graph_sizes is emptied at start when the backend cannot be captured
             assert isinstance(backend, CapturableAttentionBackend)
             self.graph_runner = CudaGraphRunner(
-                lambda batch: self.model(batch, backend), backend, req_to_token, self.graph_sizes, stream)
+                lambda batch: self.model(batch, backend), backend, req_to_token, self.graph_sizes, stream
+            )
 
-    def _kv_pool_size(self, device: torch.device, max_total_tokens: int | None,
-                      mem_fraction_static: float) -> int:
+    def _kv_pool_size(self, device: torch.device, max_total_tokens: int | None, mem_fraction_static: float) -> int:
         cfg = self.model_config
         per_token = MHATokenToKVPool.bytes_per_token_for(
             cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.dtype
@@ -226,8 +235,11 @@ class ModelRunner:
         predict the wanted prompt tokens; returns per request (start, first row in
         input_logits, count) or None."""
         info = batch.logprob_info
-        if info is None or batch.forward_mode != ForwardMode.EXTEND or \
-                all(s is None for s in info.input_logprob_starts):
+        if (
+            info is None
+            or batch.forward_mode != ForwardMode.EXTEND
+            or all(s is None for s in info.input_logprob_starts)
+        ):
             return None
         rows: list[int] = []
         groups: list[tuple[int, int, int] | None] = []
@@ -253,8 +265,7 @@ class ModelRunner:
         with torch.inference_mode():
             return sample_checked(logits, batch.sampling_info)
 
-    def add_logprobs(self, out: StepOutput, logits: torch.Tensor, batch: ForwardBatch,
-                     next_ids: torch.Tensor) -> None:
+    def add_logprobs(self, out: StepOutput, logits: torch.Tensor, batch: ForwardBatch, next_ids: torch.Tensor) -> None:
         """Fill out.output_logprobs / input_logprobs with what batch.logprob_info asks for
         (nothing when it asks for none). Worker thread only."""
         info = batch.logprob_info
@@ -264,8 +275,12 @@ class ModelRunner:
             rows = [i for i, want in enumerate(info.return_logprob) if want]
             rows_t = torch.tensor(rows, dtype=torch.int64, device=logits.device)
             picked = logprobs_of_rows(
-                logits[rows_t], next_ids[rows_t], [info.top_logprobs_nums[i] for i in rows],
-                [info.token_ids_logprob[i] for i in rows], [(k, 1) for k in range(len(rows))])
+                logits[rows_t],
+                next_ids[rows_t],
+                [info.top_logprobs_nums[i] for i in rows],
+                [info.token_ids_logprob[i] for i in rows],
+                [(k, 1) for k in range(len(rows))],
+            )
             out.output_logprobs = [None] * batch.batch_size
             for i, item in zip(rows, picked):
                 out.output_logprobs[i] = item
@@ -274,8 +289,12 @@ class ModelRunner:
                 targets = batch.input_ids[batch.input_logits_rows + 1]
                 wanted = [i for i, g in enumerate(groups) if g is not None]
                 items = logprobs_of_rows(
-                    batch.input_logits, targets, [info.top_logprobs_nums[i] for i in wanted],
-                    [info.token_ids_logprob[i] for i in wanted], [groups[i][1:] for i in wanted])
+                    batch.input_logits,
+                    targets,
+                    [info.top_logprobs_nums[i] for i in wanted],
+                    [info.token_ids_logprob[i] for i in wanted],
+                    [groups[i][1:] for i in wanted],
+                )
                 out.input_logprobs = [None] * batch.batch_size
                 for i, item in zip(wanted, items):
                     if groups[i][0] == 0:  # the first prompt token has no context

@@ -59,7 +59,6 @@ class Runner(Protocol):
         """([B] int64 next ids, [B] bool rows that had nothing to sample). Worker thread."""
         ...
 
-    def add_logprobs(self, out: StepOutput, logits: torch.Tensor, batch: ForwardBatch,
-                     next_ids: torch.Tensor) -> None:
+    def add_logprobs(self, out: StepOutput, logits: torch.Tensor, batch: ForwardBatch, next_ids: torch.Tensor) -> None:
         """Fill `out`'s logprobs as `batch.logprob_info` asks. Worker thread."""
         ...

@@ -92,13 +92,31 @@ class SamplingRows:
         # every field is written, the unused penalties too (0, 0 and 1 are no penalty): a batch
         # gathers every row's penalties once any row uses them, and a reused row must not
         # keep its previous request's values
-        dense = np.array([(0.0 if p.is_greedy else p.temperature, p.top_p, p.min_p, p.frequency_penalty,
-                           p.presence_penalty, p.repetition_penalty) for p in params], dtype=np.float32)
+        dense = np.array(
+            [
+                (
+                    0.0 if p.is_greedy else p.temperature,
+                    p.top_p,
+                    p.min_p,
+                    p.frequency_penalty,
+                    p.presence_penalty,
+                    p.repetition_penalty,
+                )
+                for p in params
+            ],
+            dtype=np.float32,
+        )
         rows_t = to_device(np.array(rows, dtype=np.int64), torch.int64, self.device)
         self.dense.index_copy_(1, rows_t, to_device(np.ascontiguousarray(dense.T), torch.float32, self.device))
-        self.top_ks.index_copy_(0, rows_t, to_device(np.array([min(p.top_k, ALL_TOKENS) if p.top_k > 0 else ALL_TOKENS
-                                                               for p in params], dtype=np.int64),
-                                                     torch.int64, self.device))
+        self.top_ks.index_copy_(
+            0,
+            rows_t,
+            to_device(
+                np.array([min(p.top_k, ALL_TOKENS) if p.top_k > 0 else ALL_TOKENS for p in params], dtype=np.int64),
+                torch.int64,
+                self.device,
+            ),
+        )
         uses_min_p = dense[:, _MIN_P] > 0
         self.uses_min_p[rows] = uses_min_p
         self.num_min_p += int(uses_min_p.sum())
@@ -113,8 +131,10 @@ class SamplingRows:
                 self.generators[row] = item.generator
             if p.logit_bias:
                 ids, values = zip(*p.logit_bias_items)
-                self.logit_bias[row] = (to_device(list(ids), torch.int64, self.device),
-                                        to_device(list(values), torch.float32, self.device))
+                self.logit_bias[row] = (
+                    to_device(list(ids), torch.int64, self.device),
+                    to_device(list(values), torch.float32, self.device),
+                )
             if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
                 self.uses_counts[row] = True
                 self.num_counts += 1
@@ -133,14 +153,12 @@ class SamplingRows:
 
     def _counts(self) -> torch.Tensor:
         if self.output_counts is None:
-            self.output_counts = torch.zeros(self.num_rows, self.vocab_size, dtype=torch.float32,
-                                             device=self.device)
+            self.output_counts = torch.zeros(self.num_rows, self.vocab_size, dtype=torch.float32, device=self.device)
         return self.output_counts
 
     def _seen(self) -> torch.Tensor:
         if self.seen_mask is None:
-            self.seen_mask = torch.zeros(self.num_rows, self.vocab_size, dtype=torch.bool,
-                                         device=self.device)
+            self.seen_mask = torch.zeros(self.num_rows, self.vocab_size, dtype=torch.bool, device=self.device)
         return self.seen_mask
 
     # ---- per step --------------------------------------------------------------------------
@@ -150,9 +168,11 @@ class SamplingRows:
         only when not all_greedy; the optional parts only when a row of the batch uses them."""
         dense = self.dense.index_select(1, rows)  # [fields, B]: each field's row is contiguous
         info = SamplingBatchInfo(
-            temperatures=dense[_TEMPERATURE], top_ps=dense[_TOP_P],
+            temperatures=dense[_TEMPERATURE],
+            top_ps=dense[_TOP_P],
             top_ks=self.top_ks.index_select(0, rows),
-            all_greedy=all_greedy, greedy_rows=None if all_greedy else self.greedy[rows_np],
+            all_greedy=all_greedy,
+            greedy_rows=None if all_greedy else self.greedy[rows_np],
         )
         if self.generators:
             info.generators = [self.generators.get(int(r)) for r in rows_np]
@@ -176,8 +196,9 @@ class SamplingRows:
         if not picked:
             return
         ids = [entry[0] if bias else entry for _, entry in picked]
-        batch_rows = torch.cat([torch.full((t.shape[0],), i, dtype=torch.int64, device=self.device)
-                                for (i, _), t in zip(picked, ids)])
+        batch_rows = torch.cat(
+            [torch.full((t.shape[0],), i, dtype=torch.int64, device=self.device) for (i, _), t in zip(picked, ids)]
+        )
         if bias:
             info.logit_bias_rows, info.logit_bias_ids = batch_rows, torch.cat(ids)
             info.logit_bias_values = torch.cat([entry[1] for _, entry in picked])
@@ -193,8 +214,9 @@ class SamplingRows:
             use_seen = self.uses_seen[rows_np]
             if use_counts.any():
                 sel = to_device(np.flatnonzero(use_counts), torch.int64, self.device)
-                self._counts().index_put_((rows[sel], next_ids[sel]),
-                                          torch.ones(sel.shape[0], device=self.device), accumulate=True)
+                self._counts().index_put_(
+                    (rows[sel], next_ids[sel]), torch.ones(sel.shape[0], device=self.device), accumulate=True
+                )
             if use_seen.any():
                 sel = to_device(np.flatnonzero(use_seen), torch.int64, self.device)
                 self._seen()[rows[sel], next_ids[sel]] = True

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 import torch
@@ -62,9 +62,17 @@ class SimulatedRunner:
     weight_bytes = 0
     packed_weight_bytes = 0
 
-    def __init__(self, vocab_size: int, eos_token_ids: set[int], max_total_tokens: int,
-                 context_len: int, extend_us_per_token: float = 1.0, decode_base_ms: float = 2.0,
-                 decode_us_per_req: float = 0.0, seed: int = 0) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        eos_token_ids: set[int],
+        max_total_tokens: int,
+        context_len: int,
+        extend_us_per_token: float = 1.0,
+        decode_base_ms: float = 2.0,
+        decode_us_per_req: float = 0.0,
+        seed: int = 0,
+    ) -> None:
         self.model_config = SimulatedModelConfig(context_len, vocab_size, set(eos_token_ids))
         self.max_total_num_tokens = max_total_tokens
         self.extend_us_per_token = extend_us_per_token
@@ -98,7 +106,7 @@ class SimulatedRunner:
             self.num_steps += 1
         return _NO_LOGITS
 
-    def step_done_waiter(self) -> "Callable[[], None]":
+    def step_done_waiter(self) -> Callable[[], None]:
         """A function that returns once the step launched last has ended on the device (it
         sleeps, releasing the GIL, as a wait on a CUDA event does)."""
         end = self._device_free_at

@@ -107,7 +107,7 @@ class ModelConfig:
         dtype: str | torch.dtype = "auto",
         device: str | torch.device = "cpu",
         context_length: int | None = None,
-    ) -> "ModelConfig":
+    ) -> ModelConfig:
         """Read the config of an HF folder or a .gguf file.
 
         context_length: override of the model's max_position_embeddings; a value above it is
@@ -139,7 +139,9 @@ class ModelConfig:
                 logger.warning(
                     "context_length %d exceeds the model's max_position_embeddings %d; "
                     "outputs beyond %d tokens may degrade",
-                    context_length, model_max, model_max,
+                    context_length,
+                    model_max,
+                    model_max,
                 )
             context_len = int(context_length)
 

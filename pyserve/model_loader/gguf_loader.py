@@ -65,9 +65,7 @@ def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
         raise ValueError(f"cannot split {rows} rows into {num_heads} heads of even size")
     half = rows // num_heads // 2
     rest = weight.shape[1:]
-    return (
-        weight.reshape(num_heads, half, 2, *rest).transpose(1, 2).reshape(rows, *rest).contiguous()
-    )
+    return weight.reshape(num_heads, half, 2, *rest).transpose(1, 2).reshape(rows, *rest).contiguous()
 
 
 def iter_gguf_weights(
@@ -97,8 +95,9 @@ def iter_gguf_weights(
         try:
             array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         except NotImplementedError as exc:  # gguf-py has no dequantizer for this type
-            raise ValueError(f"GGUF tensor {tensor.name}: quantization type "
-                             f"{tensor.tensor_type.name} is not supported ({exc})") from exc
+            raise ValueError(
+                f"GGUF tensor {tensor.name}: quantization type {tensor.tensor_type.name} is not supported ({exc})"
+            ) from exc
         # GGUF shapes list the innermost dim first; HF wants them outermost first.
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         # Copy only when the array is a read-only view of the memory-mapped file (F32 tensors).

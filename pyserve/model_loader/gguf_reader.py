@@ -42,9 +42,7 @@ def gguf_to_hf_config(path: str) -> transformers.PretrainedConfig:
     reader = open_gguf(path)
     arch = _field_value(reader, "general.architecture")
     if arch not in _GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"GGUF architecture {arch!r} is not supported; supported: {sorted(_GGUF_ARCHITECTURES)}"
-        )
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {sorted(_GGUF_ARCHITECTURES)}")
     hf_arch, config_cls = _GGUF_ARCHITECTURES[arch]
 
     def need(suffix: str) -> Any:

@@ -47,8 +47,7 @@ def iter_safetensors_weights(
     files = safetensors_files(folder)
     handles = [safe_open(path, framework="pt", device="cpu") for path in files]
     names = [(h, key) for h in handles for key in h.keys()]
-    for handle, key in tqdm(names, desc="Loading safetensors", unit="tensor",
-                            disable=not progress or None):
+    for handle, key in tqdm(names, desc="Loading safetensors", unit="tensor", disable=not progress or None):
         tensor = handle.get_tensor(key)
         if tensor.is_floating_point():
             tensor = tensor.to(dtype)

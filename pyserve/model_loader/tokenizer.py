@@ -11,9 +11,7 @@ from pyserve.model_loader.config import is_gguf_path
 from pyserve.model_loader.default_model import ModelNotFoundError
 
 
-def get_tokenizer(
-    model_path: str, tokenizer_path: str | None = None
-) -> transformers.PreTrainedTokenizerBase:
+def get_tokenizer(model_path: str, tokenizer_path: str | None = None) -> transformers.PreTrainedTokenizerBase:
     """A transformers fast tokenizer for `model_path` (or `tokenizer_path` when given).
 
     A folder loads with `AutoTokenizer.from_pretrained(folder)`; a .gguf file loads with

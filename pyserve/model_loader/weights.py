@@ -33,7 +33,9 @@ def iter_weights(model_config: ModelConfig, progress: bool = True) -> Iterator[t
 
 
 def load_model(
-    model_config: ModelConfig, device: str | torch.device, progress: bool = True,
+    model_config: ModelConfig,
+    device: str | torch.device,
+    progress: bool = True,
     load_format: str = "auto",
 ) -> torch.nn.Module:
     """Instantiate the registered class of `model_config.architecture` on `device` in
@@ -57,7 +59,9 @@ def load_model(
         raise ValueError(f"load_format {load_format!r} is not supported; supported: auto, dummy")
     model.eval()
     logger.info(
-        "loaded %s (%s) in %.2f s", model_config.model_path, model_config.architecture,
+        "loaded %s (%s) in %.2f s",
+        model_config.model_path,
+        model_config.architecture,
         time.perf_counter() - start,
     )
     return model

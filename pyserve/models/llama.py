@@ -19,13 +19,13 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from pyserve.forward_batch_info import ForwardBatch
 from pyserve.layers.activation import get_act_fn
 from pyserve.layers.attention.base import AttentionBackend
 from pyserve.layers.layernorm import RMSNorm
 from pyserve.layers.linear import linear, prepack, prepack_supported
 from pyserve.layers.logits_processor import LogitsProcessor
 from pyserve.layers.rotary_embedding import RotaryEmbedding
-from pyserve.forward_batch_info import ForwardBatch
 from pyserve.model_loader.config import rope_parameters
 from pyserve_kernels import apply_rotary_pos_emb, rotary_embedding_
 
@@ -79,7 +79,7 @@ def _fuse(layers: list[nn.Linear], attr: str) -> torch.Tensor | None:
     start = 0
     for p in params:
         rows = p.shape[0]
-        p.data = fused[start:start + rows]
+        p.data = fused[start : start + rows]
         start += rows
     return fused
 
@@ -97,14 +97,20 @@ class LlamaAttention(nn.Module):
     -> [T, hidden].
     """
 
-    def __init__(self, config: Any, layer_id: int, dtype: torch.dtype, device: torch.device | str,
-                 spec: DecoderSpec = DecoderSpec()) -> None:
+    def __init__(
+        self,
+        config: Any,
+        layer_id: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        spec: DecoderSpec = DecoderSpec(),
+    ) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.scaling = self.head_dim ** -0.5
+        self.scaling = self.head_dim**-0.5
         self.sliding_window = layer_sliding_window(config, layer_id)
         bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = bias if spec.qkv_bias is None else spec.qkv_bias
@@ -133,8 +139,14 @@ class LlamaAttention(nn.Module):
         self.qkv_packed: torch.Tensor | None = None
         self.o_packed: torch.Tensor | None = None
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                forward_batch: ForwardBatch, attn_backend: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        forward_batch: ForwardBatch,
+        attn_backend: AttentionBackend,
+    ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = linear(hidden, self.qkv_weight, self.qkv_bias, self.qkv_packed)
@@ -146,8 +158,9 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = apply_rotary_pos_emb(self.q_norm(q), self.k_norm(k), cos, sin)
-        out = attn_backend.forward(q, k, v, self.layer_id, self.scaling, forward_batch,
-                                   sliding_window=self.sliding_window)
+        out = attn_backend.forward(
+            q, k, v, self.layer_id, self.scaling, forward_batch, sliding_window=self.sliding_window
+        )
         out = out.reshape(num_tokens, self.num_heads * self.head_dim)
         return linear(out, self.o_proj.weight, self.o_proj.bias, self.o_packed)
 
@@ -172,8 +185,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_packed)
-        return linear(self.act_fn(gate_up), self.down_proj.weight, self.down_proj.bias,
-                      self.down_packed)
+        return linear(self.act_fn(gate_up), self.down_proj.weight, self.down_proj.bias, self.down_packed)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -185,8 +197,14 @@ class LlamaDecoderLayer(nn.Module):
     is the embedding. The sum of the pair is the block's output.
     """
 
-    def __init__(self, config: Any, layer_id: int, dtype: torch.dtype, device: torch.device | str,
-                 spec: DecoderSpec = DecoderSpec()) -> None:
+    def __init__(
+        self,
+        config: Any,
+        layer_id: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        spec: DecoderSpec = DecoderSpec(),
+    ) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.self_attn = LlamaAttention(config, layer_id, dtype, device, spec)
@@ -194,9 +212,15 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
-                sin: torch.Tensor, forward_batch: ForwardBatch, attn_backend: AttentionBackend
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        forward_batch: ForwardBatch,
+        attn_backend: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -210,19 +234,20 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm. forward -> hidden [T, hidden]."""
 
-    def __init__(self, config: Any, dtype: torch.dtype, device: torch.device | str,
-                 spec: DecoderSpec = DecoderSpec()) -> None:
+    def __init__(
+        self, config: Any, dtype: torch.dtype, device: torch.device | str, spec: DecoderSpec = DecoderSpec()
+    ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype,
-                                         device=device)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.embed_tokens.requires_grad_(False)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, dtype, device, spec) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings,
-                                          rope_parameters(config), device=device)
+        self.rotary_emb = RotaryEmbedding(
+            head_dim, config.max_position_embeddings, rope_parameters(config), device=device
+        )
 
     def decoder_layers(self) -> list[LlamaDecoderLayer]:
         """The decoder layers, typed (nn.ModuleList yields plain Modules)."""
@@ -249,8 +274,7 @@ class LlamaForCausalLM(nn.Module):
 
     spec = DecoderSpec()
 
-    def __init__(self, config: Any, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu") -> None:
+    def __init__(self, config: Any, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
@@ -304,8 +328,7 @@ class LlamaForCausalLM(nn.Module):
         Returns logits [B, vocab] float32 of the last new token of each request.
         """
         hidden = self.model(forward_batch, attn_backend)
-        return self.logits_processor(hidden, self.lm_head_weight(), forward_batch,
-                                     self.lm_head_packed)
+        return self.logits_processor(hidden, self.lm_head_weight(), forward_batch, self.lm_head_packed)
 
     def init_dummy_weights(self, seed: int = 0) -> None:
         """Random weights for benchmarks (`--load-format dummy`): linear and embedding weights

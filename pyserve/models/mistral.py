@@ -1,6 +1,7 @@
 """Mistral (Jiang et al., "Mistral 7B", 2023): the Llama decoder without attention biases and
 with sliding-window attention over config.sliding_window tokens on every layer (None: full).
 """
+
 from __future__ import annotations
 
 from pyserve.models.llama import DecoderSpec, LlamaForCausalLM

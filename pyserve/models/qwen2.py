@@ -1,6 +1,7 @@
 """Qwen2 / Qwen2.5 (Qwen team, "Qwen2 Technical Report", 2024): the Llama decoder with a
 bias on the q/k/v projections (none on o_proj). Sliding-window layers follow config.layer_types.
 """
+
 from __future__ import annotations
 
 from pyserve.models.llama import DecoderSpec, LlamaForCausalLM

@@ -2,6 +2,7 @@
 head_dim applied to each query and key head before rotary (q_norm / k_norm), biases per
 config.attention_bias. Sliding-window layers follow config.layer_types.
 """
+
 from __future__ import annotations
 
 from pyserve.models.llama import DecoderSpec, LlamaForCausalLM

@@ -26,8 +26,7 @@ def get_model_class(architecture: str) -> type:
     """
     if architecture not in _MODELS:
         raise ValueError(
-            f"model architecture {architecture!r} is not supported; "
-            f"supported: {', '.join(supported_architectures())}"
+            f"model architecture {architecture!r} is not supported; supported: {', '.join(supported_architectures())}"
         )
     module_name, class_name = _MODELS[architecture]
     return getattr(importlib.import_module(module_name), class_name)

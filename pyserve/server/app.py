@@ -4,7 +4,7 @@ the app can be mounted in any ASGI server (uvicorn, hypercorn, or inside another
 from __future__ import annotations
 
 import contextlib
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
 
@@ -39,5 +39,4 @@ def create_app(server_args: ServerArgs | None = None, model_runner: Runner | Non
             hub.close()
             await engine.shutdown()
 
-    return Starlette(routes=native.ROUTES + serving.ROUTES, lifespan=lifespan,
-                     exception_handlers=EXCEPTION_HANDLERS)
+    return Starlette(routes=native.ROUTES + serving.ROUTES, lifespan=lifespan, exception_handlers=EXCEPTION_HANDLERS)

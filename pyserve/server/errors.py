@@ -18,8 +18,13 @@ from pyserve.server.render import SafeJSONResponse, error_body
 logger = logging.getLogger(__name__)
 
 
-def error_response(status: int, message: str, type_: str = "invalid_request_error",
-                   param: str | None = None, code: str | int | None = None) -> JSONResponse:
+def error_response(
+    status: int,
+    message: str,
+    type_: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | int | None = None,
+) -> JSONResponse:
     """The error response of every route (see `render.error_body`: cannot fail on the
     request text it quotes)."""
     return SafeJSONResponse(error_body(message, type_, param, code), status_code=status)
@@ -55,8 +60,9 @@ async def parse_json(request: Request) -> Any:
         raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from exc
     bad = _lone_surrogate_path(obj)
     if bad is not None:
-        raise InvalidRequestError(f"{bad or 'a field name'}: the text is not valid Unicode "
-                                  "(it holds a lone surrogate)", param=bad or None)
+        raise InvalidRequestError(
+            f"{bad or 'a field name'}: the text is not valid Unicode (it holds a lone surrogate)", param=bad or None
+        )
     return obj
 
 
@@ -64,6 +70,7 @@ def _lone_surrogate_path(obj: Any) -> str | None:
     """The dotted path of the first string (value or key) that cannot be encoded as UTF-8
     ("" for a top-level key), else None. Iterative (the body may be nested deeply); numbers
     are skipped without building paths (token-id lists are long)."""
+
     def bad(text: str) -> bool:
         if text.isascii():
             return False
@@ -89,8 +96,7 @@ def _lone_surrogate_path(obj: Any) -> str | None:
                 if isinstance(item, (str, dict, list)):
                     stack.append((item, join(path, key)))
         elif isinstance(value, list):
-            stack.extend((item, join(path, i)) for i, item in enumerate(value)
-                         if isinstance(item, (str, dict, list)))
+            stack.extend((item, join(path, i)) for i, item in enumerate(value) if isinstance(item, (str, dict, list)))
     return None
 
 
@@ -134,8 +140,7 @@ async def handle_client_disconnect(request: Request, exc: Exception) -> JSONResp
 
 async def handle_internal_error(request: Request, exc: Exception) -> JSONResponse:
     logger.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
-    return error_response(500, f"internal server error: {type(exc).__name__}: {exc}",
-                          type_="internal_server_error")
+    return error_response(500, f"internal server error: {type(exc).__name__}: {exc}", type_="internal_server_error")
 
 
 EXCEPTION_HANDLERS: dict[Any, Any] = {

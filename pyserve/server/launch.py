@@ -18,6 +18,13 @@ def launch_server(server_args: ServerArgs) -> None:
     setup_logging(server_args.log_level)
     app = create_app(server_args)
     logger.info("starting pyserve on http://%s:%d", server_args.host, server_args.port)
-    uvicorn.run(app, host=server_args.host, port=server_args.port, loop="uvloop", http=HTTP1Protocol,
-                log_level=server_args.log_level, access_log=server_args.log_level == "debug",
-                timeout_graceful_shutdown=5)
+    uvicorn.run(
+        app,
+        host=server_args.host,
+        port=server_args.port,
+        loop="uvloop",
+        http=HTTP1Protocol,
+        log_level=server_args.log_level,
+        access_log=server_args.log_level == "debug",
+        timeout_graceful_shutdown=5,
+    )

@@ -41,8 +41,9 @@ async def stream_response(request: Request, req: SingleReq, encode: StreamEncode
     tm = engine.tokenizer_manager
     treq = await tm.tokenize(req)
     tm.check_can_start(req)
-    return StreamResponse(hub, encode, lambda stream: tm.start_stream(req, treq, stream.push),
-                          lambda: tm.abort_request(req.rid))
+    return StreamResponse(
+        hub, encode, lambda stream: tm.start_stream(req, treq, stream.push), lambda: tm.abort_request(req.rid)
+    )
 
 
 async def generate(request: Request) -> Response | StreamResponse:
@@ -79,8 +80,7 @@ async def get_load(request: Request) -> Response:
 async def flush_cache(request: Request) -> Response:
     """GET or POST /flush_cache: empty the radix cache; 400 while requests are queued or run."""
     if not engine_of(request).flush_cache():
-        raise InvalidRequestError(
-            "cannot flush the cache while requests are queued or running; retry when idle")
+        raise InvalidRequestError("cannot flush the cache while requests are queued or running; retry when idle")
     return SafeJSONResponse({"success": True, "message": "Cache flushed."})
 
 

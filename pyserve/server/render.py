@@ -47,16 +47,19 @@ def clip_text(text: str, limit: int = MAX_ERROR_TEXT_CHARS) -> str:
     return text
 
 
-def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
-               code: str | int | None = None) -> dict[str, Any]:
+def error_body(
+    message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | int | None = None
+) -> dict[str, Any]:
     """The OpenAI-style error object {"error": {"message", "type", "param", "code"}}, its
     texts clipped and made encodable (they may quote the request)."""
-    return {"error": {
-        "message": clip_text(str(message)),
-        "type": type_,
-        "param": None if param is None else clip_text(str(param), MAX_ERROR_PARAM_CHARS),
-        "code": clip_text(code) if isinstance(code, str) else code,
-    }}
+    return {
+        "error": {
+            "message": clip_text(str(message)),
+            "type": type_,
+            "param": None if param is None else clip_text(str(param), MAX_ERROR_PARAM_CHARS),
+            "code": clip_text(code) if isinstance(code, str) else code,
+        }
+    }
 
 
 class SafeJSONResponse(JSONResponse):
@@ -113,11 +116,15 @@ class NativeStreamEncoder:
                 head = self._meta_head = (out.rid, b'{"id":' + json_bytes(out.rid) + b',"finish_reason":null,')
             # what json_bytes(out.native_meta()) gives while running: integers in decimal
             meta = head[1] + b'"prompt_tokens":%d,"completion_tokens":%d,"cached_tokens":%d}' % (
-                out.prompt_tokens, num_ids, out.cached_tokens)
+                out.prompt_tokens,
+                num_ids,
+                out.cached_tokens,
+            )
         else:
             meta = json_bytes(out.native_meta())
-        return b"".join((b'data: {"text":"', self._text, b'","output_ids":[', self._ids,
-                         b'],"meta_info":', meta, b"}\n\n"))
+        return b"".join(
+            (b'data: {"text":"', self._text, b'","output_ids":[', self._ids, b'],"meta_info":', meta, b"}\n\n")
+        )
 
     def end(self) -> bytes:
         """Nothing follows the last output's event but `data: [DONE]`."""

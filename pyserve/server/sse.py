@@ -22,8 +22,11 @@ T = TypeVar("T")
 DONE_EVENT = b"data: [DONE]\n\n"
 
 
-SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-               (b"x-accel-buffering", b"no")]
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
 
 
 def error_event(exc: Exception) -> bytes:
@@ -36,8 +39,9 @@ def error_event(exc: Exception) -> bytes:
     if isinstance(exc, ModelStepError):
         return sse_event(error_body(str(exc), type_="internal_server_error", code=500))
     logger.error("stream failed", exc_info=exc)
-    return sse_event(error_body(f"internal server error: {type(exc).__name__}: {exc}",
-                                type_="internal_server_error", code=500))
+    return sse_event(
+        error_body(f"internal server error: {type(exc).__name__}: {exc}", type_="internal_server_error", code=500)
+    )
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:

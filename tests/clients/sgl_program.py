@@ -37,10 +37,13 @@ def main() -> None:
     c = chat.run()
     meta = s.get_meta_info("place")
     result = {
-        "cont": s["cont"], "place": s["place"],
+        "cont": s["cont"],
+        "place": s["place"],
         "story_text": s.text(),
         "select_meta": {k: meta[k] for k in ("normalized_prompt_logprobs", "input_token_logprobs")},
-        "chat_first": c["first"], "chat_second": c["second"], "chat_text": c.text(),
+        "chat_first": c["first"],
+        "chat_second": c["second"],
+        "chat_text": c.text(),
         "chat_messages": c.messages(),
     }
     with open(out_path, "w") as f:

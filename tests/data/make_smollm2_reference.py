@@ -24,13 +24,21 @@ def main() -> None:
     cases = []
     for prompt in PROMPTS:
         ids = tok(prompt).input_ids
-        cases.append({"prompt": prompt, "input_ids": ids,
-                      "output_ids": hf_greedy(model, ids, MAX_NEW_TOKENS)})
+        cases.append({"prompt": prompt, "input_ids": ids, "output_ids": hf_greedy(model, ids, MAX_NEW_TOKENS)})
         print(prompt, flush=True)
     out = Path(__file__).with_name("smollm2_greedy_reference.json")
-    out.write_text(json.dumps({"model": gguf.name, "max_new_tokens": MAX_NEW_TOKENS,
-                               "reference": "transformers greedy generate, float32", "cases": cases},
-                              indent=1) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "model": gguf.name,
+                "max_new_tokens": MAX_NEW_TOKENS,
+                "reference": "transformers greedy generate, float32",
+                "cases": cases,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -60,8 +60,15 @@ def make_app() -> Starlette:
                 if "CUT" in prompt and i == 1:
                     return
             if include_usage:
-                yield _body(kind, None, {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": NUM_OUTPUT,
-                                         "total_tokens": PROMPT_TOKENS + NUM_OUTPUT})
+                yield _body(
+                    kind,
+                    None,
+                    {
+                        "prompt_tokens": PROMPT_TOKENS,
+                        "completion_tokens": NUM_OUTPUT,
+                        "total_tokens": PROMPT_TOKENS + NUM_OUTPUT,
+                    },
+                )
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -72,11 +79,13 @@ def make_app() -> Starlette:
     async def chat_completions(request: Request):  # type: ignore[no-untyped-def]
         return await complete(request, "chat")
 
-    return Starlette(routes=[
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-    ])
+    return Starlette(
+        routes=[
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -102,10 +111,28 @@ def run_bench(tmp_path, base_url: str, prompts: list[str], *extra: str) -> dict:
     workload = tmp_path / "w.jsonl"
     workload.write_text("".join(json.dumps({"prompt": p, "output_len": NUM_OUTPUT}) + "\n" for p in prompts))
     out = tmp_path / "out.jsonl"
-    rc = bench_main(["serve", "--base-url", base_url, "--tokenizer", "../shared/models/stories260k",
-                     "--dataset-name", "jsonl", "--dataset-path", str(workload),
-                     "--num-prompts", str(len(prompts)), "--max-concurrency", "4", "--disable-tqdm",
-                     "--output-file", str(out), "--output-details", *extra])
+    rc = bench_main(
+        [
+            "serve",
+            "--base-url",
+            base_url,
+            "--tokenizer",
+            "../shared/models/stories260k",
+            "--dataset-name",
+            "jsonl",
+            "--dataset-path",
+            str(workload),
+            "--num-prompts",
+            str(len(prompts)),
+            "--max-concurrency",
+            "4",
+            "--disable-tqdm",
+            "--output-file",
+            str(out),
+            "--output-details",
+            *extra,
+        ]
+    )
     assert rc == 0
     return json.loads(out.read_text().splitlines()[-1])
 
@@ -157,8 +184,15 @@ def test_failures_are_counted_by_kind(tmp_path, standin) -> None:
 
 def test_tokenizer_counting_without_usage(tmp_path, standin) -> None:
     # the stand-in omits usage when not asked: strip stream_options from the requests
-    result = run_bench(tmp_path, standin, ["Once upon a time"] * 4, "--backend", "openai",
-                       "--extra-request-body", '{"stream_options": null}')
+    result = run_bench(
+        tmp_path,
+        standin,
+        ["Once upon a time"] * 4,
+        "--backend",
+        "openai",
+        "--extra-request-body",
+        '{"stream_options": null}',
+    )
     m = result["metrics"]
     assert result["token_count_source"] == "tokenizer"
     # "Once upon a time" is 4 tokens; the reply 6

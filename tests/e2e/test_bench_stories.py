@@ -19,9 +19,11 @@ NUM_PROMPTS, OUTPUT_LEN = 32, 8
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, stories_path):
-    srv = start_server(tmp_path_factory, "bench-stories", [
-        "--model-path", str(stories_path), "--max-total-tokens", "4096",
-        "--chat-template", str(TEMPLATE)])
+    srv = start_server(
+        tmp_path_factory,
+        "bench-stories",
+        ["--model-path", str(stories_path), "--max-total-tokens", "4096", "--chat-template", str(TEMPLATE)],
+    )
     yield srv
     srv.stop()
 
@@ -30,21 +32,50 @@ def generated_tokens(server) -> int:
     return httpx.get(server.base_url + "/get_server_info", timeout=10).json()["num_generated_tokens"]
 
 
-@pytest.mark.parametrize("backend, entry", [
-    ("pyserve", ["-m", "pyserve", "bench"]),
-    ("openai", ["-m", "pyserve", "bench"]),
-    ("openai-chat", ["-m", "pyserve.bench"]),  # the module entry point
-])
+@pytest.mark.parametrize(
+    "backend, entry",
+    [
+        ("pyserve", ["-m", "pyserve", "bench"]),
+        ("openai", ["-m", "pyserve", "bench"]),
+        ("openai-chat", ["-m", "pyserve.bench"]),  # the module entry point
+    ],
+)
 def test_bench_serve_each_backend(server, tmp_path, backend, entry) -> None:
     out = tmp_path / "out.jsonl"
     plot = tmp_path / "p.png"
     before = generated_tokens(server)
-    proc = subprocess.run([
-        sys.executable, *entry, "serve", "--backend", backend, "--port", str(server.port),
-        "--num-prompts", str(NUM_PROMPTS), "--max-concurrency", "8", "--random-input-len", "24",
-        "--random-output-len", str(OUTPUT_LEN), "--random-range-ratio", "1", "--warmup-requests", "1",
-        "--output-file", str(out), "--output-details", "--plot", str(plot)],
-        cwd=REPO, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            *entry,
+            "serve",
+            "--backend",
+            backend,
+            "--port",
+            str(server.port),
+            "--num-prompts",
+            str(NUM_PROMPTS),
+            "--max-concurrency",
+            "8",
+            "--random-input-len",
+            "24",
+            "--random-output-len",
+            str(OUTPUT_LEN),
+            "--random-range-ratio",
+            "1",
+            "--warmup-requests",
+            "1",
+            "--output-file",
+            str(out),
+            "--output-details",
+            "--plot",
+            str(plot),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr
     delta = generated_tokens(server) - before
     result = json.loads(out.read_text())

@@ -27,23 +27,64 @@ TEMPLATE = REPO / "tests" / "data" / "stories_chat_template.jinja"
 
 BASES: dict[str, dict[str, Any]] = {
     "/generate": {
-        "text": "Once upon a time", "rid": "fuzz", "stream": False, "return_logprob": True,
-        "logprob_start_len": 1, "top_logprobs_num": 2, "token_ids_logprob": [5, 6],
+        "text": "Once upon a time",
+        "rid": "fuzz",
+        "stream": False,
+        "return_logprob": True,
+        "logprob_start_len": 1,
+        "top_logprobs_num": 2,
+        "token_ids_logprob": [5, 6],
         "return_text_in_logprobs": True,
-        "sampling_params": {"max_new_tokens": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 5,
-                            "min_p": 0.05, "stop": ["."], "stop_token_ids": [13], "seed": 1, "n": 1,
-                            "frequency_penalty": 0.5, "repetition_penalty": 1.1, "logit_bias": {"5": 1.0},
-                            "min_new_tokens": 1, "stream_interval": 1, "no_stop_trim": False}},
+        "sampling_params": {
+            "max_new_tokens": 4,
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "top_k": 5,
+            "min_p": 0.05,
+            "stop": ["."],
+            "stop_token_ids": [13],
+            "seed": 1,
+            "n": 1,
+            "frequency_penalty": 0.5,
+            "repetition_penalty": 1.1,
+            "logit_bias": {"5": 1.0},
+            "min_new_tokens": 1,
+            "stream_interval": 1,
+            "no_stop_trim": False,
+        },
+    },
     "/v1/completions": {
-        "model": "stories260k", "prompt": "Lily went", "max_tokens": 4, "temperature": 0.5, "logprobs": 2,
-        "echo": True, "stop": ["."], "stream": False, "n": 1, "seed": 3, "logit_bias": {"5": 1.0},
-        "top_k": 4, "stream_options": {"include_usage": True}, "user": "u"},
+        "model": "stories260k",
+        "prompt": "Lily went",
+        "max_tokens": 4,
+        "temperature": 0.5,
+        "logprobs": 2,
+        "echo": True,
+        "stop": ["."],
+        "stream": False,
+        "n": 1,
+        "seed": 3,
+        "logit_bias": {"5": 1.0},
+        "top_k": 4,
+        "stream_options": {"include_usage": True},
+        "user": "u",
+    },
     "/v1/chat/completions": {
-        "model": "default", "messages": [{"role": "system", "content": "Be brief."},
-                                         {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
-        "max_tokens": 4, "temperature": 0.5, "stream": False, "logprobs": True, "top_logprobs": 2,
-        "stream_options": {"include_usage": True, "continuous_usage_stats": True}, "n": 1,
-        "chat_template_kwargs": {"greeting": "x"}, "presence_penalty": 0.1},
+        "model": "default",
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+        ],
+        "max_tokens": 4,
+        "temperature": 0.5,
+        "stream": False,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        "n": 1,
+        "chat_template_kwargs": {"greeting": "x"},
+        "presence_penalty": 0.1,
+    },
 }
 
 HUGE_TEXT = "x" * 200_000
@@ -62,8 +103,8 @@ strings = st.one_of(
     st.sampled_from(["\udcff", "\ud800x", "x\udfff", "\x00", "a\x00b", "", " ", HUGE_TEXT, "stories260k"]),
 )
 numbers = st.one_of(
-    st.integers(min_value=-2**70, max_value=2**70),
-    st.sampled_from([0, -1, 1, 2, 2**31, 2**32, 2**63 - 1, 2**63, 2**64, 10**30, -10**30]),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.sampled_from([0, -1, 1, 2, 2**31, 2**32, 2**63 - 1, 2**63, 2**64, 10**30, -(10**30)]),
     st.sampled_from([1e300, -1e300, 3.4e38, -3.4e38, 1e-45, -0.0]),  # float32 overflow / underflow
     st.floats(allow_nan=True, allow_infinity=True, width=64),  # NaN / inf are sent as JSON's NaN
 )
@@ -79,8 +120,12 @@ _weird = st.one_of(
 
 
 # values a valid body could hold: mutations with them often stay valid and reach the model
-plausible = st.one_of(st.integers(min_value=0, max_value=6), st.floats(min_value=0.0, max_value=1.0),
-                      st.booleans(), st.text(alphabet="abc .", max_size=6))
+plausible = st.one_of(
+    st.integers(min_value=0, max_value=6),
+    st.floats(min_value=0.0, max_value=1.0),
+    st.booleans(),
+    st.text(alphabet="abc .", max_size=6),
+)
 values = st.one_of(weird, plausible)
 
 
@@ -130,7 +175,7 @@ def cases(draw: st.DrawFn) -> tuple[str, bytes, str]:
     form = draw(st.sampled_from(["json"] * 14 + ["truncated", "form", "text", "empty", "not-utf8", "deep"]))
     content_type = "application/json"
     if form == "truncated":
-        raw = raw[:draw(st.integers(min_value=0, max_value=max(len(raw) - 1, 0)))]
+        raw = raw[: draw(st.integers(min_value=0, max_value=max(len(raw) - 1, 0)))]
     elif form == "form":
         raw, content_type = b"text=hello&max_new_tokens=3", "application/x-www-form-urlencoded"
     elif form == "text":
@@ -138,7 +183,7 @@ def cases(draw: st.DrawFn) -> tuple[str, bytes, str]:
     elif form == "empty":
         raw = b""
     elif form == "not-utf8":
-        raw = raw.replace(b"\"", b"\xff\"", 1)
+        raw = raw.replace(b'"', b'\xff"', 1)
     elif form == "deep":  # nested past any recursion limit
         depth = draw(st.integers(min_value=1000, max_value=200_000))
         raw = b'{"text": ' + b"[" * depth + b"]" * depth + b"}"
@@ -147,9 +192,22 @@ def cases(draw: st.DrawFn) -> tuple[str, bytes, str]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, stories_path):
-    srv = start_server(tmp_path_factory, "stories-fuzz", [
-        "--model-path", str(stories_path), "--max-total-tokens", str(POOL), "--context-length", "64",
-        "--chat-template", str(TEMPLATE), "--max-running-requests", "16"])
+    srv = start_server(
+        tmp_path_factory,
+        "stories-fuzz",
+        [
+            "--model-path",
+            str(stories_path),
+            "--max-total-tokens",
+            str(POOL),
+            "--context-length",
+            "64",
+            "--chat-template",
+            str(TEMPLATE),
+            "--max-running-requests",
+            "16",
+        ],
+    )
     try:
         yield srv
     finally:
@@ -182,8 +240,13 @@ def test_fuzzed_bodies_never_break_the_server(server):
     statuses: dict[tuple[str, int], int] = {}
     with httpx.Client(base_url=server.base_url, timeout=120) as client:
 
-        @settings(max_examples=NUM_EXAMPLES, deadline=None, derandomize=True, database=None,
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=NUM_EXAMPLES,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        )
         @given(case=cases())
         def one(case: tuple[str, bytes, str]) -> None:
             nonlocal sent

@@ -12,15 +12,32 @@ import pytest
 from tests.conftest import start_server, wait_idle
 
 POOL = 4096
-QUEUE_FULL = {"error": {"message": "the request queue is full (4 requests waiting); retry later",
-                        "type": "server_error", "param": None, "code": "queue_full"}}
+QUEUE_FULL = {
+    "error": {
+        "message": "the request queue is full (4 requests waiting); retry later",
+        "type": "server_error",
+        "param": None,
+        "code": "queue_full",
+    }
+}
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, stories_path):
-    srv = start_server(tmp_path_factory, "stories-queue4", [
-        "--model-path", str(stories_path), "--max-total-tokens", str(POOL),
-        "--max-running-requests", "2", "--max-queued-requests", "4"])
+    srv = start_server(
+        tmp_path_factory,
+        "stories-queue4",
+        [
+            "--model-path",
+            str(stories_path),
+            "--max-total-tokens",
+            str(POOL),
+            "--max-running-requests",
+            "2",
+            "--max-queued-requests",
+            "4",
+        ],
+    )
     try:
         yield srv
     finally:
@@ -36,8 +53,10 @@ async def _one(client: httpx.AsyncClient, k: int) -> tuple[str, int, object]:
     if k % 3 == 1:
         r = await client.post("/generate", json={"input_ids": ids, "sampling_params": params, "stream": True})
         return "stream", r.status_code, r.text if r.status_code == 200 else r.json()
-    r = await client.post("/v1/completions", json={"model": "default", "prompt": ids, "max_tokens": 24,
-                                                   "temperature": 0, "ignore_eos": True})
+    r = await client.post(
+        "/v1/completions",
+        json={"model": "default", "prompt": ids, "max_tokens": 24, "temperature": 0, "ignore_eos": True},
+    )
     return "openai", r.status_code, r.json()
 
 
@@ -63,8 +82,11 @@ def test_the_excess_gets_503_and_the_rest_succeed(server) -> None:
         else:
             assert body["usage"]["completion_tokens"] == 24
     # healthy afterwards: a request is served, and nothing is held
-    after = httpx.post(server.base_url + "/generate", json={
-        "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4, "temperature": 0}}, timeout=60)
+    after = httpx.post(
+        server.base_url + "/generate",
+        json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4, "temperature": 0}},
+        timeout=60,
+    )
     assert after.status_code == 200
     info = wait_idle(server.base_url)
     assert info["kv_free_slots"] + info["kv_evictable_slots"] == POOL

@@ -35,26 +35,52 @@ def client_python() -> Path:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, stories_path):
-    yield from stories_chat_server(tmp_path_factory, stories_path, "stories-clients", POOL,
-                                   ["--max-running-requests", "64"])
+    yield from stories_chat_server(
+        tmp_path_factory, stories_path, "stories-clients", POOL, ["--max-running-requests", "64"]
+    )
 
 
 def run_client(python: Path, args: list[str], cwd: Path, timeout_s: float = 300) -> str:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "HOME": str(cwd)}  # bench_serving caches its generated datasets under ~/.cache
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HOME": str(cwd),
+    }  # bench_serving caches its generated datasets under ~/.cache
     env.pop("PYTHONPATH", None)
-    proc = subprocess.run([str(python), *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout_s)
+    proc = subprocess.run([str(python), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
     assert proc.returncode == 0, f"{args[:3]} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc.stdout + proc.stderr
 
 
 DATASETS = {
-    "random-ids": ["--dataset-name", "random-ids", "--num-prompts", "24", "--random-input-len", "48",
-                   "--random-output-len", "16", "--random-range-ratio", "0.5"],
-    "generated-shared-prefix": ["--dataset-name", "generated-shared-prefix", "--gsp-num-groups", "3",
-                                "--gsp-prompts-per-group", "6", "--gsp-system-prompt-len", "96",
-                                "--gsp-question-len", "16", "--gsp-output-len", "12"],
+    "random-ids": [
+        "--dataset-name",
+        "random-ids",
+        "--num-prompts",
+        "24",
+        "--random-input-len",
+        "48",
+        "--random-output-len",
+        "16",
+        "--random-range-ratio",
+        "0.5",
+    ],
+    "generated-shared-prefix": [
+        "--dataset-name",
+        "generated-shared-prefix",
+        "--gsp-num-groups",
+        "3",
+        "--gsp-prompts-per-group",
+        "6",
+        "--gsp-system-prompt-len",
+        "96",
+        "--gsp-question-len",
+        "16",
+        "--gsp-output-len",
+        "12",
+    ],
 }
 
 
@@ -62,10 +88,26 @@ DATASETS = {
 @pytest.mark.parametrize("backend", ["sglang", "sglang-oai", "sglang-oai-chat"])
 def test_sglang_bench_serving(server, client_python, stories_path, tmp_path, backend, dataset):
     out_file = tmp_path / "result.jsonl"
-    log = run_client(client_python, [
-        "-m", "sglang.bench_serving", "--backend", backend, "--base-url", server.base_url,
-        "--tokenizer", str(stories_path), *DATASETS[dataset], "--max-concurrency", "8",
-        "--output-file", str(out_file), "--disable-tqdm"], tmp_path)
+    log = run_client(
+        client_python,
+        [
+            "-m",
+            "sglang.bench_serving",
+            "--backend",
+            backend,
+            "--base-url",
+            server.base_url,
+            "--tokenizer",
+            str(stories_path),
+            *DATASETS[dataset],
+            "--max-concurrency",
+            "8",
+            "--output-file",
+            str(out_file),
+            "--disable-tqdm",
+        ],
+        tmp_path,
+    )
     result = json.loads(out_file.read_text().splitlines()[-1])
     num = 24 if dataset == "random-ids" else 18
     assert result["completed"] == num, log
@@ -85,18 +127,32 @@ def test_sgl_function_gen_select_and_chat(server, client_python, tmp_path):
     run_client(client_python, [str(REPO / "tests" / "clients" / "sgl_program.py"), server.base_url, str(out)], tmp_path)
     got = json.loads(out.read_text())
     # gen: the greedy continuation up to the stop string, as /generate gives it
-    want = _generate(server, {"text": "Once upon a time, Lily and Tom", "sampling_params": {
-        "max_new_tokens": 12, "temperature": 0, "stop": ["."]}})
+    want = _generate(
+        server,
+        {
+            "text": "Once upon a time, Lily and Tom",
+            "sampling_params": {"max_new_tokens": 12, "temperature": 0, "stop": ["."]},
+        },
+    )
     assert got["cont"] == want["text"] and got["cont"].startswith(" ")
     # select: the frontend scores each choice with /generate's prompt logprobs
     choices = [" park", " moon", " table"]
     prefix = got["story_text"][: len(got["story_text"]) - len(got["place"])]
-    prompt_len = _generate(server, {"text": prefix, "sampling_params": {"max_new_tokens": 0}})["meta_info"]["prompt_tokens"]
+    prompt_len = _generate(server, {"text": prefix, "sampling_params": {"max_new_tokens": 0}})["meta_info"][
+        "prompt_tokens"
+    ]
     normalized = []
     for i, choice in enumerate(choices):
-        lps = _generate(server, {"text": prefix + choice, "sampling_params": {"max_new_tokens": 0, "temperature": 0},
-                                 "return_logprob": True, "return_text_in_logprobs": True,
-                                 "logprob_start_len": max(prompt_len - 2, 0)})["meta_info"]["input_token_logprobs"]
+        lps = _generate(
+            server,
+            {
+                "text": prefix + choice,
+                "sampling_params": {"max_new_tokens": 0, "temperature": 0},
+                "return_logprob": True,
+                "return_text_in_logprobs": True,
+                "logprob_start_len": max(prompt_len - 2, 0),
+            },
+        )["meta_info"]["input_token_logprobs"]
         values = [e[0] for e in lps if e[0]]
         score = sum(values) / len(values)
         if prefix.endswith(lps[0][2]):  # the frontend's token healing drops that entry
@@ -118,18 +174,20 @@ def test_sgl_function_gen_select_and_chat(server, client_python, tmp_path):
 
 
 def _lm_eval_tasks(folder: Path) -> None:
-    common = "dataset_path: json\ntest_split: test\ntarget_delimiter: \"\"\n"
+    common = 'dataset_path: json\ntest_split: test\ntarget_delimiter: ""\n'
     (folder / "mc.yaml").write_text(
         f"task: pyserve_stories_mc\n{common}dataset_kwargs:\n  data_files:\n"
         f"    test: {LM_EVAL_DATA / 'stories_mc.jsonl'}\noutput_type: multiple_choice\n"
-        "doc_to_text: \"{{context}}\"\ndoc_to_choice: \"{{choices}}\"\ndoc_to_target: label\n"
-        "metric_list:\n  - metric: acc\n")
+        'doc_to_text: "{{context}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: label\n'
+        "metric_list:\n  - metric: acc\n"
+    )
     (folder / "gen.yaml").write_text(
         f"task: pyserve_stories_gen\n{common}dataset_kwargs:\n  data_files:\n"
         f"    test: {LM_EVAL_DATA / 'stories_gen.jsonl'}\noutput_type: generate_until\n"
-        "doc_to_text: \"{{question}}\"\ndoc_to_target: \"{{answer}}\"\n"
-        "generation_kwargs:\n  until: [\".\"]\n  max_gen_toks: 12\n  do_sample: false\n"
-        "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n")
+        'doc_to_text: "{{question}}"\ndoc_to_target: "{{answer}}"\n'
+        'generation_kwargs:\n  until: ["."]\n  max_gen_toks: 12\n  do_sample: false\n'
+        "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n"
+    )
 
 
 def _hf_expected(stories_path: Path) -> tuple[list[list[float]], float, list[str], float]:
@@ -159,7 +217,7 @@ def _hf_expected(stories_path: Path) -> tuple[list[list[float]], float, list[str
             ctx = tok(doc["question"]).input_ids
             out = model.generate(torch.tensor([ctx]), max_new_tokens=12, do_sample=False)[0].tolist()
             full = tok.decode(out, skip_special_tokens=True)
-            text = full[len(tok.decode(ctx, skip_special_tokens=True)):].split(".")[0]
+            text = full[len(tok.decode(ctx, skip_special_tokens=True)) :].split(".")[0]
             answers.append(text)
             hits += text == doc["answer"]
     return lls, correct / len(mc), answers, hits / len(gen)
@@ -167,12 +225,27 @@ def _hf_expected(stories_path: Path) -> tuple[list[list[float]], float, list[str
 
 def test_lm_eval_local_completions_equals_hf(server, client_python, stories_path, tmp_path):
     _lm_eval_tasks(tmp_path)
-    run_client(client_python, [
-        "-m", "lm_eval", "--model", "local-completions", "--model_args",
-        f"base_url={server.base_url}/v1/completions,model=stories260k,tokenizer_backend=huggingface,"
-        f"tokenizer={stories_path},add_bos_token=True,num_concurrent=4,max_retries=1",
-        "--tasks", "pyserve_stories_mc,pyserve_stories_gen", "--include_path", str(tmp_path),
-        "--output_path", str(tmp_path / "out"), "--log_samples"], tmp_path, timeout_s=600)
+    run_client(
+        client_python,
+        [
+            "-m",
+            "lm_eval",
+            "--model",
+            "local-completions",
+            "--model_args",
+            f"base_url={server.base_url}/v1/completions,model=stories260k,tokenizer_backend=huggingface,"
+            f"tokenizer={stories_path},add_bos_token=True,num_concurrent=4,max_retries=1",
+            "--tasks",
+            "pyserve_stories_mc,pyserve_stories_gen",
+            "--include_path",
+            str(tmp_path),
+            "--output_path",
+            str(tmp_path / "out"),
+            "--log_samples",
+        ],
+        tmp_path,
+        timeout_s=600,
+    )
     results = json.loads(Path(sorted(glob.glob(str(tmp_path / "out" / "*" / "results_*.json")))[-1]).read_text())
     lls, acc, answers, exact = _hf_expected(stories_path)
     assert results["results"]["pyserve_stories_mc"]["acc,none"] == acc
@@ -181,8 +254,9 @@ def test_lm_eval_local_completions_equals_hf(server, client_python, stories_path
     samples = {}
     for path in glob.glob(str(tmp_path / "out" / "*" / "samples_*.jsonl")):
         task = "mc" if "_mc_" in path else "gen"
-        samples[task] = sorted((json.loads(line) for line in Path(path).read_text().splitlines()),
-                               key=lambda d: d["doc_id"])
+        samples[task] = sorted(
+            (json.loads(line) for line in Path(path).read_text().splitlines()), key=lambda d: d["doc_id"]
+        )
     for doc, want in zip(samples["mc"], lls):
         assert [float(r[0][0]) for r in doc["resps"]] == pytest.approx(want, abs=1e-4)
     assert [doc["filtered_resps"][0] for doc in samples["gen"]] == answers

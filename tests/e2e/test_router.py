@@ -20,8 +20,8 @@ import httpx
 import pytest
 
 from tests.conftest import REPO, free_port, start_server
-from tests.e2e.text_exact import _sse
 from tests.e2e.test_real_clients import client_python  # noqa: F401  (fixture)
+from tests.e2e.text_exact import _sse
 
 POOL = 4096
 OUTPUT_LEN = 48  # long enough that a round's two requests are in flight together
@@ -33,9 +33,22 @@ def replicas(tmp_path_factory, stories_path):
     servers = []
     try:
         for i in range(2):
-            servers.append(start_server(tmp_path_factory, f"replica{i}", [
-                "--model-path", str(stories_path), "--max-total-tokens", str(POOL),
-                "--chat-template", str(TEMPLATE), "--log-level", "debug"]))  # debug: access log too
+            servers.append(
+                start_server(
+                    tmp_path_factory,
+                    f"replica{i}",
+                    [
+                        "--model-path",
+                        str(stories_path),
+                        "--max-total-tokens",
+                        str(POOL),
+                        "--chat-template",
+                        str(TEMPLATE),
+                        "--log-level",
+                        "debug",
+                    ],
+                )
+            )  # debug: access log too
         yield servers
         for srv in servers:
             log = srv.log()
@@ -54,17 +67,40 @@ class Router:
         self.log_path = log_path
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         env.pop("PYTHONPATH", None)
-        self.proc = subprocess.Popen([
-            str(python), "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
-            "--worker-urls", *[w.base_url for w in workers], "--policy", policy,
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--log-level", "warn"],
-            stdout=self._log, stderr=subprocess.STDOUT, cwd=log_path.parent, env=env)
+        self.proc = subprocess.Popen(
+            [
+                str(python),
+                "-m",
+                "sglang_router.launch_router",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--worker-urls",
+                *[w.base_url for w in workers],
+                "--policy",
+                policy,
+                "--prometheus-host",
+                "127.0.0.1",
+                "--prometheus-port",
+                str(free_port()),
+                "--log-level",
+                "warn",
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            cwd=log_path.parent,
+            env=env,
+        )
         deadline = time.monotonic() + 120
         while True:
             assert self.proc.poll() is None, log_path.read_text()[-3000:]
             try:
-                r = httpx.post(self.base_url + "/generate", timeout=10, json={
-                    "text": "Hi", "sampling_params": {"max_new_tokens": 1}})
+                r = httpx.post(
+                    self.base_url + "/generate",
+                    timeout=10,
+                    json={"text": "Hi", "sampling_params": {"max_new_tokens": 1}},
+                )
                 if r.status_code == 200:
                     return
             except httpx.HTTPError:
@@ -104,8 +140,10 @@ def _check_routes(router: Router, direct: str) -> None:
         r = httpx.post(router.base_url + "/generate", json=body, timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["output_ids"] == want["output_ids"] and r.json()["text"] == want["text"]
-    events = _sse(router.base_url + "/generate", {"text": "Once upon a time", "stream": True,
-                                                  "model": "stories260k", "sampling_params": greedy})
+    events = _sse(
+        router.base_url + "/generate",
+        {"text": "Once upon a time", "stream": True, "model": "stories260k", "sampling_params": greedy},
+    )
     assert events[-1]["text"] == want["text"]
     body = {"model": "stories260k", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
     r = httpx.post(router.base_url + "/v1/completions", json=body, timeout=60)
@@ -134,10 +172,15 @@ def _send_rounds(router: Router, rounds: int) -> dict[int, list[int]]:
     for k in range(rounds):
         results: dict[int, httpx.Response] = {}
 
-        def send(g: int) -> None:
-            results[g] = httpx.post(router.base_url + "/generate", timeout=60, json={
-                "text": GROUPS[g] + f"Question {k}: what happened next?",
-                "sampling_params": {"max_new_tokens": OUTPUT_LEN, "temperature": 0, "ignore_eos": True}})
+        def send(g: int, k: int = k, results: dict[int, httpx.Response] = results) -> None:
+            results[g] = httpx.post(
+                router.base_url + "/generate",
+                timeout=60,
+                json={
+                    "text": GROUPS[g] + f"Question {k}: what happened next?",
+                    "sampling_params": {"max_new_tokens": OUTPUT_LEN, "temperature": 0, "ignore_eos": True},
+                },
+            )
 
         threads = [threading.Thread(target=send, args=(g,)) for g in range(len(GROUPS))]
         for t in threads:
@@ -156,8 +199,9 @@ def _holders(replicas, prefix: str) -> list[int]:
     """Which replicas have `prefix` cached (asked once each, directly: a miss caches it)."""
     found = []
     for i, r in enumerate(replicas):
-        out = httpx.post(r.base_url + "/generate", timeout=60, json={
-            "text": prefix, "sampling_params": {"max_new_tokens": 0}}).json()
+        out = httpx.post(
+            r.base_url + "/generate", timeout=60, json={"text": prefix, "sampling_params": {"max_new_tokens": 0}}
+        ).json()
         if out["meta_info"]["cached_tokens"] >= out["meta_info"]["prompt_tokens"] - 2:
             found.append(i)
     return found
@@ -193,12 +237,42 @@ def test_pyserve_bench_through_the_router(replicas, client_python, stories_path,
     router = Router(client_python, replicas, "cache_aware", tmp_path / "router.log")
     try:
         out = tmp_path / "bench.jsonl"
-        proc = subprocess.run([
-            sys.executable, "-m", "pyserve", "bench", "serve", "--backend", "pyserve", "--base-url", router.base_url,
-            "--tokenizer", str(stories_path), "--dataset-name", "generated-shared-prefix", "--gsp-num-groups", "2",
-            "--gsp-prompts-per-group", "6", "--gsp-system-prompt-len", "96", "--gsp-question-len", "8",
-            "--gsp-output-len", "8", "--max-concurrency", "4", "--output-file", str(out), "--disable-tqdm"],
-            cwd=REPO, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pyserve",
+                "bench",
+                "serve",
+                "--backend",
+                "pyserve",
+                "--base-url",
+                router.base_url,
+                "--tokenizer",
+                str(stories_path),
+                "--dataset-name",
+                "generated-shared-prefix",
+                "--gsp-num-groups",
+                "2",
+                "--gsp-prompts-per-group",
+                "6",
+                "--gsp-system-prompt-len",
+                "96",
+                "--gsp-question-len",
+                "8",
+                "--gsp-output-len",
+                "8",
+                "--max-concurrency",
+                "4",
+                "--output-file",
+                str(out),
+                "--disable-tqdm",
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode == 0, proc.stderr
         m = json.loads(out.read_text())["metrics"]
         assert (m["completed"], m["failed"]) == (12, 0)

@@ -16,37 +16,74 @@ import pytest
 from transformers import AutoTokenizer
 
 from tests.conftest import CHAT_TEMPLATE as TEMPLATE
-from tests.conftest import stories_chat_server
-from tests.conftest import wait_idle
+from tests.conftest import stories_chat_server, wait_idle
 from tests.e2e.text_exact import _sse, check_all, expected_continuation
 
 POOL = 4096
 
 # Every field of SGLang 0.5.2's GenerateReqInput and SamplingParams, at its default.
 SGLANG_DEFAULT_FIELDS = {
-    "input_embeds": None, "image_data": None, "video_data": None, "audio_data": None,
-    "rid": None, "return_logprob": None, "logprob_start_len": None, "top_logprobs_num": None,
-    "token_ids_logprob": None, "return_text_in_logprobs": False, "stream": False,
-    "log_metrics": True, "return_hidden_states": False, "modalities": None,
-    "session_params": None, "lora_path": None, "lora_id": None, "custom_logit_processor": None,
-    "bootstrap_host": None, "bootstrap_port": None, "bootstrap_room": None,
-    "bootstrap_pair_key": None, "data_parallel_rank": None, "background": False,
-    "conversation_id": None, "label": None, "priority": None, "return_bytes": False,
+    "input_embeds": None,
+    "image_data": None,
+    "video_data": None,
+    "audio_data": None,
+    "rid": None,
+    "return_logprob": None,
+    "logprob_start_len": None,
+    "top_logprobs_num": None,
+    "token_ids_logprob": None,
+    "return_text_in_logprobs": False,
+    "stream": False,
+    "log_metrics": True,
+    "return_hidden_states": False,
+    "modalities": None,
+    "session_params": None,
+    "lora_path": None,
+    "lora_id": None,
+    "custom_logit_processor": None,
+    "bootstrap_host": None,
+    "bootstrap_port": None,
+    "bootstrap_room": None,
+    "bootstrap_pair_key": None,
+    "data_parallel_rank": None,
+    "background": False,
+    "conversation_id": None,
+    "label": None,
+    "priority": None,
+    "return_bytes": False,
 }
 SGLANG_DEFAULT_SAMPLING = {
-    "max_new_tokens": 128, "stop": None, "stop_token_ids": None, "temperature": 1.0, "top_p": 1.0,
-    "top_k": -1, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
-    "repetition_penalty": 1.0, "min_new_tokens": 0, "n": 1, "json_schema": None, "regex": None,
-    "ebnf": None, "structural_tag": None, "ignore_eos": False, "skip_special_tokens": True,
-    "spaces_between_special_tokens": True, "no_stop_trim": False, "custom_params": None,
-    "stream_interval": None, "logit_bias": None,
+    "max_new_tokens": 128,
+    "stop": None,
+    "stop_token_ids": None,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "min_p": 0.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+    "n": 1,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "ignore_eos": False,
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "no_stop_trim": False,
+    "custom_params": None,
+    "stream_interval": None,
+    "logit_bias": None,
 }
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, stories_path):
-    yield from stories_chat_server(tmp_path_factory, stories_path, "stories-compat", POOL,
-                                   ["--max-running-requests", "32"])
+    yield from stories_chat_server(
+        tmp_path_factory, stories_path, "stories-compat", POOL, ["--max-running-requests", "32"]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -60,25 +97,42 @@ def post(server, path: str, body) -> httpx.Response:
     return httpx.post(server.base_url + path, json=body, timeout=120)
 
 
-
 def test_every_sglang_default_field_is_accepted(server):
-    plain = post(server, "/generate", {"text": "Once upon a time", "sampling_params": {
-        "temperature": 0, "max_new_tokens": 12}})
-    full = post(server, "/generate", {"text": "Once upon a time", **SGLANG_DEFAULT_FIELDS,
-                                      "sampling_params": {**SGLANG_DEFAULT_SAMPLING,
-                                                          "temperature": 0, "max_new_tokens": 12}})
+    plain = post(
+        server, "/generate", {"text": "Once upon a time", "sampling_params": {"temperature": 0, "max_new_tokens": 12}}
+    )
+    full = post(
+        server,
+        "/generate",
+        {
+            "text": "Once upon a time",
+            **SGLANG_DEFAULT_FIELDS,
+            "sampling_params": {**SGLANG_DEFAULT_SAMPLING, "temperature": 0, "max_new_tokens": 12},
+        },
+    )
     assert plain.status_code == full.status_code == 200, full.text
     assert full.json()["output_ids"] == plain.json()["output_ids"]
     assert full.json()["text"] == plain.json()["text"]
     assert "input_token_logprobs" not in full.json()["meta_info"]
 
 
-@pytest.mark.parametrize("field,value", [
-    ("lora_path", "adapter-a"), ("lora_path", ["a"]), ("image_data", "http://x/y.png"),
-    ("input_embeds", [[0.1]]), ("return_hidden_states", True), ("session_params", {"id": "s"}),
-    ("custom_logit_processor", "x"), ("bootstrap_host", "h"),
-    ("data_parallel_rank", 1), ("background", True), ("return_bytes", True), ("modalities", ["image"]),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("lora_path", "adapter-a"),
+        ("lora_path", ["a"]),
+        ("image_data", "http://x/y.png"),
+        ("input_embeds", [[0.1]]),
+        ("return_hidden_states", True),
+        ("session_params", {"id": "s"}),
+        ("custom_logit_processor", "x"),
+        ("bootstrap_host", "h"),
+        ("data_parallel_rank", 1),
+        ("background", True),
+        ("return_bytes", True),
+        ("modalities", ["image"]),
+    ],
+)
 def test_native_unsupported_fields_are_refused_by_name(server, field, value):
     r = post(server, "/generate", {"text": "hi", field: value})
     assert r.status_code == 400, r.text
@@ -86,10 +140,17 @@ def test_native_unsupported_fields_are_refused_by_name(server, field, value):
     assert "not supported" in r.json()["error"]["message"] or "one data-parallel rank" in r.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("field,value", [
-    ("regex", "a|b"), ("json_schema", "{}"), ("ebnf", "root ::= 'a'"), ("structural_tag", "{}"),
-    ("spaces_between_special_tokens", False), ("custom_params", {"a": 1}),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("regex", "a|b"),
+        ("json_schema", "{}"),
+        ("ebnf", "root ::= 'a'"),
+        ("structural_tag", "{}"),
+        ("spaces_between_special_tokens", False),
+        ("custom_params", {"a": 1}),
+    ],
+)
 def test_native_unsupported_sampling_fields_are_refused_by_name(server, field, value):
     r = post(server, "/generate", {"text": "hi", "sampling_params": {field: value}})
     assert r.status_code == 400, r.text
@@ -97,14 +158,28 @@ def test_native_unsupported_sampling_fields_are_refused_by_name(server, field, v
 
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
-@pytest.mark.parametrize("field,value", [
-    ("regex", "a|b"), ("ebnf", "root ::= 'a'"), ("json_schema", {"type": "object"}),
-    ("structural_tag", "{}"), ("guided_json", {"type": "object"}), ("guided_regex", "a"),
-    ("guided_choice", ["a", "b"]), ("guided_grammar", "g"), ("response_format", {"type": "json_object"}),
-    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("use_beam_search", True),
-    ("lora_path", "a"), ("spaces_between_special_tokens", False), ("prompt_logprobs", 1),
-    ("allowed_token_ids", [1, 2]), ("length_penalty", 0.5), ("bogus_field", 1),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("regex", "a|b"),
+        ("ebnf", "root ::= 'a'"),
+        ("json_schema", {"type": "object"}),
+        ("structural_tag", "{}"),
+        ("guided_json", {"type": "object"}),
+        ("guided_regex", "a"),
+        ("guided_choice", ["a", "b"]),
+        ("guided_grammar", "g"),
+        ("response_format", {"type": "json_object"}),
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("use_beam_search", True),
+        ("lora_path", "a"),
+        ("spaces_between_special_tokens", False),
+        ("prompt_logprobs", 1),
+        ("allowed_token_ids", [1, 2]),
+        ("length_penalty", 0.5),
+        ("bogus_field", 1),
+    ],
+)
 def test_openai_unsupported_fields_are_refused_by_name(server, route, field, value):
     body = {"max_tokens": 2, field: value}
     body |= {"prompt": "hi"} if route == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
@@ -118,17 +193,32 @@ def test_openai_unsupported_fields_are_refused_by_name(server, route, field, val
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
 def test_openai_harmless_fields_are_accepted(server, route):
-    body = {"max_tokens": 4, "temperature": 0, "user": "u1", "metadata": {"k": "v"}, "store": False,
-            "service_tier": "auto", "regex": None, "json_schema": None, "lora_path": None,
-            "rid": None, "return_hidden_states": False, "guided_decoding_backend": "xgrammar",
-            "stream_options": None}
+    body = {
+        "max_tokens": 4,
+        "temperature": 0,
+        "user": "u1",
+        "metadata": {"k": "v"},
+        "store": False,
+        "service_tier": "auto",
+        "regex": None,
+        "json_schema": None,
+        "lora_path": None,
+        "rid": None,
+        "return_hidden_states": False,
+        "guided_decoding_backend": "xgrammar",
+        "stream_options": None,
+    }
     plain = {"max_tokens": 4, "temperature": 0}
     if route == "/v1/completions":
         body |= {"prompt": "Lily", "best_of": 1}
         plain |= {"prompt": "Lily"}
     else:
-        body |= {"messages": [{"role": "user", "content": "Lily"}], "tool_choice": "none",
-                 "parallel_tool_calls": True, "separate_reasoning": True}
+        body |= {
+            "messages": [{"role": "user", "content": "Lily"}],
+            "tool_choice": "none",
+            "parallel_tool_calls": True,
+            "separate_reasoning": True,
+        }
         plain |= {"messages": [{"role": "user", "content": "Lily"}]}
     r, p = post(server, route, body), post(server, route, plain)
     assert r.status_code == p.status_code == 200, r.text
@@ -140,8 +230,9 @@ def test_text_equals_decode_of_prompt_plus_output(server, tok):
 
 
 def test_first_output_token_keeps_its_space(server):
-    r = post(server, "/generate", {"text": "Once upon a time,", "sampling_params": {
-        "temperature": 0, "max_new_tokens": 1}})
+    r = post(
+        server, "/generate", {"text": "Once upon a time,", "sampling_params": {"temperature": 0, "max_new_tokens": 1}}
+    )
     assert r.json()["text"] == " there"
     r = post(server, "/v1/completions", {"prompt": "Once upon a", "max_tokens": 1, "temperature": 0, "echo": True})
     assert r.json()["choices"][0]["text"] == "Once upon a time"
@@ -164,17 +255,27 @@ def test_stop_token_is_trimmed_unless_no_stop_trim(server, tok):
     full = expected_continuation(tok, ids, out.json()["output_ids"])
     assert " was" in full
     r = post(server, "/v1/completions", body).json()
-    assert r["choices"][0]["text"] == full[:full.index(" was")]
+    assert r["choices"][0]["text"] == full[: full.index(" was")]
     r = post(server, "/v1/completions", {**body, "include_stop_str_in_output": True}).json()
-    assert r["choices"][0]["text"] == full[:full.index(" was") + 4]
-    r = post(server, "/generate", {"input_ids": ids, "sampling_params": {
-        "temperature": 0, "max_new_tokens": 6, "stop": " was", "no_stop_trim": True}}).json()
-    assert r["text"] == full[:full.index(" was") + 4]
+    assert r["choices"][0]["text"] == full[: full.index(" was") + 4]
+    r = post(
+        server,
+        "/generate",
+        {
+            "input_ids": ids,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 6, "stop": " was", "no_stop_trim": True},
+        },
+    ).json()
+    assert r["text"] == full[: full.index(" was") + 4]
 
 
 def test_prompt_logprobs_with_max_new_tokens_zero(server):
-    body = {"text": "Once upon a time there was", "return_logprob": True, "logprob_start_len": 2,
-            "return_text_in_logprobs": True}
+    body = {
+        "text": "Once upon a time there was",
+        "return_logprob": True,
+        "logprob_start_len": 2,
+        "return_text_in_logprobs": True,
+    }
     zero = post(server, "/generate", {**body, "sampling_params": {"max_new_tokens": 0}}).json()
     one = post(server, "/generate", {**body, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}).json()
     assert zero["output_ids"] == [] and zero["text"] == ""
@@ -184,7 +285,9 @@ def test_prompt_logprobs_with_max_new_tokens_zero(server):
     assert [e[2] for e in zero["meta_info"]["input_token_logprobs"]] == [" upon", " a", " time", " there", " was"]
     # max_new_tokens 0 caches the prefix (what SGLang's frontend relies on)
     post(server, "/generate", {"text": "Lily and Ben found a red kite", "sampling_params": {"max_new_tokens": 0}})
-    again = post(server, "/generate", {"text": "Lily and Ben found a red kite", "sampling_params": {"max_new_tokens": 1}})
+    again = post(
+        server, "/generate", {"text": "Lily and Ben found a red kite", "sampling_params": {"max_new_tokens": 1}}
+    )
     assert again.json()["meta_info"]["cached_tokens"] == again.json()["meta_info"]["prompt_tokens"] - 1
 
 
@@ -218,8 +321,14 @@ def test_n4_non_streamed(server, route):
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
 def test_n4_streamed(server, route):
     prompt = f"Sue found a shiny {route[4:8]} stone by the river"
-    body = {"max_tokens": 5, "n": 4, "temperature": 1.0, "seed": 11, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "max_tokens": 5,
+        "n": 4,
+        "temperature": 1.0,
+        "seed": 11,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     body |= {"prompt": prompt} if "chat" not in route else {"messages": [{"role": "user", "content": prompt}]}
     chunks = _sse(server.base_url + route, body)
     finishes = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
@@ -228,19 +337,34 @@ def test_n4_streamed(server, route):
     assert chunks[-1]["choices"] == []
     assert usage["completion_tokens"] == 20
     assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
-    streamed = ["".join((c["choices"][0].get("text") or (c["choices"][0].get("delta") or {}).get("content") or "")
-                        for c in chunks if c["choices"] and c["choices"][0]["index"] == i) for i in range(4)]
+    streamed = [
+        "".join(
+            (c["choices"][0].get("text") or (c["choices"][0].get("delta") or {}).get("content") or "")
+            for c in chunks
+            if c["choices"] and c["choices"][0]["index"] == i
+        )
+        for i in range(4)
+    ]
     whole = post(server, route, {**body, "stream": False, "stream_options": None}).json()
     assert streamed == [c.get("text", c.get("message", {}).get("content")) for c in whole["choices"]]
 
 
 def test_native_n(server):
-    r = post(server, "/generate", {"text": "Ben had a", "sampling_params": {
-        "n": 3, "max_new_tokens": 4, "temperature": 1.0, "seed": 5}}).json()
+    r = post(
+        server,
+        "/generate",
+        {"text": "Ben had a", "sampling_params": {"n": 3, "max_new_tokens": 4, "temperature": 1.0, "seed": 5}},
+    ).json()
     assert isinstance(r, list) and [o["index"] for o in r] == [0, 1, 2]
     assert all(o["meta_info"]["completion_tokens"] == 4 for o in r)
-    events = _sse(server.base_url + "/generate", {"text": "Ben had a", "stream": True, "sampling_params": {
-        "n": 3, "max_new_tokens": 4, "temperature": 1.0, "seed": 5}})
+    events = _sse(
+        server.base_url + "/generate",
+        {
+            "text": "Ben had a",
+            "stream": True,
+            "sampling_params": {"n": 3, "max_new_tokens": 4, "temperature": 1.0, "seed": 5},
+        },
+    )
     last = {e["index"]: e for e in events}
     assert [last[i]["text"] for i in range(3)] == [o["text"] for o in r]
     assert all(last[i]["meta_info"]["finish_reason"]["type"] == "length" for i in range(3))
@@ -265,8 +389,12 @@ def test_flush_cache(server):
     assert info["kv_evictable_slots"] == 0 and info["kv_free_slots"] == POOL
     assert post(server, "/generate", body).json()["meta_info"]["cached_tokens"] == 0
     # while a request runs: 400, nothing flushed
-    stream = threading.Thread(target=lambda: _sse(server.base_url + "/generate", {
-        "text": "Once", "stream": True, "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}}))
+    stream = threading.Thread(
+        target=lambda: _sse(
+            server.base_url + "/generate",
+            {"text": "Once", "stream": True, "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}},
+        )
+    )
     stream.start()
     try:
         deadline = time.monotonic() + 30
@@ -283,8 +411,13 @@ def test_flush_cache(server):
 def test_abort_request_ends_a_stream_and_frees_its_kv(server):
     wait_idle(server.base_url)
     events: list[dict] = []
-    body = {"text": "Once upon a time", "rid": "abort-me", "stream": True,
-            "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}}
+    body = {
+        "text": "Once upon a time",
+        "rid": "abort-me",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 500, "ignore_eos": True},
+    }
+
     def read() -> None:
         with httpx.stream("POST", server.base_url + "/generate", json=body, timeout=120) as r:
             for line in r.iter_lines():
@@ -338,15 +471,18 @@ def test_chat_templating_options(server, tok):
         return tok.encode(tok.apply_chat_template(messages, tokenize=False, **kwargs), add_special_tokens=False)
 
     cases = [
-        ({"continue_final_message": True, "add_generation_prompt": False},
-         {"continue_final_message": True, "add_generation_prompt": False}),
+        (
+            {"continue_final_message": True, "add_generation_prompt": False},
+            {"continue_final_message": True, "add_generation_prompt": False},
+        ),
         ({"add_generation_prompt": False}, {"add_generation_prompt": False}),
         ({"chat_template_kwargs": {"greeting": "Hello!"}}, {"add_generation_prompt": True, "greeting": "Hello!"}),
     ]
     for fields, kwargs in cases:
         ids = ids_for(**kwargs)
-        want_ids = post(server, "/generate", {"input_ids": ids, "sampling_params": {
-            "temperature": 0, "max_new_tokens": 6}}).json()["output_ids"]
+        want_ids = post(
+            server, "/generate", {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 6}}
+        ).json()["output_ids"]
         r = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 6, "temperature": 0, **fields})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"] == expected_continuation(tok, ids, want_ids), fields
@@ -358,8 +494,14 @@ def test_chat_templating_options(server, tok):
 
 
 def test_continuous_usage_stats(server):
-    body = {"prompt": "Lily", "max_tokens": 5, "temperature": 0, "stream": True, "ignore_eos": True,
-            "stream_options": {"continuous_usage_stats": True, "include_usage": True}}
+    body = {
+        "prompt": "Lily",
+        "max_tokens": 5,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"continuous_usage_stats": True, "include_usage": True},
+    }
     chunks = _sse(server.base_url + "/v1/completions", body)
     token_chunks = [c for c in chunks if c["choices"]]
     assert all(c["usage"]["prompt_tokens"] == 2 for c in chunks)
@@ -369,14 +511,19 @@ def test_continuous_usage_stats(server):
 
 
 def test_stream_interval(server):
-    body = {"text": "Once upon a time", "stream": True, "sampling_params": {
-        "temperature": 0, "max_new_tokens": 9, "ignore_eos": True, "stream_interval": 4}}
+    body = {
+        "text": "Once upon a time",
+        "stream": True,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 9, "ignore_eos": True, "stream_interval": 4},
+    }
     events = _sse(server.base_url + "/generate", body)
     assert [e["meta_info"]["completion_tokens"] for e in events] == [4, 8, 9]
     whole = post(server, "/generate", {**body, "stream": False}).json()
     assert events[-1]["text"] == whole["text"]
-    chunks = _sse(server.base_url + "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 9,
-                                                        "temperature": 0, "ignore_eos": True, "stream": True})
+    chunks = _sse(
+        server.base_url + "/v1/completions",
+        {"prompt": "Once upon a time", "max_tokens": 9, "temperature": 0, "ignore_eos": True, "stream": True},
+    )
     assert "".join(c["choices"][0]["text"] for c in chunks) == whole["text"]
 
 
@@ -386,6 +533,7 @@ def _stream_in_thread(server, path: str, body: dict, events: list) -> threading.
             for line in r.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     events.append(json.loads(line[6:]))
+
     t = threading.Thread(target=read)
     t.start()
     return t
@@ -396,15 +544,20 @@ def test_abort_by_rid_reaches_derived_requests(server):
     wait_idle(server.base_url)
     results: dict[str, httpx.Response] = {}
     bodies = {
-        "batch": ("/v1/completions", {"prompt": ["Tom", "Lily"], "rid": "rr", "max_tokens": 400,
-                                      "ignore_eos": True}),
-        "native": ("/generate", {"text": ["Tom", "Lily"], "rid": "gg",
-                                 "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}),
-        "n": ("/generate", {"text": "Sue", "rid": "nn",
-                            "sampling_params": {"n": 2, "max_new_tokens": 400, "ignore_eos": True}}),
+        "batch": ("/v1/completions", {"prompt": ["Tom", "Lily"], "rid": "rr", "max_tokens": 400, "ignore_eos": True}),
+        "native": (
+            "/generate",
+            {"text": ["Tom", "Lily"], "rid": "gg", "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}},
+        ),
+        "n": (
+            "/generate",
+            {"text": "Sue", "rid": "nn", "sampling_params": {"n": 2, "max_new_tokens": 400, "ignore_eos": True}},
+        ),
     }
-    threads = [threading.Thread(target=lambda k=k, p=p, b=b: results.__setitem__(k, post(server, p, b)))
-               for k, (p, b) in bodies.items()]
+    threads = [
+        threading.Thread(target=lambda k=k, p=p, b=b: results.__setitem__(k, post(server, p, b)))
+        for k, (p, b) in bodies.items()
+    ]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 30
@@ -414,7 +567,11 @@ def test_abort_by_rid_reaches_derived_requests(server):
     # a second n > 1 request under a running one's rid is refused and changes nothing
     dup = post(server, "/generate", {"text": "Sue", "rid": "nn", "sampling_params": {"n": 2}})
     assert dup.status_code == 400 and "already running" in dup.json()["error"]["message"]
-    assert [post(server, "/abort_request", {"rid": rid}).json()["num_aborted"] for rid in ("rr", "gg", "nn")] == [2, 2, 2]
+    assert [post(server, "/abort_request", {"rid": rid}).json()["num_aborted"] for rid in ("rr", "gg", "nn")] == [
+        2,
+        2,
+        2,
+    ]
     for t in threads:
         t.join(timeout=60)
     assert [c["finish_reason"] for c in results["batch"].json()["choices"]] == ["abort", "abort"]
@@ -425,17 +582,45 @@ def test_abort_by_rid_reaches_derived_requests(server):
 
 def test_openai_nulls_mean_defaults_and_more_options(server):
     plain = post(server, "/v1/completions", {"prompt": "Lily", "max_tokens": 4, "temperature": 0}).json()
-    nulls = post(server, "/v1/completions", {"prompt": "Lily", "max_tokens": 4, "temperature": 0, "top_p": None,
-                                             "n": None, "presence_penalty": None, "frequency_penalty": None,
-                                             "stream": None, "logprobs": None, "seed": None, "stop": None,
-                                             "echo": None, "best_of": None, "user": None})
+    nulls = post(
+        server,
+        "/v1/completions",
+        {
+            "prompt": "Lily",
+            "max_tokens": 4,
+            "temperature": 0,
+            "top_p": None,
+            "n": None,
+            "presence_penalty": None,
+            "frequency_penalty": None,
+            "stream": None,
+            "logprobs": None,
+            "seed": None,
+            "stop": None,
+            "echo": None,
+            "best_of": None,
+            "user": None,
+        },
+    )
     assert nulls.status_code == 200, nulls.text
     assert nulls.json()["choices"] == plain["choices"]
-    chat = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
-                                                 "temperature": None, "logprobs": None, "tools": None})
+    chat = post(
+        server,
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 3,
+            "temperature": None,
+            "logprobs": None,
+            "tools": None,
+        },
+    )
     assert chat.status_code == 200, chat.text
-    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
-                                              "chat_template_kwargs": {"chat_template": "x"}})
+    r = post(
+        server,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": {"chat_template": "x"}},
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
     r = post(server, "/generate", {"text": "Hi", "priority": 0, "sampling_params": {"max_new_tokens": 1}})
     assert r.status_code == 200, r.text
@@ -448,40 +633,69 @@ def test_openai_nulls_mean_defaults_and_more_options(server):
     r = post(server, "/generate", {"text": ["Hi", "Yo"], "token_ids_logprob": [[1]], "return_logprob": True})
     assert r.status_code == 400 and "token_ids_logprob" in r.json()["error"]["message"]
     # stream_interval on the OpenAI routes
-    chunks = _sse(server.base_url + "/v1/completions", {"prompt": "Lily", "max_tokens": 9, "temperature": 0,
-                                                        "ignore_eos": True, "stream": True, "stream_interval": 4})
+    chunks = _sse(
+        server.base_url + "/v1/completions",
+        {"prompt": "Lily", "max_tokens": 9, "temperature": 0, "ignore_eos": True, "stream": True, "stream_interval": 4},
+    )
     whole = post(server, "/v1/completions", {"prompt": "Lily", "max_tokens": 9, "temperature": 0, "ignore_eos": True})
     assert len(chunks) == 3
     assert "".join(c["choices"][0]["text"] for c in chunks) == whole.json()["choices"][0]["text"]
 
 
 def test_echo_logprob_offsets_point_into_the_text(server):
-    body = {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 0, "echo": True, "logprobs": 1,
-            "ignore_eos": True}
+    body = {
+        "prompt": "Once upon a time",
+        "max_tokens": 6,
+        "temperature": 0,
+        "echo": True,
+        "logprobs": 1,
+        "ignore_eos": True,
+    }
     r = post(server, "/v1/completions", body).json()["choices"][0]
     lp = r["logprobs"]
     assert lp["tokens"][:5] == ["<s>", " Once", " upon", " a", " time"]
     assert lp["text_offset"][:5] == [0, 0, 4, 9, 11]  # "Once upon a time": where each token starts
     text = r["text"]
     for tok, off in zip(lp["tokens"][5:], lp["text_offset"][5:]):
-        assert text[off:off + len(tok)] == tok
+        assert text[off : off + len(tok)] == tok
     streamed = _sse(server.base_url + "/v1/completions", {**body, "stream": True})
-    offsets = [o for c in streamed if c["choices"] and c["choices"][0]["logprobs"]
-               for o in c["choices"][0]["logprobs"]["text_offset"]]
+    offsets = [
+        o
+        for c in streamed
+        if c["choices"] and c["choices"][0]["logprobs"]
+        for o in c["choices"][0]["logprobs"]["text_offset"]
+    ]
     assert offsets == lp["text_offset"]
     # text held back for a possible stop string does not shift the offsets
-    body = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "logprobs": 1,
-            "stop": [", there was a dragon"], "ignore_eos": True}
+    body = {
+        "prompt": "Once upon a time",
+        "max_tokens": 8,
+        "temperature": 0,
+        "logprobs": 1,
+        "stop": [", there was a dragon"],
+        "ignore_eos": True,
+    }
     whole = post(server, "/v1/completions", body).json()["choices"][0]["logprobs"]["text_offset"]
     streamed = _sse(server.base_url + "/v1/completions", {**body, "stream": True})
-    assert [o for c in streamed if c["choices"] and c["choices"][0]["logprobs"]
-            for o in c["choices"][0]["logprobs"]["text_offset"]] == whole
+    assert [
+        o
+        for c in streamed
+        if c["choices"] and c["choices"][0]["logprobs"]
+        for o in c["choices"][0]["logprobs"]["text_offset"]
+    ] == whole
 
 
 def test_continuous_usage_counts_the_prompt_from_the_first_chunk(server):
-    chunks = _sse(server.base_url + "/v1/chat/completions", {
-        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "n": 2, "stream": True,
-        "stream_options": {"continuous_usage_stats": True}})
+    chunks = _sse(
+        server.base_url + "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 3,
+            "n": 2,
+            "stream": True,
+            "stream_options": {"continuous_usage_stats": True},
+        },
+    )
     prompt_tokens = {c["usage"]["prompt_tokens"] for c in chunks}
     assert len(prompt_tokens) == 1 and prompt_tokens.pop() > 0
 
@@ -490,7 +704,12 @@ def test_router_facing_routes(server, stories_path):
     r = post(server, "/generate", {"text": "Lily", "model": "stories260k", "sampling_params": {"max_new_tokens": 2}})
     assert r.status_code == 200
     for name in ("default", str(stories_path)):
-        assert post(server, "/generate", {"text": "Lily", "model": name, "sampling_params": {"max_new_tokens": 1}}).status_code == 200
+        assert (
+            post(
+                server, "/generate", {"text": "Lily", "model": name, "sampling_params": {"max_new_tokens": 1}}
+            ).status_code
+            == 200
+        )
     r = post(server, "/generate", {"text": "Lily", "model": "gpt-4"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     assert httpx.get(server.base_url + "/model_info").json() == httpx.get(server.base_url + "/get_model_info").json()
@@ -517,7 +736,7 @@ def test_http2_probe_is_refused_in_http2_terms(server):
     length = int.from_bytes(rest[:3], "big")
     assert rest[3] == 0x7 and rest[5:9] == b"\0\0\0\0"  # GOAWAY on stream 0
     last_stream, code = struct.unpack(">II", rest[9:17])
-    assert (last_stream, code) == (0, 0xD) and rest[17:9 + length] == b"pyserve speaks HTTP/1.1"
+    assert (last_stream, code) == (0, 0xD) and rest[17 : 9 + length] == b"pyserve speaks HTTP/1.1"
     assert "Invalid HTTP request" not in server.log()
     assert httpx.get(server.base_url + "/health").status_code == 200
 
@@ -528,24 +747,42 @@ def test_parameters_that_leave_nothing_to_sample_fail_only_their_request(server)
     r = post(server, "/generate", {"text": "a", "sampling_params": {"logit_bias": {"1": 1e300}}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params"
     assert "no token to sample" in r.json()["error"]["message"]
-    r = httpx.post(server.base_url + "/generate", headers={"content-type": "application/json"},
-                   content=b'{"text": "a", "sampling_params": {"logit_bias": {"1": 1e400}}}')
+    r = httpx.post(
+        server.base_url + "/generate",
+        headers={"content-type": "application/json"},
+        content=b'{"text": "a", "sampling_params": {"logit_bias": {"1": 1e400}}}',
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.logit_bias"
-    r = post(server, "/generate", {"text": "a", "sampling_params": {
-        "min_new_tokens": 2, "stop_token_ids": list(range(512))}})
+    r = post(
+        server, "/generate", {"text": "a", "sampling_params": {"min_new_tokens": 2, "stop_token_ids": list(range(512))}}
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "min_new_tokens"
     # greedy, every other token banned, each of the 32 allowed ones penalized to -inf once
     # generated (-2e38 x 2 overflows): output token 32 has nothing left
-    bad = {"input_ids": [1], "stream": True, "sampling_params": {
-        "temperature": 0, "max_new_tokens": 60, "min_new_tokens": 59, "repetition_penalty": 2.0,
-        "stop_token_ids": list(range(480)), "logit_bias": {str(t): -2e38 for t in range(480, 512)}}}
-    good = {"text": "Once upon a time", "stream": True,
-            "sampling_params": {"temperature": 0, "max_new_tokens": 120, "ignore_eos": True}}
+    bad = {
+        "input_ids": [1],
+        "stream": True,
+        "sampling_params": {
+            "temperature": 0,
+            "max_new_tokens": 60,
+            "min_new_tokens": 59,
+            "repetition_penalty": 2.0,
+            "stop_token_ids": list(range(480)),
+            "logit_bias": {str(t): -2e38 for t in range(480, 512)},
+        },
+    }
+    good = {
+        "text": "Once upon a time",
+        "stream": True,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 120, "ignore_eos": True},
+    }
     want = post(server, "/generate", {**good, "stream": False}).json()["text"]
     results: dict[str, list] = {"bad": [], "good0": [], "good1": []}
-    threads = [_stream_in_thread(server, "/generate", good, results["good0"]),
-               _stream_in_thread(server, "/generate", bad, results["bad"]),
-               _stream_in_thread(server, "/generate", good, results["good1"])]
+    threads = [
+        _stream_in_thread(server, "/generate", good, results["good0"]),
+        _stream_in_thread(server, "/generate", bad, results["bad"]),
+        _stream_in_thread(server, "/generate", good, results["good1"]),
+    ]
     for t in threads:
         t.join(timeout=120)
     err = results["bad"][-1]["error"]
@@ -559,8 +796,17 @@ def test_parameters_that_leave_nothing_to_sample_fail_only_their_request(server)
 
 def test_abort_names_only_what_it_derived(server):
     events: list[dict] = []
-    t = _stream_in_thread(server, "/generate", {"text": "Lily", "rid": "job-2", "stream": True,
-                                                "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}}, events)
+    t = _stream_in_thread(
+        server,
+        "/generate",
+        {
+            "text": "Lily",
+            "rid": "job-2",
+            "stream": True,
+            "sampling_params": {"max_new_tokens": 300, "ignore_eos": True},
+        },
+        events,
+    )
     deadline = time.monotonic() + 30
     while not events:
         assert time.monotonic() < deadline
@@ -578,8 +824,10 @@ def test_error_bodies_stay_small_and_disconnects_are_quiet(server):
     import socket
 
     with socket.create_connection(("127.0.0.1", server.port)) as sock:  # a body cut short
-        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 100\r\n\r\n{\"text\": \"Once upon")
+        sock.sendall(
+            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"text": "Once upon'
+        )
     time.sleep(0.5)
     assert httpx.get(server.base_url + "/health").status_code == 200
     log = server.log()

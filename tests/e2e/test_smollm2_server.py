@@ -57,8 +57,11 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def test_curl_chat_paris(server):
-    r = httpx.post(server.base_url + "/v1/chat/completions", timeout=120, json={
-        "model": "default", "messages": QUESTION, "temperature": 0, "max_tokens": 48})
+    r = httpx.post(
+        server.base_url + "/v1/chat/completions",
+        timeout=120,
+        json={"model": "default", "messages": QUESTION, "temperature": 0, "max_tokens": 48},
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert "Paris" in body["choices"][0]["message"]["content"]
@@ -72,9 +75,14 @@ def test_openai_client_chat_stream_and_not(client):
     full = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=48)
     text = full.choices[0].message.content
     assert "Paris" in text
-    stream = client.chat.completions.create(model=model, messages=QUESTION, temperature=0,
-                                            max_tokens=48, stream=True,
-                                            stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=model,
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=48,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     pieces, usage, reasons = [], None, []
     for chunk in stream:
         if chunk.usage is not None:
@@ -96,8 +104,11 @@ def test_greedy_equals_hf_transformers(server, smollm2_hf_model, smollm2_hf_toke
     ref_path = Path(__file__).resolve().parents[1] / "data" / "smollm2_greedy_reference.json"
     cases = json.loads(ref_path.read_text())["cases"]
     assert [c["prompt"] for c in cases] == PROMPTS and len(PROMPTS) == 10
-    outs = httpx.post(server.base_url + "/generate", timeout=600, json={
-        "text": PROMPTS, "sampling_params": {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True}}).json()
+    outs = httpx.post(
+        server.base_url + "/generate",
+        timeout=600,
+        json={"text": PROMPTS, "sampling_params": {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True}},
+    ).json()
     for case, out in zip(cases, outs):
         assert out["meta_info"]["prompt_tokens"] == len(case["input_ids"])
         assert out["output_ids"] == case["output_ids"], case["prompt"]
@@ -113,13 +124,16 @@ def test_greedy_equals_hf_without_overlap_schedule():
 
     from pyserve import Engine
 
-    cases = json.loads((Path(__file__).resolve().parents[1] / "data" / "smollm2_greedy_reference.json")
-                       .read_text())["cases"]
+    cases = json.loads((Path(__file__).resolve().parents[1] / "data" / "smollm2_greedy_reference.json").read_text())[
+        "cases"
+    ]
     engine = Engine(model_path=str(smollm2_gguf()), max_total_tokens=8192, disable_overlap_schedule=True)
     try:
         assert engine.core.scheduler.overlap is False
-        outs = engine.generate(input_ids=[c["input_ids"] for c in cases], sampling_params={
-            "temperature": 0, "max_new_tokens": 64, "ignore_eos": True})
+        outs = engine.generate(
+            input_ids=[c["input_ids"] for c in cases],
+            sampling_params={"temperature": 0, "max_new_tokens": 64, "ignore_eos": True},
+        )
     finally:
         engine.shutdown()
     assert [o["output_ids"] for o in outs] == [c["output_ids"] for c in cases]
@@ -135,15 +149,19 @@ def test_greedy_equals_hf_with_small_prefill_chunks(mixed):
 
     from pyserve import Engine
 
-    cases = json.loads((Path(__file__).resolve().parents[1] / "data" / "smollm2_greedy_reference.json")
-                       .read_text())["cases"]
+    cases = json.loads((Path(__file__).resolve().parents[1] / "data" / "smollm2_greedy_reference.json").read_text())[
+        "cases"
+    ]
     assert sorted(len(c["input_ids"]) for c in cases)[-2:] == [12, 15]  # 4x and 5x the chunk
-    engine = Engine(model_path=str(smollm2_gguf()), max_total_tokens=8192, chunked_prefill_size=3,
-                    enable_mixed_chunk=mixed)
+    engine = Engine(
+        model_path=str(smollm2_gguf()), max_total_tokens=8192, chunked_prefill_size=3, enable_mixed_chunk=mixed
+    )
     try:
         assert engine.core.scheduler.chunked_prefill_size == 3
-        outs = engine.generate(input_ids=[c["input_ids"] for c in cases], sampling_params={
-            "temperature": 0, "max_new_tokens": 64, "ignore_eos": True})
+        outs = engine.generate(
+            input_ids=[c["input_ids"] for c in cases],
+            sampling_params={"temperature": 0, "max_new_tokens": 64, "ignore_eos": True},
+        )
     finally:
         engine.shutdown()
     assert [o["output_ids"] for o in outs] == [c["output_ids"] for c in cases]
@@ -152,14 +170,18 @@ def test_greedy_equals_hf_with_small_prefill_chunks(mixed):
 def test_chat_logprobs_template_and_stream(server, client, smollm2_hf_model, smollm2_hf_tokenizer):
     tok = smollm2_hf_tokenizer
     model = client.models.list().data[0].id
-    full = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=12,
-                                          logprobs=True, top_logprobs=3)
+    full = client.chat.completions.create(
+        model=model, messages=QUESTION, temperature=0, max_tokens=12, logprobs=True, top_logprobs=3
+    )
     # the prompt is exactly the tokenizer's chat template
     template = tok.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=True)
     template_ids = tok(template, add_special_tokens=False).input_ids
     assert full.usage.prompt_tokens == len(template_ids)
-    native = httpx.post(server.base_url + "/generate", timeout=120, json={
-        "input_ids": template_ids, "sampling_params": {"temperature": 0, "max_new_tokens": 12}}).json()
+    native = httpx.post(
+        server.base_url + "/generate",
+        timeout=120,
+        json={"input_ids": template_ids, "sampling_params": {"temperature": 0, "max_new_tokens": 12}},
+    ).json()
     assert native["text"] == full.choices[0].message.content
     content = full.choices[0].logprobs.content
     assert full.choices[0].finish_reason == "stop" and content[-1].token == "<|im_end|>"  # EOS has one too
@@ -173,16 +195,16 @@ def test_chat_logprobs_template_and_stream(server, client, smollm2_hf_model, smo
 
     hf = smollm2_hf_model
     out_ids = tok(full.choices[0].message.content, add_special_tokens=False).input_ids
-    seq = list(template_ids) + out_ids[:len(content)]
+    seq = list(template_ids) + out_ids[: len(content)]
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([seq])).logits[0], dim=-1)
     n = len(template_ids)
-    for k, c in enumerate(content[:len(out_ids)]):
+    for k, c in enumerate(content[: len(out_ids)]):
         assert abs(c.logprob - float(ref[n - 1 + k, seq[n + k]])) < 1e-4
-    stream = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=12,
-                                            logprobs=True, top_logprobs=3, stream=True)
-    streamed = [c for chunk in stream for choice in chunk.choices if choice.logprobs
-                for c in choice.logprobs.content]
+    stream = client.chat.completions.create(
+        model=model, messages=QUESTION, temperature=0, max_tokens=12, logprobs=True, top_logprobs=3, stream=True
+    )
+    streamed = [c for chunk in stream for choice in chunk.choices if choice.logprobs for c in choice.logprobs.content]
     assert [c.token for c in streamed] == [c.token for c in content]
     # the second request reuses the cached prompt: same values up to float rounding
     assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(streamed, content))
@@ -190,23 +212,31 @@ def test_chat_logprobs_template_and_stream(server, client, smollm2_hf_model, smo
 
 def test_shared_prefix_is_reused(server):
     shared = " ".join(f"Fact {i}: the number {i} is {'even' if i % 2 == 0 else 'odd'}." for i in range(60))
-    first = httpx.post(server.base_url + "/generate", timeout=120, json={
-        "text": shared + " Question one?", "sampling_params": {"max_new_tokens": 2, "temperature": 0}}).json()
+    first = httpx.post(
+        server.base_url + "/generate",
+        timeout=120,
+        json={"text": shared + " Question one?", "sampling_params": {"max_new_tokens": 2, "temperature": 0}},
+    ).json()
     assert first["meta_info"]["prompt_tokens"] >= 500
-    second = httpx.post(server.base_url + "/generate", timeout=120, json={
-        "text": shared + " A different question?", "sampling_params": {"max_new_tokens": 2, "temperature": 0}}).json()
+    second = httpx.post(
+        server.base_url + "/generate",
+        timeout=120,
+        json={"text": shared + " A different question?", "sampling_params": {"max_new_tokens": 2, "temperature": 0}},
+    ).json()
     assert second["meta_info"]["cached_tokens"] >= 480
     assert second["meta_info"]["cached_tokens"] < second["meta_info"]["prompt_tokens"]
 
 
 def test_16_concurrent_chat_streams(client):
     model = client.models.list().data[0].id
-    questions = [[{"role": "user", "content": f"Name one animal that starts with the letter {c}."}]
-                 for c in "ABCDEFGHIJKLMNOP"]
+    questions = [
+        [{"role": "user", "content": f"Name one animal that starts with the letter {c}."}] for c in "ABCDEFGHIJKLMNOP"
+    ]
 
     def streamed(messages):
-        stream = client.chat.completions.create(model=model, messages=messages, temperature=0,
-                                                max_tokens=24, stream=True)
+        stream = client.chat.completions.create(
+            model=model, messages=messages, temperature=0, max_tokens=24, stream=True
+        )
         return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
 
     with cf.ThreadPoolExecutor(16) as pool:

@@ -19,10 +19,22 @@ POOL_TOKENS = 4096
 
 
 def _server(tmp_path_factory, stories_path, page_size: int):
-    srv = start_server(tmp_path_factory, f"stories-page{page_size}", [
-        "--model-path", str(stories_path), "--max-total-tokens", str(POOL_TOKENS),
-        "--max-running-requests", "32", "--stats-interval-s", "1",
-        "--page-size", str(page_size)])
+    srv = start_server(
+        tmp_path_factory,
+        f"stories-page{page_size}",
+        [
+            "--model-path",
+            str(stories_path),
+            "--max-total-tokens",
+            str(POOL_TOKENS),
+            "--max-running-requests",
+            "32",
+            "--stats-interval-s",
+            "1",
+            "--page-size",
+            str(page_size),
+        ],
+    )
     try:
         yield srv
         assert_no_kv_leak(srv)
@@ -54,15 +66,22 @@ def post(server, path: str, body, timeout: float = 120) -> httpx.Response:
     return httpx.post(server.base_url + path, json=body, timeout=timeout)
 
 
-
 def test_greedy_equals_hf_reference(any_server, stories_reference):
     server = any_server
     assert len(stories_reference) == 5
     for case in stories_reference:
-        r = post(server, "/generate", {
-            "input_ids": case["input_ids"],
-            "sampling_params": {"temperature": 0, "max_new_tokens": case["max_new_tokens"],
-                                "ignore_eos": case["ignore_eos"]}})
+        r = post(
+            server,
+            "/generate",
+            {
+                "input_ids": case["input_ids"],
+                "sampling_params": {
+                    "temperature": 0,
+                    "max_new_tokens": case["max_new_tokens"],
+                    "ignore_eos": case["ignore_eos"],
+                },
+            },
+        )
         assert r.status_code == 200, r.text
         out = r.json()
         assert out["output_ids"] == case["output_ids"], case["prompt"]
@@ -75,12 +94,17 @@ def test_prefix_reuse_is_page_aligned(any_server, stories_reference):
     page_size = httpx.get(any_server.base_url + "/get_server_info").json()["page_size"]
     prefix = list(range(5, 105))  # with the leading 1: a 101-token shared prefix
     for last in (7, 9):
-        r = post(any_server, "/generate", {"input_ids": [1] + prefix + [last],
-                                           "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
+        r = post(
+            any_server,
+            "/generate",
+            {"input_ids": [1] + prefix + [last], "sampling_params": {"max_new_tokens": 2, "temperature": 0}},
+        )
     assert r.json()["meta_info"]["cached_tokens"] == {1: 101, 16: 96}[page_size]
     case = stories_reference[1]
-    body = {"input_ids": case["input_ids"], "sampling_params": {
-        "temperature": 0, "max_new_tokens": case["max_new_tokens"], "ignore_eos": True}}
+    body = {
+        "input_ids": case["input_ids"],
+        "sampling_params": {"temperature": 0, "max_new_tokens": case["max_new_tokens"], "ignore_eos": True},
+    }
     first, again = post(any_server, "/generate", body).json(), post(any_server, "/generate", body).json()
     assert first["output_ids"] == again["output_ids"] == case["output_ids"]
     assert again["meta_info"]["cached_tokens"] == (len(case["input_ids"]) - 1) // page_size * page_size
@@ -99,8 +123,12 @@ def test_text_prompt_batch_equals_single(server, stories_reference):
 
 def _stream_completion(server, prompt: str, max_tokens: int) -> tuple[str, str | None]:
     text, reason = "", None
-    with httpx.stream("POST", server.base_url + "/v1/completions", timeout=120, json={
-            "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        server.base_url + "/v1/completions",
+        timeout=120,
+        json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True},
+    ) as r:
         assert r.status_code == 200
         lines = [ln for ln in r.iter_lines() if ln]
     assert lines[-1] == "data: [DONE]"
@@ -112,9 +140,27 @@ def _stream_completion(server, prompt: str, max_tokens: int) -> tuple[str, str |
 
 
 def test_16_concurrent_streams_equal_non_streamed(server):
-    prompts = [f"Once upon a time, there was a {w}" for w in (
-        "cat", "dog", "girl", "boy", "tree", "bird", "ball", "car",
-        "fish", "king", "queen", "frog", "sun", "moon", "cake", "box")]
+    prompts = [
+        f"Once upon a time, there was a {w}"
+        for w in (
+            "cat",
+            "dog",
+            "girl",
+            "boy",
+            "tree",
+            "bird",
+            "ball",
+            "car",
+            "fish",
+            "king",
+            "queen",
+            "frog",
+            "sun",
+            "moon",
+            "cake",
+            "box",
+        )
+    ]
     with cf.ThreadPoolExecutor(16) as pool:
         streamed = list(pool.map(lambda p: _stream_completion(server, p, 48), prompts))
     for prompt, (text, reason) in zip(prompts, streamed):
@@ -126,8 +172,11 @@ def test_16_concurrent_streams_equal_non_streamed(server):
 
 
 def test_generate_stream_is_sse_with_cumulative_text(server):
-    body = {"text": "Lily had a", "stream": True,
-            "sampling_params": {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}}
+    body = {
+        "text": "Lily had a",
+        "stream": True,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True},
+    }
     with httpx.stream("POST", server.base_url + "/generate", json=body, timeout=60) as r:
         lines = [ln for ln in r.iter_lines() if ln]
     assert lines[-1] == "data: [DONE]"
@@ -139,29 +188,37 @@ def test_generate_stream_is_sse_with_cumulative_text(server):
     assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
 
 
-@pytest.mark.parametrize("raw, status, param", [
-    (b"{not json", 400, None),
-    (json.dumps({"text": "hi", "sampling_params": {"max_new_tokens": -1}}).encode(), 400,
-     "sampling_params.max_new_tokens"),
-    (json.dumps({"text": "hi", "sampling_params": {"temperature": "hot"}}).encode(), 400,
-     "sampling_params.temperature"),
-    (json.dumps({"text": "word " * 600}).encode(), 400, "prompt"),
-    (json.dumps({"input_ids": [1, 99999]}).encode(), 400, "input_ids"),
-    (json.dumps({"input_ids": [1, 2**70]}).encode(), 400, "input_ids"),
-    (json.dumps({"input_ids": [3, -1, 4]}).encode(), 400, "input_ids"),
-    (json.dumps({"sampling_params": {}}).encode(), 400, None),
-    (b'{"text": "a", "sampling_params": {"seed": 18446744073709551616}}', 400, "sampling_params.seed"),
-    (b'{"text": "a", "sampling_params": {"temperature": Infinity}}', 400, None),
-    (b'{"text": "\\ud800 hi"}', 400, "text"),
-    (b"[" * 100000 + b"]" * 100000, 400, None),
-    (b'{"input_ids": [true]}', 400, "input_ids.0"),
-    (b'{"text": "a", "sampling_params": {"max_new_tokens": "2"}}', 400, "sampling_params.max_new_tokens"),
-    (b'{"text": "a", "sampling_params": {"stop_token_ids": [-1]}}', 400, "sampling_params.stop_token_ids.0"),
-    (b'{"text": ["a", "b"], "rid": ["x", "x"]}', 400, None),
-])
+@pytest.mark.parametrize(
+    "raw, status, param",
+    [
+        (b"{not json", 400, None),
+        (
+            json.dumps({"text": "hi", "sampling_params": {"max_new_tokens": -1}}).encode(),
+            400,
+            "sampling_params.max_new_tokens",
+        ),
+        (
+            json.dumps({"text": "hi", "sampling_params": {"temperature": "hot"}}).encode(),
+            400,
+            "sampling_params.temperature",
+        ),
+        (json.dumps({"text": "word " * 600}).encode(), 400, "prompt"),
+        (json.dumps({"input_ids": [1, 99999]}).encode(), 400, "input_ids"),
+        (json.dumps({"input_ids": [1, 2**70]}).encode(), 400, "input_ids"),
+        (json.dumps({"input_ids": [3, -1, 4]}).encode(), 400, "input_ids"),
+        (json.dumps({"sampling_params": {}}).encode(), 400, None),
+        (b'{"text": "a", "sampling_params": {"seed": 18446744073709551616}}', 400, "sampling_params.seed"),
+        (b'{"text": "a", "sampling_params": {"temperature": Infinity}}', 400, None),
+        (b'{"text": "\\ud800 hi"}', 400, "text"),
+        (b"[" * 100000 + b"]" * 100000, 400, None),
+        (b'{"input_ids": [true]}', 400, "input_ids.0"),
+        (b'{"text": "a", "sampling_params": {"max_new_tokens": "2"}}', 400, "sampling_params.max_new_tokens"),
+        (b'{"text": "a", "sampling_params": {"stop_token_ids": [-1]}}', 400, "sampling_params.stop_token_ids.0"),
+        (b'{"text": ["a", "b"], "rid": ["x", "x"]}', 400, None),
+    ],
+)
 def test_bad_requests_get_error_objects(server, raw, status, param):
-    r = httpx.post(server.base_url + "/generate", content=raw, timeout=30,
-                   headers={"content-type": "application/json"})
+    r = httpx.post(server.base_url + "/generate", content=raw, timeout=30, headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
@@ -175,11 +232,19 @@ def test_bad_requests_get_error_objects(server, raw, status, param):
 def test_openai_echo_of_invalid_ids_and_unsupported_fields(server):
     r = post(server, "/v1/completions", {"prompt": [-5], "echo": True, "max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "input_ids"
-    r = httpx.post(server.base_url + "/v1/completions", timeout=30, headers={"content-type": "application/json"},
-                   content=json.dumps({"prompt": "\ud83d x", "echo": True, "max_tokens": 2}))
+    r = httpx.post(
+        server.base_url + "/v1/completions",
+        timeout=30,
+        headers={"content-type": "application/json"},
+        content=json.dumps({"prompt": "\ud83d x", "echo": True, "max_tokens": 2}),
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
-    for field, value in (("tools", [{"type": "function"}]), ("logit_bias", {"99999": 1}), ("best_of", 2),
-                         ("response_format", {"type": "json_object"})):
+    for field, value in (
+        ("tools", [{"type": "function"}]),
+        ("logit_bias", {"99999": 1}),
+        ("best_of", 2),
+        ("response_format", {"type": "json_object"}),
+    ):
         r = post(server, "/v1/completions", {"prompt": "hi", field: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == field
     r = post(server, "/v1/completions", {"prompt": [5, 6], "echo": True, "max_tokens": 2, "temperature": 0})
@@ -188,8 +253,13 @@ def test_openai_echo_of_invalid_ids_and_unsupported_fields(server):
 
 def test_extreme_sampling_values_do_not_fail_the_batch(server):
     good = {"text": "Once upon a time", "sampling_params": {"temperature": 0, "max_new_tokens": 30, "ignore_eos": True}}
-    bad = [{"text": "Hi", "sampling_params": {"temperature": 1e-45, "max_new_tokens": 8, "ignore_eos": True}},
-           {"text": "Hi", "sampling_params": {"temperature": 0.7, "top_k": 2**70, "max_new_tokens": 8, "ignore_eos": True}}]
+    bad = [
+        {"text": "Hi", "sampling_params": {"temperature": 1e-45, "max_new_tokens": 8, "ignore_eos": True}},
+        {
+            "text": "Hi",
+            "sampling_params": {"temperature": 0.7, "top_k": 2**70, "max_new_tokens": 8, "ignore_eos": True},
+        },
+    ]
     expected = post(server, "/generate", good).json()["output_ids"]
     with cf.ThreadPoolExecutor(6) as pool:
         outs = list(pool.map(lambda b: post(server, "/generate", b), [good] * 4 + bad))
@@ -204,13 +274,19 @@ def test_extreme_sampling_values_do_not_fail_the_batch(server):
 
 
 def test_rid_reused_after_disconnect_can_still_be_aborted(server):
-    idle = wait_idle(server.base_url)
+    wait_idle(server.base_url)
     long_body = json.dumps({"input_ids": [1] + [300] * 400, "rid": "R2", "sampling_params": {"max_new_tokens": 5}})
     sock = _raw_post(server.port, "/generate", long_body)
     time.sleep(0.05)
     sock.close()
-    body = json.dumps({"input_ids": [1, 100, 200], "rid": "R2", "stream": True,
-                       "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}})
+    body = json.dumps(
+        {
+            "input_ids": [1, 100, 200],
+            "rid": "R2",
+            "stream": True,
+            "sampling_params": {"max_new_tokens": 400, "ignore_eos": True},
+        }
+    )
     for _ in range(500):  # until the server has noticed the first client left (then the rid is free)
         with _raw_post(server.port, "/generate", body) as sock2:
             received = b""
@@ -237,9 +313,10 @@ def test_openai_errors(server):
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     r = post(server, "/generate", {"sampling_params": {}})
     assert r.status_code == 400 and r.json()["error"]["message"] == "give exactly one of 'text' and 'input_ids'"
-    for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 1}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                                 "max_tokens": 1})):
+    for path, body in (
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 1}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
+    ):
         r = post(server, path, dict(body, model="gpt-4"))
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
         assert r.json()["error"]["param"] == "model" and "stories260k" in r.json()["error"]["message"]
@@ -250,8 +327,12 @@ def test_openai_errors(server):
 
 def _raw_post(port: int, path: str, body: str) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", port))
-    sock.sendall((f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                  f"Content-Length: {len(body)}\r\n\r\n{body}").encode())
+    sock.sendall(
+        (
+            f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n{body}"
+        ).encode()
+    )
     return sock
 
 
@@ -272,8 +353,13 @@ def test_disconnect_while_waiting_for_non_streamed_reply_returns_kv(server):
 def test_disconnect_mid_stream_returns_kv(server):
     idle = wait_idle(server.base_url)
     assert idle["kv_total_slots"] == POOL_TOKENS
-    body = json.dumps({"text": "The little dog ran", "stream": True,
-                       "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0}})
+    body = json.dumps(
+        {
+            "text": "The little dog ran",
+            "stream": True,
+            "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0},
+        }
+    )
     with _raw_post(server.port, "/generate", body) as sock:
         received = b""
         while received.count(b"data: ") < 3:
@@ -308,7 +394,7 @@ def test_completions_logprobs_with_echo_and_stream(server):
     assert len(lp["tokens"]) == prompt_tokens + 6
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     assert all(isinstance(v, float) for v in lp["token_logprobs"][1:])
-    assert "".join(lp["tokens"][prompt_tokens:]) == choice["text"][len("Once upon a time"):]
+    assert "".join(lp["tokens"][prompt_tokens:]) == choice["text"][len("Once upon a time") :]
     for k in range(prompt_tokens, prompt_tokens + 6):  # greedy: the chosen token is the top one
         top = lp["top_logprobs"][k]
         assert len(top) == 3 and max(top.values()) == lp["token_logprobs"][k]
@@ -316,10 +402,10 @@ def test_completions_logprobs_with_echo_and_stream(server):
     # offsets point into the choice's text: "<s>" is not in it, " Once" starts it at 0
     assert lp["text_offset"][:3] == [0, 0, 4] and lp["tokens"][:3] == ["<s>", " Once", " upon"]
     # streamed: the chunks' logprobs concatenate to the same lists
-    with httpx.stream("POST", server.base_url + "/v1/completions", json={**body, "stream": True},
-                      timeout=60) as resp:
-        chunks = [json.loads(line[6:]) for line in resp.iter_lines()
-                  if line.startswith("data: ") and line != "data: [DONE]"]
+    with httpx.stream("POST", server.base_url + "/v1/completions", json={**body, "stream": True}, timeout=60) as resp:
+        chunks = [
+            json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"
+        ]
     tokens, values = [], []
     for c in chunks:
         clp = c["choices"][0]["logprobs"]
@@ -333,11 +419,17 @@ def test_completions_logprobs_with_echo_and_stream(server):
 
 
 def test_native_stream_carries_logprobs(server):
-    body = {"text": "Lily", "stream": True, "return_logprob": True, "top_logprobs_num": 2,
-            "sampling_params": {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}}
+    body = {
+        "text": "Lily",
+        "stream": True,
+        "return_logprob": True,
+        "top_logprobs_num": 2,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True},
+    }
     with httpx.stream("POST", server.base_url + "/generate", json=body, timeout=60) as resp:
-        chunks = [json.loads(line[6:]) for line in resp.iter_lines()
-                  if line.startswith("data: ") and line != "data: [DONE]"]
+        chunks = [
+            json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"
+        ]
     for c in chunks:  # cumulative, one entry per output id so far
         meta = c["meta_info"]
         assert [e[1] for e in meta["output_token_logprobs"]] == c["output_ids"]

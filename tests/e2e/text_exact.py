@@ -13,11 +13,26 @@ import httpx
 
 # 20 prompts: word boundaries, punctuation, digits, a newline, non-ASCII (byte fallback).
 PROMPTS = [
-    "Once upon a time,", "Once upon a", "Lily went to the", "Tom said", "The sun was",
-    "One day, a big bird", "She was very happy.", "He ran", "Mom and Dad", "The dog",
-    "They played with a ball and", "It was a sunny day", "\"Look!\" said Ben", "A little girl",
-    "The tree had 3", "Once upon a time\nthere", "Tim saw a café", "Sue liked the ☃",
-    "The cat and the", "In the big park,",
+    "Once upon a time,",
+    "Once upon a",
+    "Lily went to the",
+    "Tom said",
+    "The sun was",
+    "One day, a big bird",
+    "She was very happy.",
+    "He ran",
+    "Mom and Dad",
+    "The dog",
+    "They played with a ball and",
+    "It was a sunny day",
+    '"Look!" said Ben',
+    "A little girl",
+    "The tree had 3",
+    "Once upon a time\nthere",
+    "Tim saw a café",
+    "Sue liked the ☃",
+    "The cat and the",
+    "In the big park,",
 ]
 
 
@@ -25,7 +40,7 @@ def expected_continuation(tok: Any, prompt_ids: list[int], output_ids: list[int]
     prompt = tok.decode(prompt_ids, skip_special_tokens=True)
     full = tok.decode(prompt_ids + output_ids, skip_special_tokens=True)
     assert full.startswith(prompt), (prompt, full)
-    return full[len(prompt):]
+    return full[len(prompt) :]
 
 
 def _sse(url: str, body: dict) -> list[dict]:
@@ -39,8 +54,11 @@ def _sse(url: str, body: dict) -> list[dict]:
 
 
 def _generate_ids(base: str, ids: list[int], max_new: int) -> list[int]:
-    r = httpx.post(base + "/generate", timeout=300, json={
-        "input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": max_new}})
+    r = httpx.post(
+        base + "/generate",
+        timeout=300,
+        json={"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": max_new}},
+    )
     assert r.status_code == 200, r.text
     return r.json()["output_ids"]
 
@@ -51,11 +69,13 @@ def check_prompt(base: str, tok: Any, prompt: str, max_new: int, chat: bool) -> 
     out_ids = _generate_ids(base, ids, max_new)
     want = expected_continuation(tok, ids, out_ids)
     greedy = {"temperature": 0}
-    r = httpx.post(base + "/generate", timeout=300,
-                   json={"text": prompt, "sampling_params": {**greedy, "max_new_tokens": max_new}})
+    r = httpx.post(
+        base + "/generate", timeout=300, json={"text": prompt, "sampling_params": {**greedy, "max_new_tokens": max_new}}
+    )
     assert r.json()["text"] == want and r.json()["output_ids"] == out_ids, prompt
-    events = _sse(base + "/generate", {"text": prompt, "stream": True,
-                                       "sampling_params": {**greedy, "max_new_tokens": max_new}})
+    events = _sse(
+        base + "/generate", {"text": prompt, "stream": True, "sampling_params": {**greedy, "max_new_tokens": max_new}}
+    )
     assert events[-1]["text"] == want, prompt
     assert all(want.startswith(e["text"]) for e in events), prompt
     body = {"prompt": prompt, "max_tokens": max_new, **greedy}

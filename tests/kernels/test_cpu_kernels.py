@@ -44,7 +44,7 @@ def sdpa_decode(q, k_buffer, v_buffer, indptr, indices, scaling, window=None) ->
         if window is not None:
             start = max(start, end - window)
         slots = indices[start:end].long()
-        keys = k_buffer[slots].repeat_interleave(group, 1).transpose(0, 1)     # [H, n, D]
+        keys = k_buffer[slots].repeat_interleave(group, 1).transpose(0, 1)  # [H, n, D]
         values = v_buffer[slots].repeat_interleave(group, 1).transpose(0, 1)
         out.append(F.scaled_dot_product_attention(q[b][:, None], keys, values, scale=scaling)[:, 0])
     return torch.stack(out)
@@ -61,12 +61,11 @@ def test_decode_attention_matches_reference(heads, kv_heads, head_dim, num_threa
     k_buffer = torch.randn(num_slots, kv_heads, head_dim)
     v_buffer = torch.randn(num_slots, kv_heads, head_dim)
     indptr, indices = paged_batch(seq_lens, num_slots, seed=heads)
-    scaling = head_dim ** -0.5
+    scaling = head_dim**-0.5
     got = K.decode_attention(q, k_buffer, v_buffer, indptr, indices, scaling)
     want = reference.decode_attention(q, k_buffer, v_buffer, indptr, indices, scaling)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=0)
-    torch.testing.assert_close(want, sdpa_decode(q, k_buffer, v_buffer, indptr, indices, scaling),
-                               atol=2e-6, rtol=0)
+    torch.testing.assert_close(want, sdpa_decode(q, k_buffer, v_buffer, indptr, indices, scaling), atol=2e-6, rtol=0)
 
 
 def test_decode_attention_sliding_window_and_empty_request() -> None:
@@ -93,8 +92,9 @@ def test_decode_attention_writes_into_out_and_leaves_inputs() -> None:
     copies = [t.clone() for t in (q, k_buffer, v_buffer)]
     out = torch.full((2, 2, 16), 7.0)
     assert K.decode_attention(q, k_buffer, v_buffer, indptr, indices, 0.5, out=out) is out
-    torch.testing.assert_close(out, reference.decode_attention(q, k_buffer, v_buffer, indptr, indices, 0.5),
-                               atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        out, reference.decode_attention(q, k_buffer, v_buffer, indptr, indices, 0.5), atol=1e-6, rtol=0
+    )
     assert all(torch.equal(a, b) for a, b in zip(copies, (q, k_buffer, v_buffer)))
 
 
@@ -103,8 +103,9 @@ def test_decode_attention_rejects_bad_input_untouched() -> None:
     indptr, indices = torch.tensor([0, 3, 5]), torch.tensor([1, 2, 3, 4, 9], dtype=torch.int32)
     out = torch.full((2, 4, 16), 7.0)
     with pytest.raises(IndexError, match="slot 10 is outside the pool of 10 slots"):
-        K.decode_attention(q, k_buffer, v_buffer, indptr, torch.tensor([1, 2, 3, 4, 10], dtype=torch.int32),
-                           0.5, out=out)
+        K.decode_attention(
+            q, k_buffer, v_buffer, indptr, torch.tensor([1, 2, 3, 4, 10], dtype=torch.int32), 0.5, out=out
+        )
     with pytest.raises(IndexError, match="kv_indptr must rise"):
         K.decode_attention(q, k_buffer, v_buffer, torch.tensor([0, 4, 3]), indices, 0.5, out=out)
     with pytest.raises(IndexError, match="kv_indptr must rise"):
@@ -127,8 +128,7 @@ def test_rms_norm_and_fused_add_match_reference(shape, num_threads) -> None:
     torch.manual_seed(shape[0])
     x, residual = torch.randn(shape) * 3, torch.randn(shape)
     weight = 1.0 + 0.2 * torch.randn(shape[-1])
-    torch.testing.assert_close(K.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5),
-                               atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(K.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5), atol=1e-6, rtol=1e-6)
     want_normed, want_sum = reference.fused_add_rms_norm(x, residual, weight, 1e-6)
     normed, total = K.fused_add_rms_norm(x.clone(), residual.clone(), weight, 1e-6)
     assert torch.equal(total, want_sum)  # the add is exact
@@ -162,14 +162,16 @@ def test_rotary_in_place_equals_reference_bit_for_bit(tokens, num_threads) -> No
     angles = torch.rand(tokens, head_dim // 2) * 100
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
     q = qkv[:, : heads * head_dim].reshape(tokens, heads, head_dim)
-    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].reshape(tokens, kv_heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].reshape(tokens, kv_heads, head_dim)
     want_q, want_k = reference.apply_rotary_pos_emb(q, k, cos, sin)
-    v_before = qkv[:, (heads + kv_heads) * head_dim:].clone()
+    v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
     out = K.rotary_embedding_(qkv, cos, sin, heads + kv_heads, head_dim)
     assert out is qkv
     assert torch.equal(qkv[:, : heads * head_dim].reshape(tokens, heads, head_dim), want_q)
-    assert torch.equal(qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].reshape(tokens, kv_heads, head_dim), want_k)
-    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], v_before)
+    assert torch.equal(
+        qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].reshape(tokens, kv_heads, head_dim), want_k
+    )
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)
 
 
 def test_rotary_fallback_and_errors() -> None:
@@ -257,11 +259,16 @@ def test_indices_that_do_not_fit_int32_are_refused_not_wrapped() -> None:
 
 def test_degenerate_shapes_are_no_ops() -> None:
     k_buffer = torch.randn(16, 2, 8)
-    out = K.decode_attention(torch.zeros(2, 0, 8), k_buffer, k_buffer.clone(), torch.tensor([0, 3, 5]),
-                             torch.arange(5), 0.3)
+    out = K.decode_attention(
+        torch.zeros(2, 0, 8), k_buffer, k_buffer.clone(), torch.tensor([0, 3, 5]), torch.arange(5), 0.3
+    )
     assert out.shape == (2, 0, 8)
     x = torch.zeros(3, 0)
     assert K.rotary_embedding_(x, torch.rand(3, 4), torch.rand(3, 4), 0, 4) is x
     with pytest.raises(IndexError, match="slot 7 is outside the pool of 5 slots"):
-        _native._cpu.store_kv(*(t.numpy() for t in (torch.zeros(5, 0, 8), torch.zeros(5, 0, 8))),
-                              torch.tensor([7], dtype=torch.int32).numpy(), torch.zeros(1, 0, 8).numpy(), torch.zeros(1, 0, 8).numpy())
+        _native._cpu.store_kv(
+            *(t.numpy() for t in (torch.zeros(5, 0, 8), torch.zeros(5, 0, 8))),
+            torch.tensor([7], dtype=torch.int32).numpy(),
+            torch.zeros(1, 0, 8).numpy(),
+            torch.zeros(1, 0, 8).numpy(),
+        )

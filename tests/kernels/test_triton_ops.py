@@ -24,8 +24,7 @@ from pyserve_kernels.triton_ops import activation, kv_store, norm, rotary  # noq
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # (rtol, atol) against the fp32 reference rounded to the dtype.
-TOLERANCE = {torch.float32: (1e-5, 1e-6), torch.float16: (2e-3, 1e-3),
-             torch.bfloat16: (1.6e-2, 1e-2)}
+TOLERANCE = {torch.float32: (1e-5, 1e-6), torch.float16: (2e-3, 1e-3), torch.bfloat16: (1.6e-2, 1e-2)}
 
 
 def randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
@@ -43,11 +42,11 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("loc_dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("k_dtype,pool_dtype", [(torch.float32, torch.float32),
-                                                (torch.float16, torch.float16),
-                                                (torch.float32, torch.float16)])
-def test_store_kv_writes_strided_rows_of_fused_qkv_into_their_slots(loc_dtype, k_dtype,
-                                                                    pool_dtype) -> None:
+@pytest.mark.parametrize(
+    "k_dtype,pool_dtype",
+    [(torch.float32, torch.float32), (torch.float16, torch.float16), (torch.float32, torch.float16)],
+)
+def test_store_kv_writes_strided_rows_of_fused_qkv_into_their_slots(loc_dtype, k_dtype, pool_dtype) -> None:
     num_tokens, num_heads, num_kv_heads, head_dim, num_slots = 5, 4, 2, 16, 12
     qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=k_dtype, seed=1)
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
@@ -91,8 +90,7 @@ def test_store_kv_with_no_tokens_writes_nothing() -> None:
     k_buffer = randn(4, 2, 8, seed=6)
     before = k_buffer.clone()
     empty = torch.empty(0, 2, 8, device=DEVICE)
-    kv_store.store_kv(k_buffer, k_buffer.clone(), torch.empty(0, dtype=torch.int64, device=DEVICE),
-                      empty, empty)
+    kv_store.store_kv(k_buffer, k_buffer.clone(), torch.empty(0, dtype=torch.int64, device=DEVICE), empty, empty)
     assert torch.equal(k_buffer, before)
 
 
@@ -147,8 +145,7 @@ def test_rms_norm_chunked_rows(monkeypatch, dtype, hidden) -> None:
 @pytest.mark.parametrize("chunk", [None, 64], ids=["one-block", "chunked"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("hidden", [96, 576])
-def test_fused_add_rms_norm_writes_normed_into_x_and_sum_into_residual(monkeypatch, chunk, dtype,
-                                                                       hidden) -> None:
+def test_fused_add_rms_norm_writes_normed_into_x_and_sum_into_residual(monkeypatch, chunk, dtype, hidden) -> None:
     if chunk is not None:
         monkeypatch.setattr(norm, "MAX_BLOCK_SIZE", chunk)
     x = randn(5, hidden, dtype=dtype, seed=15)
@@ -170,8 +167,7 @@ def test_fused_add_rms_norm_on_row_views_and_higher_dims() -> None:
     x = base[::2]
     residual = randn(2, 3, 96, seed=19)
     weight = randn(96, seed=20)
-    normed_expected, sum_expected = reference.fused_add_rms_norm(x, residual.view(6, 96), weight,
-                                                                 1e-6)
+    normed_expected, sum_expected = reference.fused_add_rms_norm(x, residual.view(6, 96), weight, 1e-6)
     odd_rows = base[1::2].clone()
 
     norm.fused_add_rms_norm(x, residual.view(6, 96), weight, 1e-6)
@@ -184,8 +180,7 @@ def test_fused_add_rms_norm_on_row_views_and_higher_dims() -> None:
 # ---------------------------------------------------------------- rotary embedding
 
 
-def rope_cos_sin(head_dim: int, rope: dict, positions: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(head_dim: int, rope: dict, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [T, head_dim] float32 from pyserve's own cache for `rope`."""
     return RotaryEmbedding(head_dim, 64, rope, device=DEVICE).get_cos_sin(positions.to(DEVICE))
 
@@ -193,11 +188,15 @@ def rope_cos_sin(head_dim: int, rope: dict, positions: torch.Tensor
 ROPES = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},
     "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
-    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64},
-    "dynamic": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0,
-                "max_position_embeddings": 64},
+    "llama3": {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
+    "dynamic": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0, "max_position_embeddings": 64},
 }
 
 
@@ -209,8 +208,7 @@ def test_rotary_rotates_q_and_k_of_a_fused_row_and_leaves_v_bit_equal(dtype, hea
     cos, sin = rope_cos_sin(head_dim, ROPES["default"], positions)
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     qkv = randn(num_tokens, q_size + 2 * kv_size, dtype=dtype, seed=21)
-    q, k, v = (t.clone().view(num_tokens, -1, head_dim)
-               for t in qkv.split([q_size, kv_size, kv_size], dim=-1))
+    q, k, v = (t.clone().view(num_tokens, -1, head_dim) for t in qkv.split([q_size, kv_size, kv_size], dim=-1))
     q_expected, k_expected = reference.apply_rotary_pos_emb(q, k, cos, sin)
 
     assert rotary.rotary_embedding_(qkv, cos, sin, num_heads + num_kv_heads, head_dim) is qkv
@@ -229,14 +227,13 @@ def test_rotary_on_a_column_slice_rotates_only_the_k_heads() -> None:
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     qkv = randn(num_tokens, q_size + 2 * kv_size, seed=22)
     before = qkv.clone()
-    k_expected = reference.rotary(before[:, q_size:q_size + kv_size].view(num_tokens, -1, head_dim),
-                                  cos, sin)
+    k_expected = reference.rotary(before[:, q_size : q_size + kv_size].view(num_tokens, -1, head_dim), cos, sin)
 
     rotary.rotary_embedding_(qkv[:, q_size:], cos, sin, num_kv_heads, head_dim)
 
     assert torch.equal(qkv[:, :q_size], before[:, :q_size])
-    assert_close(qkv[:, q_size:q_size + kv_size].reshape(k_expected.shape), k_expected)
-    assert torch.equal(qkv[:, q_size + kv_size:], before[:, q_size + kv_size:])
+    assert_close(qkv[:, q_size : q_size + kv_size].reshape(k_expected.shape), k_expected)
+    assert torch.equal(qkv[:, q_size + kv_size :], before[:, q_size + kv_size :])
 
 
 @pytest.mark.parametrize("rope_name", list(ROPES))
@@ -247,8 +244,9 @@ def test_rotary_with_each_rope_variants_cos_sin(rope_name) -> None:
     rope = ROPES[rope_name]
     cos, sin = rope_cos_sin(head_dim, rope, positions)
     if rope_name != "default":  # the variant's frequencies really differ from the default's
-        assert not torch.allclose(compute_inv_freq(head_dim, rope, seq_len=128),
-                                  compute_inv_freq(head_dim, ROPES["default"]))
+        assert not torch.allclose(
+            compute_inv_freq(head_dim, rope, seq_len=128), compute_inv_freq(head_dim, ROPES["default"])
+        )
         assert not torch.allclose(cos, rope_cos_sin(head_dim, ROPES["default"], positions)[0])
     x = randn(num_tokens, num_heads * head_dim, seed=23)
     expected = reference.rotary(x.view(num_tokens, num_heads, head_dim), cos, sin)
@@ -286,7 +284,7 @@ def test_silu_and_mul_matches_reference_into_a_poisoned_out(dtype, intermediate)
 
 def test_silu_and_mul_allocates_out_for_higher_dims_and_strided_rows() -> None:
     wide = randn(2, 3, 2 * 96 + 10, seed=26)
-    x = wide[..., :2 * 96]  # rows strided past the gate|up part
+    x = wide[..., : 2 * 96]  # rows strided past the gate|up part
     out = activation.silu_and_mul(x)
     assert out.shape == (2, 3, 96) and out.dtype == torch.float32
     assert_close(out, reference.silu_and_mul(x))
@@ -344,67 +342,82 @@ def _loc(dtype=torch.int64, n=3):
 ERRORS = {
     "store_kv float loc": (
         lambda: kv_store.store_kv(_buf(), _buf(), _loc(torch.float32), _kv(), _kv()),
-        r"store_kv: loc must hold int32 or int64 slot ids, got torch.float32"),
+        r"store_kv: loc must hold int32 or int64 slot ids, got torch.float32",
+    ),
     "store_kv loc length": (
         lambda: kv_store.store_kv(_buf(), _buf(), _loc(n=2), _kv(), _kv()),
         r"store_kv: buffers \(6, 2, 8\) / \(6, 2, 8\), k \(3, 2, 8\), v \(3, 2, 8\), "
-        r"loc \(2,\) do not fit"),
+        r"loc \(2,\) do not fit",
+    ),
     "store_kv head_dim": (
         lambda: kv_store.store_kv(_buf(), _buf(), _loc(), _kv(head_dim=4), _kv(head_dim=4)),
-        r"store_kv: buffers .* k \(3, 2, 4\), .* do not fit"),
+        r"store_kv: buffers .* k \(3, 2, 4\), .* do not fit",
+    ),
     "store_kv k != v": (
         lambda: kv_store.store_kv(_buf(), _buf(), _loc(), _kv(), _kv(heads=1)),
-        r"store_kv: .* v \(3, 1, 8\), .* do not fit"),
+        r"store_kv: .* v \(3, 1, 8\), .* do not fit",
+    ),
     "store_kv int k": (
         lambda: kv_store.store_kv(_buf(), _buf(), _loc(), _kv(dtype=torch.int32), _kv()),
-        r"store_kv: k must be a float tensor, got torch.int32"),
+        r"store_kv: k must be a float tensor, got torch.int32",
+    ),
     "rms_norm hidden": (
         lambda: norm.rms_norm(randn(2, 96), randn(64), 1e-6),
-        r"rms_norm: x \(2, 96\) does not fit weight \(64,\)"),
+        r"rms_norm: x \(2, 96\) does not fit weight \(64,\)",
+    ),
     "rms_norm out shape": (
         lambda: norm.rms_norm(randn(2, 96), randn(96), 1e-6, out=randn(3, 96)),
-        r"rms_norm: out \(3, 96\) torch.float32, want \(2, 96\) torch.float32"),
+        r"rms_norm: out \(3, 96\) torch.float32, want \(2, 96\) torch.float32",
+    ),
     "rms_norm out dtype": (
-        lambda: norm.rms_norm(randn(2, 96), randn(96), 1e-6,
-                              out=randn(2, 96, dtype=torch.float16)),
-        r"rms_norm: out \(2, 96\) torch.float16, want \(2, 96\) torch.float32"),
+        lambda: norm.rms_norm(randn(2, 96), randn(96), 1e-6, out=randn(2, 96, dtype=torch.float16)),
+        r"rms_norm: out \(2, 96\) torch.float16, want \(2, 96\) torch.float32",
+    ),
     "rms_norm float64": (
         lambda: norm.rms_norm(randn(2, 96, dtype=torch.float64), randn(96), 1e-6),
-        r"rms_norm: x must be float32, float16 or bfloat16, got torch.float64"),
+        r"rms_norm: x must be float32, float16 or bfloat16, got torch.float64",
+    ),
     "rms_norm not viewable": (
         lambda: norm.rms_norm(randn(4, 3, 96).transpose(0, 1), randn(96), 1e-6),
-        r"rms_norm: x \(3, 4, 96\) with strides .* cannot be viewed as \[rows, hidden\]"),
+        r"rms_norm: x \(3, 4, 96\) with strides .* cannot be viewed as \[rows, hidden\]",
+    ),
     "fused residual shape": (
         lambda: norm.fused_add_rms_norm(randn(2, 96), randn(3, 96), randn(96), 1e-6),
-        r"fused_add_rms_norm: x \(2, 96\) torch.float32 != residual \(3, 96\) torch.float32"),
+        r"fused_add_rms_norm: x \(2, 96\) torch.float32 != residual \(3, 96\) torch.float32",
+    ),
     "fused residual dtype": (
-        lambda: norm.fused_add_rms_norm(randn(2, 96), randn(2, 96, dtype=torch.float16),
-                                        randn(96), 1e-6),
-        r"fused_add_rms_norm: x \(2, 96\) torch.float32 != residual \(2, 96\) torch.float16"),
+        lambda: norm.fused_add_rms_norm(randn(2, 96), randn(2, 96, dtype=torch.float16), randn(96), 1e-6),
+        r"fused_add_rms_norm: x \(2, 96\) torch.float32 != residual \(2, 96\) torch.float16",
+    ),
     "rotary odd head_dim": (
         lambda: rotary.rotary_embedding_(randn(2, 14), randn(2, 7), randn(2, 7), 2, 7),
-        r"rotary_embedding_: head_dim 7 must be even and positive"),
+        r"rotary_embedding_: head_dim 7 must be even and positive",
+    ),
     "rotary short row": (
         lambda: rotary.rotary_embedding_(randn(2, 24), randn(2, 8), randn(2, 8), 4, 8),
-        r"rotary_embedding_: x \(2, 24\), cos \(2, 8\), sin \(2, 8\) do not fit 4 heads of 8"),
+        r"rotary_embedding_: x \(2, 24\), cos \(2, 8\), sin \(2, 8\) do not fit 4 heads of 8",
+    ),
     "rotary cos tokens": (
         lambda: rotary.rotary_embedding_(randn(2, 32), randn(3, 8), randn(3, 8), 4, 8),
-        r"rotary_embedding_: x \(2, 32\), cos \(3, 8\), sin \(3, 8\) do not fit"),
+        r"rotary_embedding_: x \(2, 32\), cos \(3, 8\), sin \(3, 8\) do not fit",
+    ),
     "rotary 3-D x": (
         lambda: rotary.rotary_embedding_(randn(2, 4, 8), randn(2, 8), randn(2, 8), 4, 8),
-        r"rotary_embedding_: x \(2, 4, 8\), .* do not fit"),
+        r"rotary_embedding_: x \(2, 4, 8\), .* do not fit",
+    ),
     "rotary int cos": (
         lambda: rotary.rotary_embedding_(randn(2, 32), randn(2, 8).int(), randn(2, 8), 4, 8),
-        r"rotary_embedding_: cos / sin must be float, got torch.int32 / torch.float32"),
-    "silu odd": (
-        lambda: activation.silu_and_mul(randn(2, 7)),
-        r"silu_and_mul: last dim of x \(2, 7\) must be even"),
+        r"rotary_embedding_: cos / sin must be float, got torch.int32 / torch.float32",
+    ),
+    "silu odd": (lambda: activation.silu_and_mul(randn(2, 7)), r"silu_and_mul: last dim of x \(2, 7\) must be even"),
     "silu out shape": (
         lambda: activation.silu_and_mul(randn(2, 8), out=randn(2, 8)),
-        r"silu_and_mul: out \(2, 8\) torch.float32, want \(2, 4\) torch.float32"),
+        r"silu_and_mul: out \(2, 8\) torch.float32, want \(2, 4\) torch.float32",
+    ),
     "silu out dtype": (
         lambda: activation.silu_and_mul(randn(2, 8), out=randn(2, 4, dtype=torch.float16)),
-        r"silu_and_mul: out \(2, 4\) torch.float16, want \(2, 4\) torch.float32"),
+        r"silu_and_mul: out \(2, 4\) torch.float16, want \(2, 4\) torch.float32",
+    ),
 }
 
 
@@ -422,11 +435,17 @@ def test_launchers_reject_tensors_on_different_devices() -> None:
         kv_store.store_kv(_buf(), _buf(), _loc().to(meta), _kv(), _kv())
     with pytest.raises(ValueError, match=r"rms_norm: tensors on different devices: .*weight meta"):
         norm.rms_norm(randn(2, 96), randn(96).to(meta), 1e-6)
-    with pytest.raises(ValueError, match=r"fused_add_rms_norm: tensors on different devices: "
-                                         r".*residual meta"):
+    with pytest.raises(
+        ValueError,
+        match=r"fused_add_rms_norm: tensors on different devices: "
+        r".*residual meta",
+    ):
         norm.fused_add_rms_norm(randn(2, 96), randn(2, 96).to(meta), randn(96), 1e-6)
-    with pytest.raises(ValueError, match=r"rotary_embedding_: tensors on different devices: "
-                                         r".*sin meta"):
+    with pytest.raises(
+        ValueError,
+        match=r"rotary_embedding_: tensors on different devices: "
+        r".*sin meta",
+    ):
         rotary.rotary_embedding_(randn(2, 32), randn(2, 8), randn(2, 8).to(meta), 4, 8)
     with pytest.raises(ValueError, match=r"silu_and_mul: x on (cpu|cuda:0), out on meta"):
         activation.silu_and_mul(randn(2, 8), out=torch.empty(2, 4, device=meta))
@@ -451,11 +470,13 @@ for call in calls:
 
 def test_launchers_refuse_cpu_tensors_without_the_interpreter() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", REFUSE_CPU], env=env, capture_output=True,
-                            text=True, timeout=120, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", REFUSE_CPU], env=env, capture_output=True, text=True, timeout=120, check=True
+    )
     ops = ["store_kv", "rms_norm", "fused_add_rms_norm", "rotary_embedding_", "silu_and_mul"]
     lines = result.stdout.splitlines()
     assert len(lines) == len(ops), result.stdout + result.stderr
     for op, line in zip(ops, lines):
         assert line.startswith(f"{op}: ") and line.endswith(
-            "the Triton kernel needs CUDA tensors (CPU tensors only under TRITON_INTERPRET=1)"), line
+            "the Triton kernel needs CUDA tensors (CPU tensors only under TRITON_INTERPRET=1)"
+        ), line

@@ -49,9 +49,13 @@ def test_random_dataset(tok) -> None:
 
 def test_sharegpt_dataset(tok, tmp_path) -> None:
     conv = lambda q, a: {"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}  # noqa: E731
-    data = [conv("Once upon a time", "there was a girl"), conv("Lily", "Lily went to the park"),
-            conv("Lily went to the park", "Once"), {"conversations": [{"from": "human", "value": "solo"}]},
-            conv("The sun was hot", "The dog ran and ran and ran")]
+    data = [
+        conv("Once upon a time", "there was a girl"),
+        conv("Lily", "Lily went to the park"),
+        conv("Lily went to the park", "Once"),
+        {"conversations": [{"from": "human", "value": "solo"}]},
+        conv("The sun was hot", "The dog ran and ran and ran"),
+    ]
     path = tmp_path / "sg.json"
     path.write_text(json.dumps(data))
     rows = ds.sample_sharegpt(tok, str(path), 10, seed=0)
@@ -62,8 +66,9 @@ def test_sharegpt_dataset(tok, tmp_path) -> None:
     # with a fixed output length the reply is not counted, so "Once" as a reply no longer matters
     assert [r.output_len for r in ds.sample_sharegpt(tok, str(path), 10, 0, output_len=3)] == [3, 3, 3]
     assert len(ds.sample_sharegpt(tok, str(path), 1, seed=0)) == 1
-    tight = ds.sample_sharegpt(tok, str(path), 10, 0, context_len=n["Once upon a time"].prompt_len
-                               + n["Once upon a time"].output_len)
+    tight = ds.sample_sharegpt(
+        tok, str(path), 10, 0, context_len=n["Once upon a time"].prompt_len + n["Once upon a time"].output_len
+    )
     assert [r.prompt for r in tight] == ["Once upon a time"]
     with pytest.raises(ds.DatasetError, match="No such file"):
         ds.sample_sharegpt(tok, str(tmp_path / "none.json"), 1, 0)
@@ -73,8 +78,9 @@ def test_sharegpt_dataset(tok, tmp_path) -> None:
 
 
 def test_generated_shared_prefix(tok) -> None:
-    rows = ds.sample_generated_shared_prefix(tok, num_groups=3, prompts_per_group=4, system_prompt_len=30,
-                                             question_len=5, output_len=7, seed=1)
+    rows = ds.sample_generated_shared_prefix(
+        tok, num_groups=3, prompts_per_group=4, system_prompt_len=30, question_len=5, output_len=7, seed=1
+    )
     assert len(rows) == 12 and all(r.output_len == 7 for r in rows)
     systems = {r.prompt.split("\n")[0] for r in rows}
     assert len(systems) == 3
@@ -105,23 +111,35 @@ def test_check_args_messages() -> None:
     assert check_args(parse("--burstiness", "-1")) == "--burstiness: got -1.0; must be > 0"
     assert check_args(parse("--max-concurrency", "0")) == "--max-concurrency: got 0; must be >= 1"
     assert check_args(parse("--base-url", "localhost:3")) == (
-        "--base-url: got 'localhost:3'; must start with http:// or https://")
+        "--base-url: got 'localhost:3'; must start with http:// or https://"
+    )
     assert parse("--request-rate", "inf").request_rate == float("inf")
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pyserve", "bench", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "pyserve", "bench", *args], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
 
 
-@pytest.mark.parametrize("args, rc, message", [
-    (["serve", "--bogus"], 2, "pyserve bench serve: error: unrecognized arguments: --bogus "
-                               "(see pyserve bench serve --help)"),
-    (["serve", "--backend", "vllm"], 2, "pyserve bench serve: error: argument --backend: invalid choice: "
-                                        "'vllm' (choose from *openai-chat*) (see pyserve bench serve --help)"),
-    (["serve", "--num-prompts", "-3"], 2, "pyserve bench serve: error: --num-prompts: got -3; must be >= 1"),
-    (["nope"], 2, None),
-])
+@pytest.mark.parametrize(
+    "args, rc, message",
+    [
+        (
+            ["serve", "--bogus"],
+            2,
+            "pyserve bench serve: error: unrecognized arguments: --bogus (see pyserve bench serve --help)",
+        ),
+        (
+            ["serve", "--backend", "vllm"],
+            2,
+            "pyserve bench serve: error: argument --backend: invalid choice: "
+            "'vllm' (choose from *openai-chat*) (see pyserve bench serve --help)",
+        ),
+        (["serve", "--num-prompts", "-3"], 2, "pyserve bench serve: error: --num-prompts: got -3; must be >= 1"),
+        (["nope"], 2, None),
+    ],
+)
 def test_bad_flags_one_line(args, rc, message) -> None:
     proc = run_cli(*args)
     assert proc.returncode == rc
@@ -142,13 +160,26 @@ def test_unreachable_server_one_line() -> None:
 
 
 def synthetic_result() -> dict:
-    records = [RequestRecord(10, 0.0, 0.3, [0.1, 0.15, 0.25], [1, 1, 2], 4),
-               RequestRecord(20, 0.05, 0.5, [0.25, 0.45], [3, 1], 4),
-               RequestRecord(30, 0.1, 0.2, error="http_500")]
-    config = {"backend": "openai", "dataset_name": "random", "request_rate": float("inf"),
-              "burstiness": 1.0, "max_concurrency": 8}
-    return {"base_url": "http://h:1", "model": "m", "tokenizer": "/t", "token_count_source": "usage",
-            "config": config, "metrics": compute_metrics(records, 0.0)}, records
+    records = [
+        RequestRecord(10, 0.0, 0.3, [0.1, 0.15, 0.25], [1, 1, 2], 4),
+        RequestRecord(20, 0.05, 0.5, [0.25, 0.45], [3, 1], 4),
+        RequestRecord(30, 0.1, 0.2, error="http_500"),
+    ]
+    config = {
+        "backend": "openai",
+        "dataset_name": "random",
+        "request_rate": float("inf"),
+        "burstiness": 1.0,
+        "max_concurrency": 8,
+    }
+    return {
+        "base_url": "http://h:1",
+        "model": "m",
+        "tokenizer": "/t",
+        "token_count_source": "usage",
+        "config": config,
+        "metrics": compute_metrics(records, 0.0),
+    }, records
 
 
 def test_table_and_jsonl(tmp_path) -> None:

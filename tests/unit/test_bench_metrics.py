@@ -26,11 +26,18 @@ class WordTokenizer:
 def two_ok_two_failed() -> list[RequestRecord]:
     return [
         # one token at 100 ms, one at 150 ms, two together at 250 ms; stream closes at 300 ms
-        RequestRecord(prompt_len=10, start_s=0.0, end_s=0.3, chunk_times_s=[0.1, 0.15, 0.25],
-                      chunk_num_tokens=[1, 1, 2], output_len=4),
+        RequestRecord(
+            prompt_len=10,
+            start_s=0.0,
+            end_s=0.3,
+            chunk_times_s=[0.1, 0.15, 0.25],
+            chunk_num_tokens=[1, 1, 2],
+            output_len=4,
+        ),
         # sent at 50 ms; three tokens in the first chunk at 250 ms, one more at 450 ms
-        RequestRecord(prompt_len=20, start_s=0.05, end_s=0.5, chunk_times_s=[0.25, 0.45],
-                      chunk_num_tokens=[3, 1], output_len=4),
+        RequestRecord(
+            prompt_len=20, start_s=0.05, end_s=0.5, chunk_times_s=[0.25, 0.45], chunk_num_tokens=[3, 1], output_len=4
+        ),
         RequestRecord(prompt_len=30, start_s=0.1, end_s=0.2, error="http_500", error_detail="boom"),
         RequestRecord(prompt_len=40, start_s=0.0, end_s=0.1, error="connection"),
     ]
@@ -47,8 +54,7 @@ def test_per_request_figures() -> None:
     assert b.tpot_ms == approx(250.0 / 3)
     assert b.e2e_ms == approx(450.0)
     assert not failed.success and failed.ttft_ms is None and failed.itl_ms() == []
-    one = RequestRecord(prompt_len=1, start_s=0.0, end_s=0.2, chunk_times_s=[0.1], chunk_num_tokens=[1],
-                        output_len=1)
+    one = RequestRecord(prompt_len=1, start_s=0.0, end_s=0.2, chunk_times_s=[0.1], chunk_num_tokens=[1], output_len=1)
     assert one.tpot_ms is None and one.itl_ms() == []
     empty = RequestRecord(prompt_len=1, start_s=0.0, end_s=0.2)
     assert empty.ttft_ms is None and empty.tpot_ms is None
@@ -65,11 +71,21 @@ def test_run_figures() -> None:
     assert m["output_throughput"] == approx(16.0)
     assert m["total_token_throughput"] == approx(76.0)
     assert m["mean_concurrency"] == approx((0.3 + 0.45 + 0.1 + 0.1) / 0.5)
-    assert m["ttft_ms"] == {"mean": approx(150.0), "median": approx(150.0), "p90": approx(190.0),
-                            "p99": approx(199.0), "max": approx(200.0)}
+    assert m["ttft_ms"] == {
+        "mean": approx(150.0),
+        "median": approx(150.0),
+        "p90": approx(190.0),
+        "p99": approx(199.0),
+        "max": approx(200.0),
+    }
     # ITL samples 50, 50, 50, 200: p90 at rank 2.7 -> 50 + 0.7 * 150
-    assert m["itl_ms"] == {"mean": approx(87.5), "median": approx(50.0), "p90": approx(155.0),
-                           "p99": approx(195.5), "max": approx(200.0)}
+    assert m["itl_ms"] == {
+        "mean": approx(87.5),
+        "median": approx(50.0),
+        "p90": approx(155.0),
+        "p99": approx(195.5),
+        "max": approx(200.0),
+    }
     assert m["num_itl_samples"] == 4
     assert m["tpot_ms"]["mean"] == approx((200.0 / 3 + 250.0 / 3) / 2)
     assert m["e2e_ms"]["mean"] == approx(375.0)
@@ -88,8 +104,13 @@ def test_empty_and_all_failed_runs() -> None:
 
 def test_latency_stats_percentiles() -> None:
     s = latency_stats([float(x) for x in range(1, 11)])
-    assert s == {"mean": approx(5.5), "median": approx(5.5), "p90": approx(9.1), "p99": approx(9.91),
-                 "max": approx(10.0)}
+    assert s == {
+        "mean": approx(5.5),
+        "median": approx(5.5),
+        "p90": approx(9.1),
+        "p99": approx(9.91),
+        "max": approx(10.0),
+    }
     assert latency_stats([7.0]) == {"mean": 7.0, "median": 7.0, "p90": 7.0, "p99": 7.0, "max": 7.0}
 
 
@@ -116,15 +137,18 @@ def test_chunk_token_counts() -> None:
 
 def test_to_record_server_counts_and_tokenizer_counts() -> None:
     tok = WordTokenizer()
-    native = RawResult(start_s=1.0, end_s=1.5, usage=(12, 5), chunks=[
-        RawChunk(1.1, "a", 1), RawChunk(1.2, " b c", 2), RawChunk(1.4, " d e", 2)])
+    native = RawResult(
+        start_s=1.0,
+        end_s=1.5,
+        usage=(12, 5),
+        chunks=[RawChunk(1.1, "a", 1), RawChunk(1.2, " b c", 2), RawChunk(1.4, " d e", 2)],
+    )
     rec = to_record(native, dataset_prompt_len=9, source="usage", tokenizer=tok)
     assert (rec.prompt_len, rec.output_len) == (12, 5)
     assert rec.chunk_num_tokens == [1, 2, 2] and rec.chunk_times_s == [1.1, 1.2, 1.4]
     rec = to_record(native, dataset_prompt_len=9, source="tokenizer", tokenizer=tok)
     assert (rec.prompt_len, rec.output_len) == (9, 5)
-    openai = RawResult(start_s=0.0, end_s=1.0, chunks=[
-        RawChunk(0.2, "x"), RawChunk(0.3, " "), RawChunk(0.5, "y z")])
+    openai = RawResult(start_s=0.0, end_s=1.0, chunks=[RawChunk(0.2, "x"), RawChunk(0.3, " "), RawChunk(0.5, "y z")])
     rec = to_record(openai, dataset_prompt_len=4, source="tokenizer", tokenizer=tok)
     # " " adds no token: its chunk is dropped from the timings ("x y z" -> 3 tokens)
     assert rec.chunk_times_s == [0.2, 0.5] and rec.chunk_num_tokens == [1, 2] and rec.output_len == 3

@@ -10,9 +10,27 @@ from pyserve.bench.cli import main as bench_main
 
 def test_offline_throughput(stories_path, tmp_path, capsys) -> None:
     out = tmp_path / "offline.jsonl"
-    rc = bench_main(["offline", "--model-path", str(stories_path), "--max-total-tokens", "2048",
-                     "--num-prompts", "6", "--random-input-len", "24", "--random-output-len", "5",
-                     "--random-range-ratio", "1", "--log-level", "warning", "--output-file", str(out)])
+    rc = bench_main(
+        [
+            "offline",
+            "--model-path",
+            str(stories_path),
+            "--max-total-tokens",
+            "2048",
+            "--num-prompts",
+            "6",
+            "--random-input-len",
+            "24",
+            "--random-output-len",
+            "5",
+            "--random-range-ratio",
+            "1",
+            "--log-level",
+            "warning",
+            "--output-file",
+            str(out),
+        ]
+    )
     assert rc == 0
     result = json.loads(out.read_text())
     m = result["metrics"]
@@ -24,10 +42,25 @@ def test_offline_throughput(stories_path, tmp_path, capsys) -> None:
 
 
 def test_offline_workload_too_long(stories_path, capsys) -> None:
-    rc = bench_main(["offline", "--model-path", str(stories_path), "--max-total-tokens", "2048",
-                     "--context-length", "64", "--num-prompts", "1", "--random-input-len", "100",
-                     "--random-range-ratio", "1",
-                     "--log-level", "warning"])
+    rc = bench_main(
+        [
+            "offline",
+            "--model-path",
+            str(stories_path),
+            "--max-total-tokens",
+            "2048",
+            "--context-length",
+            "64",
+            "--num-prompts",
+            "1",
+            "--random-input-len",
+            "100",
+            "--random-range-ratio",
+            "1",
+            "--log-level",
+            "warning",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1 and len(err) == 1
     assert err[0].startswith("pyserve bench offline: error: the workload does not fit the model: ")
@@ -35,8 +68,22 @@ def test_offline_workload_too_long(stories_path, capsys) -> None:
 
 def test_one_batch(stories_path, tmp_path, capsys) -> None:
     out = tmp_path / "one.jsonl"
-    rc = bench_main(["one-batch", "--model-path", str(stories_path), "--batch-size", "1", "3",
-                     "--input-len", "16", "--output-len", "4", "--output-file", str(out)])
+    rc = bench_main(
+        [
+            "one-batch",
+            "--model-path",
+            str(stories_path),
+            "--batch-size",
+            "1",
+            "3",
+            "--input-len",
+            "16",
+            "--output-len",
+            "4",
+            "--output-file",
+            str(out),
+        ]
+    )
     assert rc == 0
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert [(r["batch_size"], r["input_len"], r["output_len"]) for r in lines] == [(1, 16, 4), (3, 16, 4)]
@@ -46,5 +93,6 @@ def test_one_batch(stories_path, tmp_path, capsys) -> None:
     assert len(capsys.readouterr().out.splitlines()) == 4  # title, header, one line per case
     rc = bench_main(["one-batch", "--model-path", str(stories_path), "--input-len", "510", "--output-len", "4"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 1 and err == ["pyserve bench one-batch: error: --input-len 510 + --output-len 4 exceeds "
-                               "the context length 512"]
+    assert rc == 1 and err == [
+        "pyserve bench one-batch: error: --input-len 510 + --output-len 4 exceeds the context length 512"
+    ]

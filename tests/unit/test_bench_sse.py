@@ -23,6 +23,7 @@ class _Pieces:
 def _read(pieces: list[bytes]) -> list[bytes]:
     async def run() -> list[bytes]:
         return [data async for data in _sse_data(_Pieces(pieces))]  # type: ignore[arg-type]
+
     return asyncio.run(run())
 
 
@@ -32,7 +33,7 @@ EXPECTED = [b'{"text":"a"}', b'{"text":"b c"}', b"[DONE]"]
 
 @pytest.mark.parametrize("cut", [1, 2, 3, 7, 16, len(BODY)])
 def test_events_cut_into_pieces_of_any_size(cut: int) -> None:
-    pieces = [BODY[k:k + cut] for k in range(0, len(BODY), cut)]
+    pieces = [BODY[k : k + cut] for k in range(0, len(BODY), cut)]
     assert _read(pieces) == EXPECTED
 
 
@@ -62,8 +63,10 @@ def test_streamed_requests_reuse_their_connection() -> None:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for k in range(3):  # SGLang's cumulative text
-            await resp.write(b'data: {"text": "%s", "meta_info": {"prompt_tokens": 1, '
-                             b'"completion_tokens": %d}}\n\n' % (b"abc"[:k + 1], k + 1))
+            await resp.write(
+                b'data: {"text": "%s", "meta_info": {"prompt_tokens": 1, '
+                b'"completion_tokens": %d}}\n\n' % (b"abc"[: k + 1], k + 1)
+            )
         await resp.write(b"data: [DONE]\n\n")
         await asyncio.sleep(0.05)  # the body's end comes later (as pyserve's does: a step on)
         await resp.write_eof()
@@ -80,8 +83,7 @@ def test_streamed_requests_reuse_their_connection() -> None:
         try:
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
                 spec = RequestSpec("hi", 3, None, True, {}, stream=True)
-                return [await send_request(session, "pyserve", f"http://127.0.0.1:{port}", spec, {})
-                        for _ in range(4)]
+                return [await send_request(session, "pyserve", f"http://127.0.0.1:{port}", spec, {}) for _ in range(4)]
         finally:
             await runner.cleanup()
 

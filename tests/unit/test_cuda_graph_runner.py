@@ -39,9 +39,12 @@ def test_a_batch_pads_to_the_smallest_size_holding_it() -> None:
 def test_padding_rows_decode_token_0_into_the_padding_slot() -> None:
     n = 8
     bufs = types.SimpleNamespace(
-        input_ids=torch.arange(10, 10 + n), positions=torch.arange(20, 20 + n),
-        out_cache_loc=torch.arange(30, 30 + n), seq_lens=torch.arange(40, 40 + n),
-        req_pool_indices=torch.arange(50, 50 + n))
+        input_ids=torch.arange(10, 10 + n),
+        positions=torch.arange(20, 20 + n),
+        out_cache_loc=torch.arange(30, 30 + n),
+        seq_lens=torch.arange(40, 40 + n),
+        req_pool_indices=torch.arange(50, 50 + n),
+    )
     pad_rows(bufs, 3, 6)
     assert bufs.input_ids.tolist() == [10, 11, 12, 0, 0, 0, 16, 17]
     assert bufs.positions.tolist() == [20, 21, 22, 0, 0, 0, 26, 27]
@@ -60,8 +63,14 @@ def test_replayed_decode_equals_eager(stories_path) -> None:
     params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
     outs = []
     for disable in (False, True):
-        with Engine(model_path=str(stories_path), dtype="float32", max_total_tokens=4096,
-                    attention_backend="triton", disable_cuda_graph=disable, log_level="warning") as eng:
+        with Engine(
+            model_path=str(stories_path),
+            dtype="float32",
+            max_total_tokens=4096,
+            attention_backend="triton",
+            disable_cuda_graph=disable,
+            log_level="warning",
+        ) as eng:
             outs.append([o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)])
     assert outs[0] == outs[1]
 
@@ -129,14 +138,16 @@ def test_replay_through_static_buffers_equals_eager_on_cpu(stories_path, monkeyp
     try:
         runner = eng.core.model_runner
         runner.attn_backend = Capturable(runner.kv_pool)
-        eager = [[o["output_ids"] for o in eng.generate(input_ids=p, sampling_params=params)]
-                 for p in (prompts, prompts[:3])]
+        eager = [
+            [o["output_ids"] for o in eng.generate(input_ids=p, sampling_params=params)] for p in (prompts, prompts[:3])
+        ]
         runner.graph_sizes = [1, 2, 4]
         runner.init_cuda_graphs(eng.core.worker.state.req_to_token, types.SimpleNamespace(synchronize=lambda: None))
         assert len(captured) == 3 and runner.graph_runner.sizes == [1, 2, 4]
         _FakeGraph.replays = 0
-        graphed = [[o["output_ids"] for o in eng.generate(input_ids=p, sampling_params=params)]
-                   for p in (prompts, prompts[:3])]
+        graphed = [
+            [o["output_ids"] for o in eng.generate(input_ids=p, sampling_params=params)] for p in (prompts, prompts[:3])
+        ]
     finally:
         eng.shutdown()
     assert graphed == eager

@@ -85,21 +85,24 @@ def run_with_prompt(tokenizer, prompt_ids, ids, stop=(), no_stop_trim=False, fin
 
 def continuation(tokenizer, prompt_ids, ids):
     prompt = tokenizer.decode(prompt_ids, skip_special_tokens=True)
-    return tokenizer.decode(prompt_ids + ids, skip_special_tokens=True)[len(prompt):]
+    return tokenizer.decode(prompt_ids + ids, skip_special_tokens=True)[len(prompt) :]
 
 
-@pytest.mark.parametrize("prompt,output", [
-    ("Once upon a time,", " there was a little girl"),
-    ("Once upon a", " time"),
-    ("Tom saw", " 日本 and a café"),
-    ("She said", ' "hi" and left.'),
-    ("A long prompt with many words in it so the context is only its tail:", " yes"),
-])
+@pytest.mark.parametrize(
+    "prompt,output",
+    [
+        ("Once upon a time,", " there was a little girl"),
+        ("Once upon a", " time"),
+        ("Tom saw", " 日本 and a café"),
+        ("She said", ' "hi" and left.'),
+        ("A long prompt with many words in it so the context is only its tail:", " yes"),
+    ],
+)
 def test_first_token_keeps_its_word_initial_space(tokenizer, prompt, output):
     """SentencePiece drops the space of a decode's first token: decoding the output after a
     few prompt tokens keeps it, so text == decode(prompt + out) - decode(prompt)."""
     prompt_ids = tokenizer.encode(prompt)
-    ids = tokenizer.encode(prompt + output)[len(prompt_ids):]
+    ids = tokenizer.encode(prompt + output)[len(prompt_ids) :]
     assert tokenizer.decode(ids[:1]) != continuation(tokenizer, prompt_ids, ids[:1])  # the bug this fixes
     rec = run_with_prompt(tokenizer, prompt_ids, ids)
     want = continuation(tokenizer, prompt_ids, ids)
@@ -110,7 +113,7 @@ def test_first_token_keeps_its_word_initial_space(tokenizer, prompt, output):
 
 def test_matched_stop_token_text_is_trimmed_unless_no_stop_trim(tokenizer):
     prompt_ids = tokenizer.encode("Lily went")
-    ids = tokenizer.encode("Lily went to the park", add_special_tokens=True)[len(prompt_ids):]
+    ids = tokenizer.encode("Lily went to the park", add_special_tokens=True)[len(prompt_ids) :]
     stop = FinishReason.stop(ids[-1])
     trimmed = run_with_prompt(tokenizer, prompt_ids, ids, finish=stop)
     assert trimmed.outs[-1].text == continuation(tokenizer, prompt_ids, ids[:-1])
@@ -121,7 +124,7 @@ def test_matched_stop_token_text_is_trimmed_unless_no_stop_trim(tokenizer):
 
 def test_no_stop_trim_keeps_the_stop_string(tokenizer):
     prompt_ids = tokenizer.encode("Lily")
-    ids = tokenizer.encode("Lily went to the park. She played.")[len(prompt_ids):]
+    ids = tokenizer.encode("Lily went to the park. She played.")[len(prompt_ids) :]
     rec = run_with_prompt(tokenizer, prompt_ids, ids, stop=["park"], no_stop_trim=True)
     assert rec.finished == [("r", FinishReason.stop("park"))]
     assert rec.outs[-1].text == " went to the park"

@@ -15,8 +15,10 @@ from pyserve.engine.detokenizer import Detokenizer
 from pyserve.engine.scheduler import TokenOut
 from pyserve.forward_batch_info import FinishReason
 
-TEXT = ("Once upon a time, Tom saw 日本 and a café ☃ by the sea. \"Hi!\" said Lily.\n"
-        "They ran, jumped and laughed: ünïcödé, emoji 🙂, tabs\tand  spaces. ") * 20
+TEXT = (
+    'Once upon a time, Tom saw 日本 and a café ☃ by the sea. "Hi!" said Lily.\n'
+    "They ran, jumped and laughed: ünïcödé, emoji 🙂, tabs\tand  spaces. "
+) * 20
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +31,12 @@ def byte_level_tokenizer():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([TEXT], trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        [TEXT],
+        trainers.BpeTrainer(
+            vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
 
 
@@ -61,7 +67,7 @@ def random_steps(rng, vocab, n):
     steps, k = [], 0
     while k < len(ids):
         m = rng.choice((1, 1, 1, 2, 3))
-        steps.append(ids[k:k + m])
+        steps.append(ids[k : k + m])
         k += m
     return ids, steps
 
@@ -77,13 +83,13 @@ def test_stream_chunks_equal_the_batched_chunks(request, which, seed):
     if seed % 2:
         ids, steps = random_steps(rng, len(tok), 80)
     else:
-        ids = real[start + 8:start + 88]
+        ids = real[start + 8 : start + 88]
         _, shape = random_steps(rng, 2, 80)
         steps, k = [], 0
         for s in shape:
-            steps.append(ids[k:k + len(s)])
+            steps.append(ids[k : k + len(s)])
             k += len(s)
-    prompt = real[start:start + 8]
+    prompt = real[start : start + 8]
     cut = tok.decode(prompt[-5:], skip_special_tokens=True).endswith("\ufffd")  # inside a character
     streamed, state = run(tok, prompt, steps, use_stream=True)
     batched, _ = run(tok, prompt, steps, use_stream=False)
@@ -95,7 +101,7 @@ def test_stream_chunks_equal_the_batched_chunks(request, which, seed):
     if not seed % 2 and not cut:  # real text: the chunks are the text the output adds
         full = tok.decode(prompt + ids, skip_special_tokens=True)
         head = tok.decode(prompt, skip_special_tokens=True)
-        assert "".join(streamed) == full[len(head):]
+        assert "".join(streamed) == full[len(head) :]
 
 
 def test_a_context_ending_inside_a_character_goes_the_batched_way(stories_tokenizer):

@@ -9,8 +9,15 @@ import torch
 from pyserve.device_copy import to_device
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
-    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+        ),
+    ],
+)
 def test_to_device_converts_every_host_form(device) -> None:
     for data in ([3, 1, 2], np.array([3, 1, 2], dtype=np.int32), torch.tensor([3, 1, 2], dtype=torch.int16)):
         t = to_device(data, torch.int64, device)

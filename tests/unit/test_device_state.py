@@ -20,13 +20,22 @@ def i32(*v: int) -> np.ndarray:
 def test_extend_then_decode_write_exact_rows_and_inputs():
     state = DeviceState(num_rows=4, row_width=6, vocab_size=16, device="cpu")
     # row 2: one cached token (slot 10) + two new; row 0: two new
-    extend = StepPlan(ForwardMode.EXTEND, req_pool_indices=i32(2, 0), seq_lens=i32(3, 2),
-                      positions=i32(1, 2, 0, 1), out_cache_loc=i32(11, 12, 21, 22),
-                      input_ids=i32(5, 6, 7, 8), prefix_lens=i32(1, 0), extend_lens=i32(2, 2),
-                      row_slots=i32(10, 11, 12, 21, 22),
-                      new_sampling_rows=[SamplingRow(2, SamplingParams(temperature=0.5, top_p=0.9), frozenset()),
-                                         SamplingRow(0, SamplingParams(temperature=0), frozenset())],
-                      all_greedy=False)
+    extend = StepPlan(
+        ForwardMode.EXTEND,
+        req_pool_indices=i32(2, 0),
+        seq_lens=i32(3, 2),
+        positions=i32(1, 2, 0, 1),
+        out_cache_loc=i32(11, 12, 21, 22),
+        input_ids=i32(5, 6, 7, 8),
+        prefix_lens=i32(1, 0),
+        extend_lens=i32(2, 2),
+        row_slots=i32(10, 11, 12, 21, 22),
+        new_sampling_rows=[
+            SamplingRow(2, SamplingParams(temperature=0.5, top_p=0.9), frozenset()),
+            SamplingRow(0, SamplingParams(temperature=0), frozenset()),
+        ],
+        all_greedy=False,
+    )
     with torch.inference_mode():
         batch = state.forward_batch(extend)
     assert state.req_to_token.tolist() == [[21, 22, 0, 0, 0, 0], [0] * 6, [10, 11, 12, 0, 0, 0], [0] * 6]
@@ -42,8 +51,14 @@ def test_extend_then_decode_write_exact_rows_and_inputs():
     assert info.greedy_rows.tolist() == [False, True]
 
     state.token_table[2], state.token_table[0] = 9, 4  # what the extend sampled
-    decode = StepPlan(ForwardMode.DECODE, req_pool_indices=i32(0, 2), seq_lens=i32(3, 4),
-                      positions=i32(2, 3), out_cache_loc=i32(23, 13), all_greedy=False)
+    decode = StepPlan(
+        ForwardMode.DECODE,
+        req_pool_indices=i32(0, 2),
+        seq_lens=i32(3, 4),
+        positions=i32(2, 3),
+        out_cache_loc=i32(23, 13),
+        all_greedy=False,
+    )
     with torch.inference_mode():
         batch = state.forward_batch(decode)
     assert state.req_to_token[2].tolist() == [10, 11, 12, 13, 0, 0]
@@ -57,14 +72,28 @@ def test_plans_that_disagree_or_spill_past_a_row_are_refused():
     state = DeviceState(num_rows=2, row_width=4, vocab_size=8, device="cpu")
     state.sampling.set_rows([SamplingRow(0, SamplingParams(), frozenset())])
     # the plan also says row 0's request left: refused or not, its sampling row is released
-    spill = StepPlan(ForwardMode.DECODE, req_pool_indices=i32(1), seq_lens=i32(5), positions=i32(4),
-                     out_cache_loc=i32(7), released_rows=[0])
+    spill = StepPlan(
+        ForwardMode.DECODE,
+        req_pool_indices=i32(1),
+        seq_lens=i32(5),
+        positions=i32(4),
+        out_cache_loc=i32(7),
+        released_rows=[0],
+    )
     with torch.inference_mode(), pytest.raises(ValueError, match="5 tokens exceed its row of 4"):
         state.forward_batch(spill)
     assert state.sampling.num_live == 0 and not state.sampling.live[0]
-    short = StepPlan(ForwardMode.EXTEND, req_pool_indices=i32(0), seq_lens=i32(2), positions=i32(0, 1),
-                     out_cache_loc=i32(3, 4), input_ids=i32(1, 2), prefix_lens=i32(0), extend_lens=i32(2),
-                     row_slots=i32(3))
+    short = StepPlan(
+        ForwardMode.EXTEND,
+        req_pool_indices=i32(0),
+        seq_lens=i32(2),
+        positions=i32(0, 1),
+        out_cache_loc=i32(3, 4),
+        input_ids=i32(1, 2),
+        prefix_lens=i32(0),
+        extend_lens=i32(2),
+        row_slots=i32(3),
+    )
     with torch.inference_mode(), pytest.raises(ValueError, match="row_slots does not hold seq_lens slots"):
         state.forward_batch(short)
     assert state.req_to_token.tolist() == [[0] * 4, [0] * 4]  # nothing was written

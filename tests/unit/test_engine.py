@@ -14,8 +14,11 @@ from tests.conftest import make_stories_engine, wait_engine_idle
 POOL = 2048
 
 
-@pytest.fixture(scope="module", params=[(1, False), (16, False), (1, True)],
-                ids=lambda p: f"page{p[0]}" + ("-no-overlap" if p[1] else ""))
+@pytest.fixture(
+    scope="module",
+    params=[(1, False), (16, False), (1, True)],
+    ids=lambda p: f"page{p[0]}" + ("-no-overlap" if p[1] else ""),
+)
 def engine(request, stories_path):
     """Every test here runs with overlap scheduling (pages of 1 and 16) and without it."""
     page_size, no_overlap = request.param
@@ -37,21 +40,25 @@ def test_generate_matches_reference(engine, stories_reference, stories_path):
 
     tok = AutoTokenizer.from_pretrained(stories_path)
     for case in stories_reference:
-        out = engine.generate(input_ids=case["input_ids"], sampling_params={
-            "temperature": 0, "max_new_tokens": case["max_new_tokens"], "ignore_eos": True})
+        out = engine.generate(
+            input_ids=case["input_ids"],
+            sampling_params={"temperature": 0, "max_new_tokens": case["max_new_tokens"], "ignore_eos": True},
+        )
         assert out["output_ids"] == case["output_ids"]
         # the text a continuation adds to the prompt's (word-initial spaces kept)
         prompt = tok.decode(case["input_ids"], skip_special_tokens=True)
         full = tok.decode(case["input_ids"] + case["output_ids"], skip_special_tokens=True)
         assert full.startswith(prompt)
-        assert out["text"] == full[len(prompt):]
+        assert out["text"] == full[len(prompt) :]
         assert out["text"].strip() == case["text"].strip()
 
 
 def test_batch_more_than_max_running(engine, stories_reference):
     cases = stories_reference * 3  # 15 requests > 8 running slots: some wait, all finish
-    outs = engine.generate(input_ids=[c["input_ids"] for c in cases], sampling_params=[
-        {"temperature": 0, "max_new_tokens": 30, "ignore_eos": True} for _ in cases])
+    outs = engine.generate(
+        input_ids=[c["input_ids"] for c in cases],
+        sampling_params=[{"temperature": 0, "max_new_tokens": 30, "ignore_eos": True} for _ in cases],
+    )
     for case, out in zip(cases, outs):
         assert out["output_ids"] == case["output_ids"][:30]
 
@@ -79,8 +86,7 @@ def test_async_generate_and_stream(engine):
 
 
 def test_seeded_sampling_is_reproducible(engine):
-    params = {"temperature": 1.0, "top_p": 0.9, "top_k": 50, "max_new_tokens": 20, "seed": 7,
-              "ignore_eos": True}
+    params = {"temperature": 1.0, "top_p": 0.9, "top_k": 50, "max_new_tokens": 20, "seed": 7, "ignore_eos": True}
     a = engine.generate("The dog", params)
     b = engine.generate(["The dog", "A bird flew"], [params, {**params, "seed": 8}])[0]
     assert a["output_ids"] == b["output_ids"]
@@ -89,10 +95,12 @@ def test_seeded_sampling_is_reproducible(engine):
 def test_stop_token_and_max_new_tokens_zero(engine, stories_reference):
     case = stories_reference[0]
     stop_at = case["output_ids"][5]
-    out = engine.generate(input_ids=case["input_ids"], sampling_params={
-        "temperature": 0, "max_new_tokens": 50, "stop_token_ids": [stop_at], "ignore_eos": True})
+    out = engine.generate(
+        input_ids=case["input_ids"],
+        sampling_params={"temperature": 0, "max_new_tokens": 50, "stop_token_ids": [stop_at], "ignore_eos": True},
+    )
     first = case["output_ids"].index(stop_at)
-    assert out["output_ids"] == case["output_ids"][:first + 1]
+    assert out["output_ids"] == case["output_ids"][: first + 1]
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_at}
     zero = engine.generate("Hi", {"max_new_tokens": 0})
     assert zero["output_ids"] == [] and zero["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
@@ -118,7 +126,9 @@ def test_prompt_plus_max_new_tokens_beyond_the_context_is_refused(engine):
     out = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 10, "ignore_eos": True})
     assert out["meta_info"]["completion_tokens"] == 10  # exactly the context: allowed
     # without max_new_tokens: the default is cut to the room left
-    assert engine.generate(input_ids=prompt, sampling_params={"ignore_eos": True})["meta_info"]["completion_tokens"] == 10
+    assert (
+        engine.generate(input_ids=prompt, sampling_params={"ignore_eos": True})["meta_info"]["completion_tokens"] == 10
+    )
 
 
 def test_abort_frees_kv_and_idle_accounting(engine):

@@ -21,9 +21,12 @@ BUSY_NEW_TOKENS = 480
 
 async def _busy(eng, busy_case: dict, priority: int) -> dict:
     """The long greedy request that holds the one running slot (see BUSY_NEW_TOKENS)."""
-    return await eng.async_generate(input_ids=busy_case["input_ids"], rid="busy", priority=priority,
-                                    sampling_params={"temperature": 0, "max_new_tokens": BUSY_NEW_TOKENS,
-                                                     "ignore_eos": True})
+    return await eng.async_generate(
+        input_ids=busy_case["input_ids"],
+        rid="busy",
+        priority=priority,
+        sampling_params={"temperature": 0, "max_new_tokens": BUSY_NEW_TOKENS, "ignore_eos": True},
+    )
 
 
 async def _until(eng, what: str, pred) -> None:
@@ -39,12 +42,17 @@ def test_waiting_requests_run_most_urgent_first(stories_path, stories_reference)
     case = stories_reference[1]
     params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
     try:
+
         async def body() -> list[str]:
             done: list[str] = []
 
             async def one(rid: str, priority: int, max_new: int = 12) -> dict:
-                out = await eng.async_generate(input_ids=case["input_ids"], rid=rid, priority=priority,
-                                               sampling_params=dict(params, max_new_tokens=max_new))
+                out = await eng.async_generate(
+                    input_ids=case["input_ids"],
+                    rid=rid,
+                    priority=priority,
+                    sampling_params=dict(params, max_new_tokens=max_new),
+                )
                 done.append(rid)
                 return out
 
@@ -84,15 +92,21 @@ def test_a_priority_while_disabled(stories_path, abort):
 def test_a_full_queue_lets_the_least_urgent_go_for_a_more_urgent_one(stories_path, stories_reference):
     from pyserve import QueueFullError
 
-    eng = make_stories_engine(stories_path, 2048, max_running_requests=1, max_queued_requests=1,
-                              enable_priority_scheduling=True)
+    eng = make_stories_engine(
+        stories_path, 2048, max_running_requests=1, max_queued_requests=1, enable_priority_scheduling=True
+    )
     case = stories_reference[1]
     try:
+
         async def body():
             async def one(rid, priority, max_new=12):
-                return await eng.async_generate(input_ids=case["input_ids"], rid=rid, priority=priority,
-                                                sampling_params={"temperature": 0, "max_new_tokens": max_new,
-                                                                 "ignore_eos": True})
+                return await eng.async_generate(
+                    input_ids=case["input_ids"],
+                    rid=rid,
+                    priority=priority,
+                    sampling_params={"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True},
+                )
+
             busy = asyncio.ensure_future(_busy(eng, stories_reference[0], 5))  # runs
             await _until(eng, "busy running", lambda i: i["num_running_reqs"] == 1)
             low = asyncio.ensure_future(one("low", 1))  # waits: the queue is full now
@@ -112,8 +126,7 @@ def test_a_full_queue_lets_the_least_urgent_go_for_a_more_urgent_one(stories_pat
 
 
 def test_priority_settings_are_checked():
-    from pyserve.config import ServerArgs
-    from pyserve.config import ServerArgsError
+    from pyserve.config import ServerArgs, ServerArgsError
 
     with pytest.raises(ServerArgsError, match="priority scheduling needs fcfs or lof"):
         ServerArgs(model_path="m", enable_priority_scheduling=True, schedule_policy="lpm")

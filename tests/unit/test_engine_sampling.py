@@ -35,8 +35,14 @@ def hf_logprobs(hf, ids: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("params", [{"temperature": 0}, {"temperature": 1.0, "seed": 11, "top_p": 0.9}])
 def test_logprobs_equal_hf_log_softmax(engine, hf, params) -> None:
-    out = engine.generate(PROMPT, dict(params, max_new_tokens=12, ignore_eos=True), return_logprob=True,
-                          top_logprobs_num=4, logprob_start_len=0, token_ids_logprob=[5, 261])
+    out = engine.generate(
+        PROMPT,
+        dict(params, max_new_tokens=12, ignore_eos=True),
+        return_logprob=True,
+        top_logprobs_num=4,
+        logprob_start_len=0,
+        token_ids_logprob=[5, 261],
+    )
     meta, output_ids = out["meta_info"], out["output_ids"]
     prompt_ids = [e[1] for e in meta["input_token_logprobs"]]
     assert len(prompt_ids) == meta["prompt_tokens"]
@@ -59,8 +65,9 @@ def test_logprobs_equal_hf_log_softmax(engine, hf, params) -> None:
 
 def test_prompt_logprobs_are_computed_despite_the_prefix_cache(engine) -> None:
     base = {"temperature": 0, "max_new_tokens": 2}
-    first = engine.generate(PROMPT, base, return_logprob=True, logprob_start_len=0,
-                            return_text_in_logprobs=True)["meta_info"]
+    first = engine.generate(PROMPT, base, return_logprob=True, logprob_start_len=0, return_text_in_logprobs=True)[
+        "meta_info"
+    ]
     again = engine.generate(PROMPT, base, return_logprob=True, logprob_start_len=3)["meta_info"]
     assert again["cached_tokens"] <= 2  # the cache may not cover the token before index 3
     expected = first["input_token_logprobs"][3:]
@@ -75,8 +82,10 @@ def test_prompt_logprobs_are_computed_despite_the_prefix_cache(engine) -> None:
 def test_seeded_request_same_alone_and_in_a_batch_of_8_others(engine) -> None:
     seeded = {"temperature": 0.9, "top_k": 50, "seed": 1234, "max_new_tokens": 24, "ignore_eos": True}
     alone = engine.generate(PROMPT, seeded)["output_ids"]
-    others = [{"temperature": t, "max_new_tokens": m, "ignore_eos": True, "frequency_penalty": 0.5}
-              for t, m in zip([0.0, 1.0, 0.7, 1.5, 0.0, 1.2, 0.3, 1.0], [5, 30, 12, 24, 40, 8, 20, 16])]
+    others = [
+        {"temperature": t, "max_new_tokens": m, "ignore_eos": True, "frequency_penalty": 0.5}
+        for t, m in zip([0.0, 1.0, 0.7, 1.5, 0.0, 1.2, 0.3, 1.0], [5, 30, 12, 24, 40, 8, 20, 16])
+    ]
     texts = ["Tom", "The dog ran", "Lily", "One day", PROMPT, "Sue had a ball", "A", "The sun"]
     outs = engine.generate(texts[:4] + [PROMPT] + texts[4:], others[:4] + [seeded] + others[4:])
     assert outs[4]["output_ids"] == alone
@@ -86,8 +95,14 @@ def test_seeded_request_same_alone_and_in_a_batch_of_8_others(engine) -> None:
 
 def test_penalties_match_a_reference_loop(engine, hf) -> None:
     prompt = "Tom and Tom and Tom and Tom"
-    params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True, "frequency_penalty": 1.5,
-              "presence_penalty": 1.0, "repetition_penalty": 1.3}
+    params = {
+        "temperature": 0,
+        "max_new_tokens": 24,
+        "ignore_eos": True,
+        "frequency_penalty": 1.5,
+        "presence_penalty": 1.0,
+        "repetition_penalty": 1.3,
+    }
     out = engine.generate(prompt, params, return_logprob=True, logprob_start_len=0)
     ids = [e[1] for e in out["meta_info"]["input_token_logprobs"]]
     prompt_len, ref = len(ids), []
@@ -113,15 +128,19 @@ def test_logit_bias_and_min_new_tokens(engine) -> None:
     stop = greedy[0]
     early = engine.generate(PROMPT, {"temperature": 0, "max_new_tokens": 6, "stop_token_ids": [stop]})
     assert early["output_ids"] == [stop] and early["meta_info"]["finish_reason"]["matched"] == stop
-    held = engine.generate(PROMPT, {"temperature": 0, "max_new_tokens": 6, "stop_token_ids": [stop],
-                                    "min_new_tokens": 3})
+    held = engine.generate(
+        PROMPT, {"temperature": 0, "max_new_tokens": 6, "stop_token_ids": [stop], "min_new_tokens": 3}
+    )
     assert stop not in held["output_ids"][:3] and len(held["output_ids"]) >= 3
 
 
 def test_all_tokens_top_k_zero_and_json_safe_inf(engine) -> None:
-    out = engine.generate(PROMPT, {"temperature": 0.8, "top_k": 0, "seed": 1, "max_new_tokens": 3,
-                                   "logit_bias": {"7": -math.inf}}, return_logprob=True,
-                          token_ids_logprob=[7])
+    out = engine.generate(
+        PROMPT,
+        {"temperature": 0.8, "top_k": 0, "seed": 1, "max_new_tokens": 3, "logit_bias": {"7": -math.inf}},
+        return_logprob=True,
+        token_ids_logprob=[7],
+    )
     assert len(out["output_ids"]) == 3
     # logprobs are of the raw model distribution; no -inf / NaN ever reaches JSON
     for entry in out["meta_info"]["output_token_ids_logprobs"]:

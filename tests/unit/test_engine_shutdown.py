@@ -20,15 +20,21 @@ def test_shutdown_mid_generation_ends_every_stream(stories_path, overlap):
     async def body() -> list:
         tok = get_tokenizer(str(stories_path))
         runner = SimulatedRunner(len(tok), {tok.eos_token_id}, 600, 256, decode_base_ms=2.0, seed=1)
-        args = ServerArgs(model_path=str(stories_path), max_running_requests=6, max_total_tokens=600,
-                          disable_overlap_schedule=not overlap, stats_interval_s=3600.0,
-                          log_level="warning")
+        args = ServerArgs(
+            model_path=str(stories_path),
+            max_running_requests=6,
+            max_total_tokens=600,
+            disable_overlap_schedule=not overlap,
+            stats_interval_s=3600.0,
+            log_level="warning",
+        )
         core = EngineCore(args, model_runner=runner)
         await core.start()
 
         async def one(i: int):
-            req = GenerateReqInput(text="once upon a time", rid=f"r{i}", stream=True,
-                                   sampling_params={"max_new_tokens": 200})
+            req = GenerateReqInput(
+                text="once upon a time", rid=f"r{i}", stream=True, sampling_params={"max_new_tokens": 200}
+            )
             return [out async for out in core.generate(req.split()[0])]
 
         tasks = [asyncio.ensure_future(one(i)) for i in range(8)]  # 6 run, 2 wait

@@ -38,8 +38,10 @@ def test_request_that_can_never_fit_the_pool_is_refused_or_clipped(engine):
 def test_requests_that_do_not_fit_together_all_finish_exactly(engine, stories_reference):
     # 5 x (prompt + 64) tokens > 300 slots: some wait or are retracted, outputs stay exact.
     cases = stories_reference[1:] * 2
-    outs = engine.generate(input_ids=[c["input_ids"] for c in cases], sampling_params=[
-        {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True} for _ in cases])
+    outs = engine.generate(
+        input_ids=[c["input_ids"] for c in cases],
+        sampling_params=[{"temperature": 0, "max_new_tokens": 64, "ignore_eos": True} for _ in cases],
+    )
     for case, out in zip(cases, outs):
         assert out["output_ids"] == case["output_ids"]
     info = wait_engine_idle(engine)
@@ -52,8 +54,10 @@ def test_retraction_when_reservations_overcommit(engine, stories_reference, monk
     monkeypatch.setattr(schedule_policy, "CLIP_MAX_NEW_TOKENS", 4)  # admit far more than fits
     cases = stories_reference[1:] * 2
     with caplog.at_level("WARNING", logger="pyserve.engine.scheduler"):
-        outs = engine.generate(input_ids=[c["input_ids"] for c in cases], sampling_params=[
-            {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True} for _ in cases])
+        outs = engine.generate(
+            input_ids=[c["input_ids"] for c in cases],
+            sampling_params=[{"temperature": 0, "max_new_tokens": 64, "ignore_eos": True} for _ in cases],
+        )
     assert any("retracted" in r.getMessage() for r in caplog.records)
     for case, out in zip(cases, outs):
         assert out["output_ids"] == case["output_ids"]
@@ -71,8 +75,10 @@ def test_32_requests_through_a_pool_for_8(stories_path, stories_reference):
     pool = 8 * max(len(c["input_ids"]) + 64 for c in cases)
     eng = make_stories_engine(stories_path, pool, max_running_requests=32)
     try:
-        outs = eng.generate(input_ids=[c["input_ids"] for c in cases], sampling_params=[
-            {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True} for _ in cases])
+        outs = eng.generate(
+            input_ids=[c["input_ids"] for c in cases],
+            sampling_params=[{"temperature": 0, "max_new_tokens": 64, "ignore_eos": True} for _ in cases],
+        )
         assert [o["output_ids"] for o in outs] == [c["output_ids"] for c in cases]
         assert all(o["meta_info"]["finish_reason"] == {"type": "length", "length": 64} for o in outs)
         info = wait_engine_idle(eng)

@@ -41,8 +41,11 @@ def app_and_loop(stories_path):
     from pyserve.engine.engine_core import EngineCore
     from pyserve.server.app import create_app
 
-    args = ServerArgs(model_path=str(stories_path), max_total_tokens=2048,
-                      chat_template=str(REPO / "tests" / "data" / "stories_chat_template.jinja"))
+    args = ServerArgs(
+        model_path=str(stories_path),
+        max_total_tokens=2048,
+        chat_template=str(REPO / "tests" / "data" / "stories_chat_template.jinja"),
+    )
     app = create_app(args)
     loop = asyncio.new_event_loop()
     engine = EngineCore(args)
@@ -57,18 +60,27 @@ def _post(app, loop, path: str, body: dict) -> httpx.Response:
     async def go() -> httpx.Response:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
             # ASCII JSON: lone surrogates travel as escapes, as any client may send them
-            return await client.post(path, content=json.dumps(body).encode(), timeout=60,
-                                     headers={"content-type": "application/json"})
+            return await client.post(
+                path, content=json.dumps(body).encode(), timeout=60, headers={"content-type": "application/json"}
+            )
+
     return loop.run_until_complete(go())
 
 
-@pytest.mark.parametrize("path,body", [
-    ("/generate", {"text": "Once upon a time", "stream": True,
-                   "sampling_params": {"max_new_tokens": 20, "ignore_eos": True}}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "stream": True,
-                              "max_tokens": 20, "ignore_eos": True}),
-    ("/v1/completions", {"prompt": "Lily", "stream": True, "max_tokens": 20, "ignore_eos": True, "n": 2}),
-])
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        (
+            "/generate",
+            {"text": "Once upon a time", "stream": True, "sampling_params": {"max_new_tokens": 20, "ignore_eos": True}},
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "Hi"}], "stream": True, "max_tokens": 20, "ignore_eos": True},
+        ),
+        ("/v1/completions", {"prompt": "Lily", "stream": True, "max_tokens": 20, "ignore_eos": True, "n": 2}),
+    ],
+)
 def test_a_stream_that_fails_midway_ends_with_an_error_event(app_and_loop, monkeypatch, path, body):
     app, loop, engine = app_and_loop
     runner = engine.model_runner
@@ -87,8 +99,12 @@ def test_a_stream_that_fails_midway_ends_with_an_error_event(app_and_loop, monke
     events = [e for e in r.text.split("\n\n") if e]
     assert events[-1] == "data: [DONE]"
     err = json.loads(events[-2][6:])["error"]
-    assert err == {"message": "model step failed: device lost", "type": "internal_server_error",
-                   "param": None, "code": 500}
+    assert err == {
+        "message": "model step failed: device lost",
+        "type": "internal_server_error",
+        "param": None,
+        "code": 500,
+    }
     assert len(events) > 3  # chunks came before the failure
     assert all("error" not in json.loads(e[6:]) for e in events[:-2])
     monkeypatch.setattr(runner, "forward", forward)
@@ -108,19 +124,26 @@ def test_a_failed_step_without_a_stream_is_a_500_error_object(app_and_loop, monk
     monkeypatch.setattr(runner, "forward", failing)
     r = _post(app, loop, "/v1/completions", {"prompt": "Lily", "max_tokens": 3})
     assert r.status_code == 500
-    assert r.json() == {"error": {"message": "model step failed: device lost",
-                                  "type": "internal_server_error", "param": None, "code": 500}}
+    assert r.json() == {
+        "error": {
+            "message": "model step failed: device lost",
+            "type": "internal_server_error",
+            "param": None,
+            "code": 500,
+        }
+    }
 
 
 def test_lone_surrogates_anywhere_get_a_400_naming_the_field(app_and_loop):
     app, loop, _ = app_and_loop
     for path, body, param in (
-            ("/v1/completions", {"model": "\udcff", "prompt": "hi"}, "model"),
-            ("/v1/chat/completions", {"model": "\udcff", "messages": [{"role": "user", "content": "hi"}]}, "model"),
-            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800"}]}, "messages.0.content"),
-            ("/generate", {"text": "hi", "rid": "\udcff"}, "rid"),
-            ("/generate", {"text": "hi", "sampling_params": {"stop": ["x", "\udfff"]}}, "sampling_params.stop.1"),
-            ("/generate", {"text": "hi", "\udcff": 1}, None)):
+        ("/v1/completions", {"model": "\udcff", "prompt": "hi"}, "model"),
+        ("/v1/chat/completions", {"model": "\udcff", "messages": [{"role": "user", "content": "hi"}]}, "model"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800"}]}, "messages.0.content"),
+        ("/generate", {"text": "hi", "rid": "\udcff"}, "rid"),
+        ("/generate", {"text": "hi", "sampling_params": {"stop": ["x", "\udfff"]}}, "sampling_params.stop.1"),
+        ("/generate", {"text": "hi", "\udcff": 1}, None),
+    ):
         r = _post(app, loop, path, body)
         assert r.status_code == 400, (path, r.text)
         err = r.json()["error"]

@@ -17,8 +17,10 @@ import pins  # noqa: E402
 def _wheel(folder: pathlib.Path, name: str, version: str, tag: str = "py3-none-any") -> pathlib.Path:
     path = folder / f"{name.replace('-', '_')}-{version}-{tag}.whl"
     with zipfile.ZipFile(path, "w") as zf:
-        zf.writestr(f"{name.replace('-', '_')}-{version}.dist-info/METADATA",
-                    f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        zf.writestr(
+            f"{name.replace('-', '_')}-{version}.dist-info/METADATA",
+            f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        )
     return path
 
 
@@ -47,14 +49,16 @@ def test_check_refuses_another_version_in_one_line(tmp_path: pathlib.Path) -> No
     _wheel(tmp_path, "pydantic", "2.14.4")
     _wheel(tmp_path, "pydantic-core", "2.41.5")
     assert pins.check(str(tmp_path), pinned) == [
-        "pack.sh: pydantic-2.14.4-py3-none-any.whl: pydantic 2.14.4 differs from the venv's 2.12.5"]
+        "pack.sh: pydantic-2.14.4-py3-none-any.whl: pydantic 2.14.4 differs from the venv's 2.12.5"
+    ]
 
 
 def test_check_refuses_an_unpinned_wheel_and_a_missing_pin(tmp_path: pathlib.Path) -> None:
     _wheel(tmp_path, "orjson", "3.11.0")
     assert pins.check(str(tmp_path), {"pydantic": "2.12.5"}) == [
         "pack.sh: orjson-3.11.0-py3-none-any.whl: orjson is not in pyserve's pinned closure",
-        f"pack.sh: no wheel of pydantic==2.12.5 in {tmp_path}"]
+        f"pack.sh: no wheel of pydantic==2.12.5 in {tmp_path}",
+    ]
 
 
 def test_main_exits_1_on_a_mismatch(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -62,5 +66,6 @@ def test_main_exits_1_on_a_mismatch(tmp_path: pathlib.Path, capsys: pytest.Captu
     _wheel(tmp_path, name, "0.0.1")
     assert pins.main(["check", str(tmp_path)]) == 1
     err = capsys.readouterr().err.splitlines()
-    assert err[0] == (f"pack.sh: pydantic-0.0.1-py3-none-any.whl: pydantic 0.0.1 differs from the "
-                      f"venv's {md.version(name)}")
+    assert err[0] == (
+        f"pack.sh: pydantic-0.0.1-py3-none-any.whl: pydantic 0.0.1 differs from the venv's {md.version(name)}"
+    )

@@ -21,12 +21,27 @@ from pyserve.model_executor import device_state
 from .test_scheduler import Harness, run, settle, treq
 
 # StepPlan field -> the Rust BatchArrays field it must be (the same object)
-FROM_RUST = {"req_pool_indices": "req_pool_indices", "seq_lens": "seq_lens", "positions": "positions",
-             "out_cache_loc": "out_cache_loc", "prefix_lens": "prefix_lens",
-             "extend_lens": "extend_lens", "row_slots": "kv_indices"}
+FROM_RUST = {
+    "req_pool_indices": "req_pool_indices",
+    "seq_lens": "seq_lens",
+    "positions": "positions",
+    "out_cache_loc": "out_cache_loc",
+    "prefix_lens": "prefix_lens",
+    "extend_lens": "extend_lens",
+    "row_slots": "kv_indices",
+}
 PLAN_INDEX_ARRAYS = (*FROM_RUST, "input_ids")
-BATCH_INDEX_TENSORS = ("input_ids", "positions", "out_cache_loc", "seq_lens", "req_pool_indices",
-                       "kv_indptr", "kv_indices", "extend_prefix_lens", "extend_seq_lens")
+BATCH_INDEX_TENSORS = (
+    "input_ids",
+    "positions",
+    "out_cache_loc",
+    "seq_lens",
+    "req_pool_indices",
+    "kv_indptr",
+    "kv_indices",
+    "extend_prefix_lens",
+    "extend_seq_lens",
+)
 
 
 class Recorder(TorchDispatchMode):
@@ -123,7 +138,8 @@ def test_index_arrays_are_int32_from_the_rust_core_to_the_device_with_no_convers
             if getattr(plan, field) is not None:
                 assert getattr(plan, field) is getattr(arrays, rust_field), field
         assert {f: getattr(plan, f).dtype for f in PLAN_INDEX_ARRAYS if getattr(plan, f) is not None} == {
-            f: np.dtype(np.int32) for f in PLAN_INDEX_ARRAYS if getattr(plan, f) is not None}
+            f: np.dtype(np.int32) for f in PLAN_INDEX_ARRAYS if getattr(plan, f) is not None
+        }
         # plan -> device: no torch op converted a dtype while the batch was built
         assert rec.conversions == []
         # device: every index tensor int32; all but the token table's ids and the gathered

@@ -68,17 +68,20 @@ def test_gguf_model_config(gguf_path: str, caplog) -> None:
     assert ModelConfig.from_path(gguf_path, dtype="bfloat16").dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("name", [
-    "model.embed_tokens.weight",
-    "model.layers.0.self_attn.q_proj.weight",
-    "model.layers.0.self_attn.k_proj.weight",
-    "model.layers.0.self_attn.v_proj.weight",
-    "model.layers.0.self_attn.o_proj.weight",
-    "model.layers.0.input_layernorm.weight",
-    "model.layers.29.self_attn.k_proj.weight",
-    "model.layers.29.mlp.down_proj.weight",
-    "model.norm.weight",
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.self_attn.v_proj.weight",
+        "model.layers.0.self_attn.o_proj.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.29.self_attn.k_proj.weight",
+        "model.layers.29.mlp.down_proj.weight",
+        "model.norm.weight",
+    ],
+)
 def test_dequantized_weights_equal_transformers(runner: ModelRunner, hf_model, name: str) -> None:
     ours = dict(runner.model.named_parameters())[name]
     theirs = hf_model.state_dict()[name]
@@ -143,15 +146,32 @@ def test_greedy_tokens_equal_transformers(runner: ModelRunner, hf_model, tokeniz
 
     t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
     slots = list(range(1, len(prompt) + 1))
-    batch = ForwardBatch(ForwardMode.EXTEND, 1, t(prompt), t(range(len(prompt))), t(slots),
-                         t([len(prompt)]), t([0, len(prompt)]), t(slots),
-                         extend_prefix_lens=t([0]), extend_seq_lens=t([len(prompt)]))
+    batch = ForwardBatch(
+        ForwardMode.EXTEND,
+        1,
+        t(prompt),
+        t(range(len(prompt))),
+        t(slots),
+        t([len(prompt)]),
+        t([0, len(prompt)]),
+        t(slots),
+        extend_prefix_lens=t([0]),
+        extend_seq_lens=t([len(prompt)]),
+    )
     out = [int(runner.forward(batch).argmax(-1))]
     while len(out) < n_new:
         slots.append(slots[-1] + 1)
         seq_len = len(slots)
-        batch = ForwardBatch(ForwardMode.DECODE, 1, t([out[-1]]), t([seq_len - 1]), t([slots[-1]]),
-                             t([seq_len]), t([0, seq_len]), t(slots))
+        batch = ForwardBatch(
+            ForwardMode.DECODE,
+            1,
+            t([out[-1]]),
+            t([seq_len - 1]),
+            t([slots[-1]]),
+            t([seq_len]),
+            t([0, seq_len]),
+            t(slots),
+        )
         out.append(int(runner.forward(batch).argmax(-1)))
     assert out == ref
     assert "Paris" in tokenizer.decode(out)

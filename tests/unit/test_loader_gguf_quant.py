@@ -18,11 +18,18 @@ from tests.unit.test_model_llama import Requests
 
 HIDDEN, HEADS, KV_HEADS, VOCAB = 256, 4, 2, 64  # K-quant rows need multiples of 256
 HF_TO_GGUF = {
-    "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
 }
 # bytes per 256-value block and where the fp16 scales sit (offset of d, of dmin or None)
 K_QUANTS = {"Q4_K": (144, 0, 2), "Q6_K": (210, 208, None)}
@@ -45,17 +52,23 @@ def k_quant_bytes(rows: int, cols: int, qtype: str, gen: np.random.Generator) ->
     block, d_off, dmin_off = K_QUANTS[qtype]
     data = gen.integers(0, 256, size=(rows, cols // 256, block), dtype=np.uint8)
     scale = np.frombuffer(np.float16(0.002).tobytes(), dtype=np.uint8)
-    data[..., d_off:d_off + 2] = scale
+    data[..., d_off : d_off + 2] = scale
     if dmin_off is not None:
-        data[..., dmin_off:dmin_off + 2] = scale
+        data[..., dmin_off : dmin_off + 2] = scale
     return data.reshape(rows, -1)
 
 
 def write_tiny_gguf(path, qtype: str) -> dict[str, torch.Tensor]:
     """Write a 1-layer Llama; returns the HF-named float32 weights the file decodes to."""
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=HIDDEN,
-                                      num_hidden_layers=1, num_attention_heads=HEADS,
-                                      num_key_value_heads=KV_HEADS, tie_word_embeddings=False)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=HIDDEN,
+        num_hidden_layers=1,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     state = transformers.LlamaForCausalLM(config).state_dict()
     writer = gguf.GGUFWriter(str(path), "llama")

@@ -14,9 +14,16 @@ from pyserve.model_loader.hf_loader import safetensors_files
 
 def test_sharded_safetensors_folder(tmp_path) -> None:
     config = transformers.LlamaConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        tie_word_embeddings=False, bos_token_id=1, eos_token_id=[2, 5],
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=[2, 5],
     )
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(config).eval()
@@ -30,8 +37,18 @@ def test_sharded_safetensors_folder(tmp_path) -> None:
     prompt = [1, 7, 9, 11, 13]
     t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
     slots = [1, 2, 3, 4, 5]
-    batch = ForwardBatch(ForwardMode.EXTEND, 1, t(prompt), t(range(5)), t(slots), t([5]), t([0, 5]),
-                         t(slots), extend_prefix_lens=t([0]), extend_seq_lens=t([5]))
+    batch = ForwardBatch(
+        ForwardMode.EXTEND,
+        1,
+        t(prompt),
+        t(range(5)),
+        t(slots),
+        t([5]),
+        t([0, 5]),
+        t(slots),
+        extend_prefix_lens=t([0]),
+        extend_seq_lens=t([5]),
+    )
     logits = runner.forward(batch)
     with torch.no_grad():
         ref = hf(t([prompt])).logits[0, -1]

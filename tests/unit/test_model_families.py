@@ -19,9 +19,19 @@ from pyserve.models.registry import get_model_class
 from tests.unit.test_model_llama import Requests
 
 V5 = int(transformers.__version__.split(".")[0]) >= 5
-COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-              rms_norm_eps=1e-6, initializer_range=0.1, bos_token_id=1, eos_token_id=2)
+COMMON = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=80,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+    initializer_range=0.1,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 
 def _rope(kwargs: dict, rope: dict) -> dict:
@@ -36,27 +46,53 @@ def _rope(kwargs: dict, rope: dict) -> dict:
 def family_config(family: str) -> transformers.PretrainedConfig:
     """A tiny seeded config per family exercising what that family adds."""
     if family == "llama":  # llama3 rope scaling, untied head
-        return transformers.LlamaConfig(**_rope(dict(COMMON, tie_word_embeddings=False), {
-            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}))
+        return transformers.LlamaConfig(
+            **_rope(
+                dict(COMMON, tie_word_embeddings=False),
+                {
+                    "rope_type": "llama3",
+                    "rope_theta": 500000.0,
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 16,
+                },
+            )
+        )
     if family == "llama_dynamic":  # dynamic NTK rope, MHA, tied head
-        return transformers.LlamaConfig(**_rope(dict(COMMON, num_key_value_heads=4, tie_word_embeddings=True),
-                                                {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}))
+        return transformers.LlamaConfig(
+            **_rope(
+                dict(COMMON, num_key_value_heads=4, tie_word_embeddings=True),
+                {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+            )
+        )
     if family == "qwen2":  # q/k/v bias, tied head
-        return transformers.Qwen2Config(**_rope(dict(COMMON, tie_word_embeddings=True),
-                                                {"rope_type": "default", "rope_theta": 1000000.0}))
+        return transformers.Qwen2Config(
+            **_rope(dict(COMMON, tie_word_embeddings=True), {"rope_type": "default", "rope_theta": 1000000.0})
+        )
     if family == "qwen3":  # q/k norm, head_dim != hidden / heads
-        return transformers.Qwen3Config(**_rope(dict(COMMON, head_dim=32, tie_word_embeddings=False),
-                                                {"rope_type": "default", "rope_theta": 1000000.0}))
+        return transformers.Qwen3Config(
+            **_rope(
+                dict(COMMON, head_dim=32, tie_word_embeddings=False), {"rope_type": "default", "rope_theta": 1000000.0}
+            )
+        )
     if family == "mistral":  # sliding window of 8 tokens (shorter than the sequences)
-        return transformers.MistralConfig(**_rope(dict(COMMON, sliding_window=8, tie_word_embeddings=False),
-                                                  {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}))
+        return transformers.MistralConfig(
+            **_rope(
+                dict(COMMON, sliding_window=8, tie_word_embeddings=False),
+                {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+            )
+        )
     raise ValueError(family)
 
 
-HF_CLASSES = {"llama": transformers.LlamaForCausalLM, "llama_dynamic": transformers.LlamaForCausalLM,
-              "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
-              "mistral": transformers.MistralForCausalLM}
+HF_CLASSES = {
+    "llama": transformers.LlamaForCausalLM,
+    "llama_dynamic": transformers.LlamaForCausalLM,
+    "qwen2": transformers.Qwen2ForCausalLM,
+    "qwen3": transformers.Qwen3ForCausalLM,
+    "mistral": transformers.MistralForCausalLM,
+}
 
 
 def hf_model(family: str) -> transformers.PreTrainedModel:
@@ -86,16 +122,16 @@ def test_family_matches_transformers(family: str, batch_size: int, prepacked: bo
         assert model.prepack_linear_weights() == 4 * (projections + model.lm_head_weight().numel())
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     pool_size = batch_size * 80
-    pool = MHATokenToKVPool(pool_size, config.num_hidden_layers, config.num_key_value_heads,
-                            head_dim, torch.float32, "cpu")
+    pool = MHATokenToKVPool(
+        pool_size, config.num_hidden_layers, config.num_key_value_heads, head_dim, torch.float32, "cpu"
+    )
     # cpu: decode through the native kernel (pyserve_kernels.decode_attention)
     backend = {"torch_native": TorchNativeAttnBackend, "cpu": CpuAttnBackend}[attention](pool)
     gen = torch.Generator().manual_seed(batch_size)
     reqs = Requests((torch.randperm(pool_size, generator=gen) + 1).tolist())
     rids = list(range(batch_size))
     prompt_lens = [3 + (7 * i) % 13 for i in rids]  # ragged: 3..15
-    prompts = {r: torch.randint(3, config.vocab_size, (n,), generator=gen).tolist()
-               for r, n in zip(rids, prompt_lens)}
+    prompts = {r: torch.randint(3, config.vocab_size, (n,), generator=gen).tolist() for r, n in zip(rids, prompt_lens)}
     ours: dict[int, list[torch.Tensor]] = {r: [] for r in rids}  # logits per step
     positions: dict[int, list[int]] = {r: [] for r in rids}
 
@@ -109,7 +145,7 @@ def test_family_matches_transformers(family: str, batch_size: int, prepacked: bo
 
     # Prefill the first part of each prompt, then extend with the rest on the cached prefix.
     step(reqs.extend({r: p[: max(1, len(p) // 2)] for r, p in prompts.items()}), rids)
-    next_ids = step(reqs.extend({r: p[max(1, len(p) // 2):] for r, p in prompts.items()}), rids)
+    next_ids = step(reqs.extend({r: p[max(1, len(p) // 2) :] for r, p in prompts.items()}), rids)
     for _ in range(32):
         next_ids = step(reqs.decode(dict(zip(rids, next_ids))), rids)
     with torch.no_grad():
@@ -119,13 +155,14 @@ def test_family_matches_transformers(family: str, batch_size: int, prepacked: bo
             got = torch.stack(ours[rid])
             torch.testing.assert_close(got, ref[positions[rid]], atol=1e-4, rtol=0)
             # greedy tokens: each token we fed back is HF's argmax at the previous position
-            fed = seq[len(prompts[rid]):]
-            assert fed == ref[len(prompts[rid]) - 1: len(seq) - 1].argmax(-1).tolist()
+            fed = seq[len(prompts[rid]) :]
+            assert fed == ref[len(prompts[rid]) - 1 : len(seq) - 1].argmax(-1).tolist()
     if batch_size == 1:  # and HF's own greedy generate agrees, KV cache and all
         hf.generation_config.eos_token_id = None
-        out = hf.generate(torch.tensor([prompts[0]]), max_new_tokens=33, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)
-        assert out[0, len(prompts[0]):].tolist() == reqs.tokens[0][len(prompts[0]):] + [next_ids[0]]
+        out = hf.generate(
+            torch.tensor([prompts[0]]), max_new_tokens=33, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+        assert out[0, len(prompts[0]) :].tolist() == reqs.tokens[0][len(prompts[0]) :] + [next_ids[0]]
 
 
 def test_dynamic_rope_beyond_context_matches_transformers() -> None:
@@ -160,8 +197,11 @@ def test_unsupported_architecture_fails_at_start(tmp_path) -> None:
     config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
     config.architectures = ["GPT2LMHeadModel"]
     config.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"'GPT2LMHeadModel' is not supported; supported: LlamaForCausalLM, "
-                                         r"MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+    with pytest.raises(
+        ValueError,
+        match=r"'GPT2LMHeadModel' is not supported; supported: LlamaForCausalLM, "
+        r"MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM",
+    ):
         ModelRunner(str(tmp_path), max_total_tokens=64, load_progress=False)
 
 
@@ -176,8 +216,9 @@ def test_load_format_dummy_reads_no_weights(tmp_path) -> None:
     assert torch.equal(params["model.norm.weight"], torch.ones(COMMON["hidden_size"]))
     assert torch.equal(params["model.layers.0.self_attn.q_proj.bias"], torch.zeros(COMMON["hidden_size"]))
     again = ModelRunner(str(tmp_path), load_format="dummy", max_total_tokens=32, load_progress=False)
-    assert torch.equal(dict(again.model.named_parameters())["model.embed_tokens.weight"],
-                       params["model.embed_tokens.weight"])  # seeded: reproducible benchmarks
+    assert torch.equal(
+        dict(again.model.named_parameters())["model.embed_tokens.weight"], params["model.embed_tokens.weight"]
+    )  # seeded: reproducible benchmarks
     assert ServerArgs(load_format="dummy").load_format == "dummy"
     with pytest.raises(ServerArgsError, match="--load-format: got 'pt'; choose one of auto, dummy"):
         ServerArgs(load_format="pt")

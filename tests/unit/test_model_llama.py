@@ -7,9 +7,9 @@ import pytest
 import torch
 import transformers
 
+from pyserve.forward_batch_info import ForwardBatch, ForwardMode
 from pyserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from pyserve.mem_cache.memory_pool import MHATokenToKVPool
-from pyserve.forward_batch_info import ForwardBatch, ForwardMode
 from pyserve.model_executor.model_runner import ModelRunner
 from pyserve.models.llama import LlamaForCausalLM
 
@@ -42,9 +42,16 @@ class Requests:
             indptr.append(len(indices))
         t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
         return ForwardBatch(
-            forward_mode=ForwardMode.EXTEND, batch_size=len(new_tokens), input_ids=t(ids),
-            positions=t(pos), out_cache_loc=t(locs), seq_lens=t(seq_lens), kv_indptr=t(indptr),
-            kv_indices=t(indices), extend_prefix_lens=t(prefix_lens), extend_seq_lens=t(ext_lens),
+            forward_mode=ForwardMode.EXTEND,
+            batch_size=len(new_tokens),
+            input_ids=t(ids),
+            positions=t(pos),
+            out_cache_loc=t(locs),
+            seq_lens=t(seq_lens),
+            kv_indptr=t(indptr),
+            kv_indices=t(indices),
+            extend_prefix_lens=t(prefix_lens),
+            extend_seq_lens=t(ext_lens),
         )
 
     def decode(self, next_token: dict[int, int]) -> ForwardBatch:
@@ -57,17 +64,30 @@ class Requests:
 
 def _tiny_config(variant: str) -> transformers.LlamaConfig:
     kwargs = dict(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        rms_norm_eps=1e-5, initializer_range=0.1, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     rope = {"rope_type": "default", "rope_theta": 10000.0}
     if variant == "tied_llama3_rope":
         kwargs["tie_word_embeddings"] = True
-        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 16}
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        }
     elif variant == "head_dim_32_linear_rope":
         kwargs["head_dim"] = 32  # != hidden / heads
         rope = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
@@ -114,8 +134,9 @@ def test_tiny_llama_matches_transformers(variant: str) -> None:
     # Prefill: 3 ragged prompts (one of length 1, which takes the no-mask path).
     run_and_check(reqs.extend({0: rand_tokens(7), 1: rand_tokens(1), 2: rand_tokens(12)}), [0, 1, 2])
     # Extend on cached prefixes, mixed with a brand-new request in the same batch.
-    run_and_check(reqs.extend({0: rand_tokens(5), 1: rand_tokens(1), 3: rand_tokens(4), 2: rand_tokens(9)}),
-                  [0, 1, 3, 2])
+    run_and_check(
+        reqs.extend({0: rand_tokens(5), 1: rand_tokens(1), 3: rand_tokens(4), 2: rand_tokens(9)}), [0, 1, 3, 2]
+    )
     # Decode steps, feeding back the argmax as a real engine would.
     rids = [0, 1, 2, 3]
     next_ids = {rid: t for rid, t in zip(rids, rand_tokens(4))}

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pyserve.forward_batch_info import ForwardBatch, ForwardMode, SamplingBatchInfo
 from pyserve.layers.attention.cpu_backend import CpuAttnBackend
 from pyserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from pyserve.mem_cache.memory_pool import MHATokenToKVPool
-from pyserve.forward_batch_info import ForwardBatch, ForwardMode, SamplingBatchInfo
 from pyserve.model_executor.model_runner import ModelRunner
 from pyserve.model_loader import ModelConfig, ModelNotFoundError, resolve_dtype
 from pyserve.models.llama import LlamaForCausalLM
@@ -45,10 +45,17 @@ def test_resolve_dtype() -> None:
 
 def test_registry() -> None:
     assert get_model_class("LlamaForCausalLM") is LlamaForCausalLM
-    assert supported_architectures() == ["LlamaForCausalLM", "MistralForCausalLM",
-                                         "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
-    with pytest.raises(ValueError, match=r"'GPT2LMHeadModel' is not supported; supported: "
-                                         r"LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+    assert supported_architectures() == [
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+    ]
+    with pytest.raises(
+        ValueError,
+        match=r"'GPT2LMHeadModel' is not supported; supported: "
+        r"LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM",
+    ):
         get_model_class("GPT2LMHeadModel")
 
 
@@ -76,9 +83,18 @@ def test_pool_size_derived_and_capped_on_cpu(stories_path) -> None:
 def test_runner_forward_and_sample(stories_path) -> None:
     runner = ModelRunner(str(stories_path), max_total_tokens=64, load_progress=False)
     t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
-    batch = ForwardBatch(ForwardMode.EXTEND, 2, t([1, 403, 407, 1]), t([0, 1, 2, 0]), t([1, 2, 3, 4]),
-                         t([3, 1]), t([0, 3, 4]), t([1, 2, 3, 4]),
-                         extend_prefix_lens=t([0, 0]), extend_seq_lens=t([3, 1]))
+    batch = ForwardBatch(
+        ForwardMode.EXTEND,
+        2,
+        t([1, 403, 407, 1]),
+        t([0, 1, 2, 0]),
+        t([1, 2, 3, 4]),
+        t([3, 1]),
+        t([0, 3, 4]),
+        t([1, 2, 3, 4]),
+        extend_prefix_lens=t([0, 0]),
+        extend_seq_lens=t([3, 1]),
+    )
     logits = runner.forward(batch)
     assert logits.shape == (2, 512) and logits.dtype == torch.float32
     info = SamplingBatchInfo(torch.zeros(2), torch.ones(2), torch.full((2,), 512))
@@ -89,35 +105,53 @@ def test_runner_forward_and_sample(stories_path) -> None:
 def test_inconsistent_batch_raises() -> None:
     backend = TorchNativeAttnBackend(MHATokenToKVPool(8, 1, 1, 2, torch.float32, "cpu"))
     t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
-    batch = ForwardBatch(ForwardMode.EXTEND, 1, t([5, 6]), t([0, 1]), t([1, 2]), t([3]), t([0, 3]),
-                         t([1, 2, 3]), extend_prefix_lens=t([0]), extend_seq_lens=t([2]))
+    batch = ForwardBatch(
+        ForwardMode.EXTEND,
+        1,
+        t([5, 6]),
+        t([0, 1]),
+        t([1, 2]),
+        t([3]),
+        t([0, 3]),
+        t([1, 2, 3]),
+        extend_prefix_lens=t([0]),
+        extend_seq_lens=t([2]),
+    )
     with pytest.raises(ValueError, match="prefix 0 \\+ extend 2 != seq_len 3"):
         backend.init_forward_metadata(batch)
 
 
 def test_attention_backend_choice(stories_path, monkeypatch) -> None:
     """One registry turns --attention-backend into a backend; "auto" picks by device."""
+
     def backend(name: str, dtype: str = "float32") -> type:
-        return type(ModelRunner(str(stories_path), max_total_tokens=64, load_progress=False,
-                                dtype=dtype, attention_backend=name).attn_backend)
+        return type(
+            ModelRunner(
+                str(stories_path), max_total_tokens=64, load_progress=False, dtype=dtype, attention_backend=name
+            ).attn_backend
+        )
 
     # float32 on CPU: the native decode kernel by default
     assert backend("auto") is CpuAttnBackend
     assert backend("cpu") is CpuAttnBackend
     assert backend("torch_native") is TorchNativeAttnBackend
     assert backend("auto", "bfloat16") is TorchNativeAttnBackend
-    with pytest.raises(ValueError, match="attention backend 'cpu' cannot serve this KV pool: "
-                                         "float32 KV buffers on CPU"):
+    with pytest.raises(
+        ValueError, match="attention backend 'cpu' cannot serve this KV pool: float32 KV buffers on CPU"
+    ):
         backend("cpu", "bfloat16")
-    with pytest.raises(ValueError, match="attention backend 'flashinfer' is not supported; "
-                                         "supported: auto, torch_native, cpu, triton"):
+    with pytest.raises(
+        ValueError, match="attention backend 'flashinfer' is not supported; supported: auto, torch_native, cpu, triton"
+    ):
         backend("flashinfer")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(ValueError, match="attention backend 'triton' cannot serve this KV pool: "
-                                         "triton, and a CUDA KV pool"):
+    with pytest.raises(
+        ValueError, match="attention backend 'triton' cannot serve this KV pool: triton, and a CUDA KV pool"
+    ):
         backend("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the Triton kernels interpreted on CPU
     from pyserve.layers.attention.triton_backend import TritonAttnBackend
+
     assert backend("triton") is TritonAttnBackend
     assert backend("auto") is CpuAttnBackend  # auto never interprets on CPU
 
@@ -126,11 +160,21 @@ def prefilled_runner(stories_path, backend: str) -> ModelRunner:
     """A stories260k runner on `backend` whose pool holds two prompts: [1, 403, 407] in slots
     1-3 and [1, 22] in slots 4-5."""
     t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
-    runner = ModelRunner(str(stories_path), max_total_tokens=64, load_progress=False,
-                         attention_backend=backend)
-    runner.forward(ForwardBatch(ForwardMode.EXTEND, 2, t([1, 403, 407, 1, 22]), t([0, 1, 2, 0, 1]),
-                                t([1, 2, 3, 4, 5]), t([3, 2]), t([0, 3, 5]), t([1, 2, 3, 4, 5]),
-                                extend_prefix_lens=t([0, 0]), extend_seq_lens=t([3, 2])))
+    runner = ModelRunner(str(stories_path), max_total_tokens=64, load_progress=False, attention_backend=backend)
+    runner.forward(
+        ForwardBatch(
+            ForwardMode.EXTEND,
+            2,
+            t([1, 403, 407, 1, 22]),
+            t([0, 1, 2, 0, 1]),
+            t([1, 2, 3, 4, 5]),
+            t([3, 2]),
+            t([0, 3, 5]),
+            t([1, 2, 3, 4, 5]),
+            extend_prefix_lens=t([0, 0]),
+            extend_seq_lens=t([3, 2]),
+        )
+    )
     return runner
 
 
@@ -140,8 +184,9 @@ def test_cpu_backend_decode_matches_torch_native(stories_path) -> None:
     logits = []
     for name in ("torch_native", "cpu"):
         runner = prefilled_runner(stories_path, name)
-        decode = ForwardBatch(ForwardMode.DECODE, 2, t([261, 9]), t([3, 2]), t([6, 7]), t([4, 3]),
-                              t([0, 4, 7]), t([1, 2, 3, 6, 4, 5, 7]))
+        decode = ForwardBatch(
+            ForwardMode.DECODE, 2, t([261, 9]), t([3, 2]), t([6, 7]), t([4, 3]), t([0, 4, 7]), t([1, 2, 3, 6, 4, 5, 7])
+        )
         logits.append(runner.forward(decode))
     torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=0)
 
@@ -155,10 +200,17 @@ def test_cpu_backend_mixed_extend_matches_torch_native(stories_path) -> None:
     for name in ("torch_native", "cpu"):
         runner = prefilled_runner(stories_path, name)
         mixed = ForwardBatch(
-            ForwardMode.EXTEND, 4, t([261, 378, 274, 287, 1, 500, 20, 9, 1]), t([3, 4, 5, 6, 0, 1, 2, 2, 0]),
-            t([6, 7, 8, 9, 10, 11, 12, 13, 14]), t([7, 3, 3, 1]), t([0, 7, 10, 13, 14]),
+            ForwardMode.EXTEND,
+            4,
+            t([261, 378, 274, 287, 1, 500, 20, 9, 1]),
+            t([3, 4, 5, 6, 0, 1, 2, 2, 0]),
+            t([6, 7, 8, 9, 10, 11, 12, 13, 14]),
+            t([7, 3, 3, 1]),
+            t([0, 7, 10, 13, 14]),
             t([1, 2, 3, 6, 7, 8, 9, 10, 11, 12, 4, 5, 13, 14]),
-            extend_prefix_lens=t([3, 0, 2, 0]), extend_seq_lens=t([4, 3, 1, 1]))
+            extend_prefix_lens=t([3, 0, 2, 0]),
+            extend_seq_lens=t([4, 3, 1, 1]),
+        )
         logits.append(runner.forward(mixed))
         assert name == "torch_native" or runner.attn_backend.split is not None
     torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=0)

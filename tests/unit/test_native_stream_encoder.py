@@ -23,9 +23,18 @@ def _outputs(deltas: list[tuple[str, list[int]]], final_text: str | None = None)
         text += delta
         if last and final_text is not None:
             text = final_text
-        outs.append(GenerateOutput(
-            rid="r-1", text=text, text_delta=delta, output_ids=IdsPrefix(ids), ids_delta=list(new_ids),
-            prompt_tokens=7, cached_tokens=3, finish_reason=FinishReason.length_limit(len(ids)) if last else None))
+        outs.append(
+            GenerateOutput(
+                rid="r-1",
+                text=text,
+                text_delta=delta,
+                output_ids=IdsPrefix(ids),
+                ids_delta=list(new_ids),
+                prompt_tokens=7,
+                cached_tokens=3,
+                finish_reason=FinishReason.length_limit(len(ids)) if last else None,
+            )
+        )
     return outs
 
 
@@ -43,13 +52,17 @@ def test_events_equal_the_whole_encoding(name: str) -> None:
     outs = _outputs(CASES[name])
     events = [encode(o) for o in outs]
     assert events == [sse_event(o.to_native()) for o in outs]
-    last = orjson.loads(events[-1][len(b"data: "):]) if name != "surrogate" else None
+    last = orjson.loads(events[-1][len(b"data: ") :]) if name != "surrogate" else None
     if last is not None:
         assert last["text"] == "".join(d for d, _ in CASES[name])
         assert last["output_ids"] == [i for _, ids in CASES[name] for i in ids]
-        assert last["meta_info"] == {"id": "r-1", "finish_reason": {"type": "length", "length": len(last["output_ids"])},
-                                     "prompt_tokens": 7, "completion_tokens": len(last["output_ids"]),
-                                     "cached_tokens": 3}
+        assert last["meta_info"] == {
+            "id": "r-1",
+            "finish_reason": {"type": "length", "length": len(last["output_ids"])},
+            "prompt_tokens": 7,
+            "completion_tokens": len(last["output_ids"]),
+            "cached_tokens": 3,
+        }
 
 
 def test_a_text_cut_at_the_end_is_encoded_whole() -> None:

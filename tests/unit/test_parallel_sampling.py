@@ -34,8 +34,7 @@ def test_n_samples_share_the_prefilled_prompt(engine):
     assert all(len(o["output_ids"]) == 6 for o in outs)
     # each sample i equals a lone request seeded with sample_seed(3, i)
     for i, o in enumerate(outs):
-        lone = engine.generate("Lily and Ben went to the big green",
-                               {**sp, "n": 1, "seed": sample_seed(3, i)})
+        lone = engine.generate("Lily and Ben went to the big green", {**sp, "n": 1, "seed": sample_seed(3, i)})
         assert lone["output_ids"] == o["output_ids"]
     assert len({tuple(o["output_ids"]) for o in outs}) > 1
 
@@ -49,8 +48,7 @@ def test_n_with_a_batch_is_prompt_major(engine):
 
 
 def test_n_streamed(engine):
-    chunks = list(engine.generate("Once upon a time", {"n": 2, "temperature": 0, "max_new_tokens": 4},
-                                  stream=True))
+    chunks = list(engine.generate("Once upon a time", {"n": 2, "temperature": 0, "max_new_tokens": 4}, stream=True))
     last = {c["index"]: c for c in chunks}
     assert sorted(last) == [0, 1]
     assert last[0]["output_ids"] == last[1]["output_ids"] and len(last[0]["output_ids"]) == 4
@@ -66,14 +64,18 @@ def test_abort_while_the_shared_prompt_is_prefilled(stories_path):
     eng = make_stories_engine(stories_path, 2048, max_running_requests=1)
     try:
         long_out: list = []
-        t = threading.Thread(target=lambda: long_out.append(eng.generate(
-            "Once", {"max_new_tokens": 400, "ignore_eos": True})))
+        t = threading.Thread(
+            target=lambda: long_out.append(eng.generate("Once", {"max_new_tokens": 400, "ignore_eos": True}))
+        )
         t.start()
         while eng.get_server_info()["num_running_reqs"] == 0:
             time.sleep(0.005)
         outs: list = []
-        t2 = threading.Thread(target=lambda: outs.append(eng.generate(
-            "Ben had a", {"n": 3, "max_new_tokens": 50, "ignore_eos": True}, rid="nreq")))
+        t2 = threading.Thread(
+            target=lambda: outs.append(
+                eng.generate("Ben had a", {"n": 3, "max_new_tokens": 50, "ignore_eos": True}, rid="nreq")
+            )
+        )
         t2.start()
         while eng.get_server_info()["num_waiting_reqs"] == 0:  # the prefill waits behind "Once"
             time.sleep(0.005)

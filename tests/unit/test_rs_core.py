@@ -45,8 +45,7 @@ class Checked:
 
 
 def test_exception_hierarchy():
-    for exc in (UnknownRequestError, DuplicateRequestError, DoubleFreeError, ShapeError,
-                InvariantError):
+    for exc in (UnknownRequestError, DuplicateRequestError, DoubleFreeError, ShapeError, InvariantError):
         assert issubclass(exc, CoreError)
         assert exc.__module__ == "pyserve._rs"
     assert issubclass(CoreError, Exception)
@@ -58,15 +57,38 @@ def test_extend_and_decode_exact_arrays():
     r0, row0, p0 = c.add_req([])
     r1, row1, _ = c.add_req(np.array([], dtype=np.int32))
     a = c.prepare_extend(np.array([r0, r1]), [3, 2])
-    names = ("req_pool_indices", "prefix_lens", "extend_lens", "seq_lens", "out_cache_loc",
-             "positions", "kv_indptr", "kv_indices")
+    names = (
+        "req_pool_indices",
+        "prefix_lens",
+        "extend_lens",
+        "seq_lens",
+        "out_cache_loc",
+        "positions",
+        "kv_indptr",
+        "kv_indices",
+    )
     assert [getattr(a, n).dtype for n in names] == [np.dtype(np.int32)] * len(names)
     assert [getattr(a, n).tolist() for n in names] == [
-        [row0, row1], [0, 0], [3, 2], [3, 2], [1, 2, 3, 4, 5], [0, 1, 2, 0, 1], [0, 3, 5],
-        [1, 2, 3, 4, 5]]
+        [row0, row1],
+        [0, 0],
+        [3, 2],
+        [3, 2],
+        [1, 2, 3, 4, 5],
+        [0, 1, 2, 0, 1],
+        [0, 3, 5],
+        [1, 2, 3, 4, 5],
+    ]
     d = c.prepare_decode(np.array([r1, r0], dtype=np.int32))
     assert [getattr(d, n).tolist() for n in names] == [
-        [row1, row0], [2, 3], [1, 1], [3, 4], [6, 7], [2, 3], [], []]  # decode: O(batch), no rows
+        [row1, row0],
+        [2, 3],
+        [1, 1],
+        [3, 4],
+        [6, 7],
+        [2, 3],
+        [],
+        [],
+    ]  # decode: O(batch), no rows
     assert [getattr(d, n).dtype for n in names] == [np.dtype(np.int32)] * len(names)
     assert c.free_size() == 13
     assert c.prepare_extend([r0], [14]) is None

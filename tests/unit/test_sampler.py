@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pyserve.layers.sampler import sample, top_k_top_p_probs
 from pyserve.forward_batch_info import SamplingBatchInfo
+from pyserve.layers.sampler import sample, top_k_top_p_probs
 
 
 def _info(temps, top_ps, top_ks, generators=()) -> SamplingBatchInfo:
@@ -18,11 +18,13 @@ def _info(temps, top_ps, top_ks, generators=()) -> SamplingBatchInfo:
     )
 
 
-LOGITS = torch.tensor([
-    [0.0, 3.0, 1.0, 2.0, -1.0],
-    [5.0, 0.0, 0.0, 4.0, 0.0],
-    [0.0, 0.0, 0.0, 0.0, 9.0],
-])
+LOGITS = torch.tensor(
+    [
+        [0.0, 3.0, 1.0, 2.0, -1.0],
+        [5.0, 0.0, 0.0, 4.0, 0.0],
+        [0.0, 0.0, 0.0, 0.0, 9.0],
+    ]
+)
 
 
 def test_all_greedy_is_argmax() -> None:
@@ -132,8 +134,15 @@ def test_seeded_row_independent_of_batch() -> None:
     for _ in range(20):
         logits = torch.cat((others[:3], row, others[3:]))
         temps = [1.0, 0.0, 0.5, 0.9, 1.3, 0.0, 0.7, 2.0]
-        out = sample(logits, _info(temps, [1.0] * 3 + [0.95] + [0.8] * 4, [50] * 3 + [40] + [10] * 4,
-                                   [None, None, torch.Generator().manual_seed(1), gen] + [None] * 4))
+        out = sample(
+            logits,
+            _info(
+                temps,
+                [1.0] * 3 + [0.95] + [0.8] * 4,
+                [50] * 3 + [40] + [10] * 4,
+                [None, None, torch.Generator().manual_seed(1), gen] + [None] * 4,
+            ),
+        )
         batched.append(out[3].item())
     assert batched == alone and len(set(alone)) > 1
 

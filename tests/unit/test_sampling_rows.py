@@ -21,17 +21,32 @@ def gather(rows: SamplingRows, batch: list[int]):
 
 def test_a_reused_row_keeps_nothing_of_its_previous_request():
     rows = SamplingRows(8, VOCAB, "cpu")
-    rows.set_rows([SamplingRow(3, SamplingParams(repetition_penalty=1.3, frequency_penalty=0.5,
-                                                 presence_penalty=0.25), frozenset(),
-                               seen_ids=np.array([0, 1], dtype=np.int32))])
+    rows.set_rows(
+        [
+            SamplingRow(
+                3,
+                SamplingParams(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.25),
+                frozenset(),
+                seen_ids=np.array([0, 1], dtype=np.int32),
+            )
+        ]
+    )
     rows.record_sampled(np.array([3], dtype=np.int32), torch.tensor([3]), torch.tensor([4]))
     rows.release_rows([3])
     rows.release_rows([3])  # idempotent
     assert rows.num_live == 0
     # row 3 reused by a request without penalties, beside one (row 5) that has some
-    rows.set_rows([SamplingRow(3, SamplingParams(), frozenset()),
-                   SamplingRow(5, SamplingParams(repetition_penalty=2.0, frequency_penalty=0.1), frozenset(),
-                               seen_ids=np.array([2], dtype=np.int32))])
+    rows.set_rows(
+        [
+            SamplingRow(3, SamplingParams(), frozenset()),
+            SamplingRow(
+                5,
+                SamplingParams(repetition_penalty=2.0, frequency_penalty=0.1),
+                frozenset(),
+                seen_ids=np.array([2], dtype=np.int32),
+            ),
+        ]
+    )
     info = gather(rows, [3, 5])
     assert info.repetition_penalties.tolist() == [1.0, 2.0]
     assert info.frequency_penalties.tolist() == [0.0, 0.10000000149011612]
@@ -55,10 +70,14 @@ def test_min_new_tokens_ban_lifts_after_enough_tokens():
 
 def test_optional_parts_follow_the_live_rows_that_use_them():
     rows = SamplingRows(4, VOCAB, "cpu")
-    rows.set_rows([SamplingRow(0, SamplingParams(min_p=0.2), frozenset()),
-                   SamplingRow(1, SamplingParams(presence_penalty=0.5), frozenset()),
-                   SamplingRow(2, SamplingParams(repetition_penalty=1.5), frozenset()),
-                   SamplingRow(3, SamplingParams(), frozenset())])
+    rows.set_rows(
+        [
+            SamplingRow(0, SamplingParams(min_p=0.2), frozenset()),
+            SamplingRow(1, SamplingParams(presence_penalty=0.5), frozenset()),
+            SamplingRow(2, SamplingParams(repetition_penalty=1.5), frozenset()),
+            SamplingRow(3, SamplingParams(), frozenset()),
+        ]
+    )
     assert (rows.num_min_p, rows.num_counts, rows.num_seen) == (1, 1, 1)
     info = gather(rows, [3, 0, 1, 2])
     assert info.min_ps.tolist() == [0.0, 0.20000000298023224, 0.0, 0.0]

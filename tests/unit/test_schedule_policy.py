@@ -9,7 +9,6 @@ import random
 from collections import deque
 
 import numpy as np
-
 import pytest
 
 from pyserve.engine.schedule_batch import Req
@@ -55,8 +54,12 @@ def test_fcfs_lof_and_random(kv):
 def test_lpm_longest_cached_prefix_first(kv):
     base = list(range(100, 160))  # 60 tokens
     cache_prompt(kv, base)
-    reqs = [req("none", [7, 8, 9]), req("half", base[:30] + [1, 2]), req("all", base + [5]),
-            req("ten", base[:10] + [3])]
+    reqs = [
+        req("none", [7, 8, 9]),
+        req("half", base[:30] + [1, 2]),
+        req("all", base + [5]),
+        req("ten", base[:10] + [3]),
+    ]
     assert order("lpm", kv, reqs) == ["all", "half", "ten", "none"]
     # matching for the order changed nothing in the cache
     assert kv.match_lens([r.prefix_key() for r in reqs]).tolist() == [0, 30, 60, 10]
@@ -66,8 +69,12 @@ def test_lpm_longest_cached_prefix_first(kv):
 
 def test_lpm_puts_in_batch_twins_last(kv):
     shared = list(range(300, 340))  # 40 uncached tokens
-    reqs = [req("first", shared + [1]), req("twin", shared + [2]), req("other", [9, 9, 9]),
-            req("short-twin", shared[:20] + [3])]
+    reqs = [
+        req("first", shared + [1]),
+        req("twin", shared + [2]),
+        req("other", [9, 9, 9]),
+        req("short-twin", shared[:20] + [3]),
+    ]
     # twin shares 32+ uncached tokens with first: it goes last; a 20-token overlap is not enough
     assert order("lpm", kv, reqs) == ["first", "other", "short-twin", "twin"]
 
@@ -76,8 +83,14 @@ def test_dfs_weight_groups_by_branch(kv):
     a, b = list(range(10, 20)), list(range(50, 56))
     cache_prompt(kv, a)
     cache_prompt(kv, b)
-    reqs = [req("b1", b + [1]), req("root", [999]), req("a1", a + [1]), req("a2", a + [2]),
-            req("b2", b + [2]), req("a3", a + [3])]
+    reqs = [
+        req("b1", b + [1]),
+        req("root", [999]),
+        req("a1", a + [1]),
+        req("a2", a + [2]),
+        req("b2", b + [2]),
+        req("a3", a + [3]),
+    ]
     assert order("dfs-weight", kv, reqs) == ["root", "a1", "a2", "a3", "b1", "b2"]
 
 
@@ -107,6 +120,7 @@ def test_a_twin_waits_one_round_then_reuses_the_prompt():
         await settle()
         h.assert_no_leak()
         await h.stop()
+
     run(body())
 
 

@@ -50,6 +50,7 @@ class FakeWorker:
     def _resolve(future, done, result=None, exc=None) -> None:
         """As the worker's resolve callback: the future, then the scheduler's done hook, on
         the loop after the caller returns (the worker calls it thread-safely)."""
+
         def resolve() -> None:
             if exc is not None:
                 future.set_exception(exc)
@@ -57,6 +58,7 @@ class FakeWorker:
                 future.set_result(result)
             if done is not None:
                 done(future)
+
         asyncio.get_running_loop().call_soon(resolve)
 
     def fail_next(self, exc: Exception) -> None:
@@ -75,8 +77,9 @@ class FakeWorker:
 
 
 def treq(rid: str, ids: list[int], max_new_tokens: int = 5, stop=frozenset()) -> TokenizedGenerateReq:
-    return TokenizedGenerateReq(rid, ids, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0),
-                                frozenset(stop))
+    return TokenizedGenerateReq(
+        rid, ids, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0), frozenset(stop)
+    )
 
 
 class Harness:
@@ -84,8 +87,15 @@ class Harness:
         self.outs: list = []
         self.kv = KVCache(pool, max_running_requests=4, max_context_len=64)
         self.worker = FakeWorker(self.kv)
-        self.sched = Scheduler(self.kv, self.worker, context_len=64, max_running_requests=4,
-                               max_prefill_tokens=64, emit=self.outs.extend, overlap=overlap)
+        self.sched = Scheduler(
+            self.kv,
+            self.worker,
+            context_len=64,
+            max_running_requests=4,
+            max_prefill_tokens=64,
+            emit=self.outs.extend,
+            overlap=overlap,
+        )
 
     async def start(self) -> None:
         self.task = asyncio.ensure_future(self.sched.run())
@@ -164,6 +174,7 @@ def test_exact_plans_and_decode_inputs_from_the_token_table():
 def test_a_step_result_launches_the_next_step_in_its_own_callback():
     """The callback that resolves step N processes it and submits the next step before any
     other ready callback runs (the device is not kept waiting behind the loop's HTTP work)."""
+
     async def body():
         h = Harness()
         h.sched.add_request(treq("a", [1, 2, 3], max_new_tokens=4))
@@ -189,6 +200,7 @@ def test_the_decode_behind_a_prefill_is_planned_at_once_as_a_third_step():
     after it is planned at once (it holds no request that is in two unprocessed steps), not
     when the older step is processed. A request that stops meanwhile is still only one step
     late: one token dropped, released once."""
+
     async def body():
         h = Harness()
         h.sched.add_request(treq("a", [1, 2, 3], max_new_tokens=10, stop={99}))
@@ -200,7 +212,12 @@ def test_the_decode_behind_a_prefill_is_planned_at_once_as_a_third_step():
         assert len(h.worker.pending) == 2  # b waits for the next step boundary, as in SGLang
         await h.step([11])  # decode 1: b's prefill is planned, and right behind it decode 3
         assert [p.forward_mode for p in h.worker.plans] == [
-            ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.DECODE]
+            ForwardMode.EXTEND,
+            ForwardMode.DECODE,
+            ForwardMode.DECODE,
+            ForwardMode.EXTEND,
+            ForwardMode.DECODE,
+        ]
         assert len(h.worker.pending) == 3
         pre, dec = h.worker.plans[3], h.worker.plans[4]
         b_row = pre.req_pool_indices.tolist()
@@ -234,6 +251,7 @@ def test_the_decode_behind_a_prefill_is_planned_at_once_as_a_third_step():
 def test_stats_are_refreshed_while_idle_after_a_burst():
     """Steps drive themselves, so the pipeline empties with the task asleep: it must still
     wake for the stats line (last_gen_throughput falls to 0 once nothing is generated)."""
+
     async def body():
         h = Harness()
         h.sched.stats_interval_s = 0.05
@@ -269,8 +287,7 @@ def test_stop_token_seen_one_step_late_releases_exactly_once(overlap):
         assert [o.ids_delta for o in h.outs_of("a")] == [[99]]
         # the extra step's KV (its input, 99) was cached: prompt + output is reused
         assert h.kv.evictable_slots() == (4 if overlap else 3)
-        assert h.kv.core.match_prefix(np.array([1, 2, 3, 99, 5], dtype=np.int32))[0].shape[0] == (
-            4 if overlap else 3)
+        assert h.kv.core.match_prefix(np.array([1, 2, 3, 99, 5], dtype=np.int32))[0].shape[0] == (4 if overlap else 3)
         assert len(h.worker.plans) == (2 if overlap else 1)
         await h.stop()
 
@@ -420,10 +437,10 @@ def test_pool_full_with_a_step_in_flight_drains_then_retracts_without_waiting():
 def test_max_new_tokens_clipped_to_pool_and_context():
     h = Harness(pool=40)
     h.sched.add_request(treq("a", list(range(1, 11)), max_new_tokens=1000))
-    assert h.sched.reqs["a"].max_new_tokens == 30       # pool 40 - prompt 10
+    assert h.sched.reqs["a"].max_new_tokens == 30  # pool 40 - prompt 10
     h2 = Harness(pool=1000)
     h2.sched.add_request(treq("b", list(range(1, 11)), max_new_tokens=1000))
-    assert h2.sched.reqs["b"].max_new_tokens == 54      # context 64 - prompt 10
+    assert h2.sched.reqs["b"].max_new_tokens == 54  # context 64 - prompt 10
 
 
 def test_new_token_ratio_decays_and_decides_admission():
@@ -465,12 +482,14 @@ def test_a_request_as_large_as_the_pool_runs(page_size):
     """Prompt + max_new_tokens == the pool (which the tokenizer manager lets through): it is
     admitted and runs to the end. Admission counts whole pages exactly; it used to add
     page_size - 1 tokens to the need, so such a request waited forever with pages of 4."""
+
     async def body():
         h = Harness()
         h.kv = KVCache(40, max_running_requests=4, max_context_len=64, page_size=page_size)
         h.worker = FakeWorker(h.kv)
-        h.sched = Scheduler(h.kv, h.worker, context_len=64, max_running_requests=4,
-                            max_prefill_tokens=64, emit=h.outs.extend)
+        h.sched = Scheduler(
+            h.kv, h.worker, context_len=64, max_running_requests=4, max_prefill_tokens=64, emit=h.outs.extend
+        )
         h.sched.add_request(treq("a", list(range(1, 11)), max_new_tokens=30))
         await h.start()
         while h.worker.pending:

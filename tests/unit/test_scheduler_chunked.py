@@ -21,16 +21,27 @@ class ChunkHarness(Harness):
         self.outs = []
         self.kv = KVCache(POOL, max_running_requests=4, max_context_len=64, page_size=page_size)
         self.worker = FakeWorker(self.kv)
-        self.sched = Scheduler(self.kv, self.worker, context_len=64, max_running_requests=4,
-                               max_prefill_tokens=64, emit=self.outs.extend, overlap=overlap,
-                               chunked_prefill_size=chunk)
+        self.sched = Scheduler(
+            self.kv,
+            self.worker,
+            context_len=64,
+            max_running_requests=4,
+            max_prefill_tokens=64,
+            emit=self.outs.extend,
+            overlap=overlap,
+            chunked_prefill_size=chunk,
+        )
 
 
 def shape(plan):
     """(mode, rows' seq_lens, positions, input ids or None, rows starting sampling)."""
-    return (plan.forward_mode.name, plan.seq_lens.tolist(), plan.positions.tolist(),
-            None if plan.input_ids is None else plan.input_ids.tolist(),
-            [r.req_pool_idx for r in plan.new_sampling_rows])
+    return (
+        plan.forward_mode.name,
+        plan.seq_lens.tolist(),
+        plan.positions.tolist(),
+        None if plan.input_ids is None else plan.input_ids.tolist(),
+        [r.req_pool_idx for r in plan.new_sampling_rows],
+    )
 
 
 def test_chunk_boundaries_and_turns_with_decode():
@@ -74,6 +85,7 @@ def test_chunk_boundaries_and_turns_with_decode():
         await settle()
         h.assert_no_leak()
         await h.stop()
+
     run(body())
 
 
@@ -86,13 +98,22 @@ def test_overlap_plans_the_same_chunks():
         for ids in ([10, 99], [11], [98], [12], [50], [13, 51], [14], [15]):
             await h.step(ids)
         modes = [(p.forward_mode.name, p.seq_lens.tolist()) for p in h.worker.plans]
-        assert modes == [("EXTEND", [3, 5]), ("DECODE", [4]), ("EXTEND", [13]), ("DECODE", [5]),
-                         ("EXTEND", [20]), ("DECODE", [6, 21]), ("DECODE", [7]), ("DECODE", [8])]
+        assert modes == [
+            ("EXTEND", [3, 5]),
+            ("DECODE", [4]),
+            ("EXTEND", [13]),
+            ("DECODE", [5]),
+            ("EXTEND", [20]),
+            ("DECODE", [6, 21]),
+            ("DECODE", [7]),
+            ("DECODE", [8]),
+        ]
         assert [o.ids_delta for o in h.outs_of("long")] == [[50], [51]]
         assert [t for o in h.outs_of("r") for t in o.ids_delta] == [10, 11, 12, 13, 14, 15]
         await settle()
         h.assert_no_leak()
         await h.stop()
+
     run(body())
 
 
@@ -120,6 +141,7 @@ def test_a_request_arriving_meanwhile_reuses_the_chunks():
         await settle()
         h.assert_no_leak()
         await h.stop()
+
     run(body())
 
 
@@ -137,6 +159,7 @@ def test_abort_mid_prefill_frees_everything():
         await settle()
         h.assert_no_leak()
         await h.stop()
+
     run(body())
 
 
@@ -144,8 +167,9 @@ def test_prompt_logprob_requests_are_not_chunked():
     async def body():
         h = ChunkHarness()
         sp = SamplingParams(max_new_tokens=1, temperature=0.0)
-        h.sched.add_request(TokenizedGenerateReq("lp", LONG, sp, frozenset(),
-                                                 LogprobParams(return_logprob=True, logprob_start_len=0)))
+        h.sched.add_request(
+            TokenizedGenerateReq("lp", LONG, sp, frozenset(), LogprobParams(return_logprob=True, logprob_start_len=0))
+        )
         await h.start()
         assert h.worker.plans[0].seq_lens.tolist() == [20]  # one extend, past the chunk size
         h.worker.run_next([5])
@@ -153,6 +177,7 @@ def test_prompt_logprob_requests_are_not_chunked():
         assert [o.ids_delta for o in h.outs] == [[5]]
         h.assert_no_leak()
         await h.stop()
+
     run(body())
 
 
@@ -164,13 +189,17 @@ def test_page_aligned_chunks():
         # chunks end on page boundaries: 8 (of a budget of 10), 16, then the last 4
         for ids in ([99], [98], [50]):
             await h.step(ids)
-        assert [(p.prefix_lens.tolist(), p.extend_lens.tolist()) for p in h.worker.plans] == \
-            [([0], [8]), ([8], [8]), ([16], [4])]
+        assert [(p.prefix_lens.tolist(), p.extend_lens.tolist()) for p in h.worker.plans] == [
+            ([0], [8]),
+            ([8], [8]),
+            ([16], [4]),
+        ]
         assert [o.ids_delta for o in h.outs] == [[50]]
         await settle()
         h.kv.core.check_integrity()
         assert h.kv.num_reqs() == 0 and h.worker.num_live_sampling_rows == 0
         await h.stop()
+
     run(body())
 
 
@@ -209,6 +238,7 @@ def test_mixed_chunk_carries_the_decodes_in_each_prefill_step():
         await settle()
         h.assert_no_leak()
         await h.stop()
+
     run(body())
 
 
@@ -217,13 +247,24 @@ def test_a_full_pool_sends_the_chunked_prompt_back_not_the_running_request():
     decode step after a chunk finds no slot, and the chunked request (no output yet, holding
     its chunks) goes back to wait; the running request is not cut short. (Found in review:
     it used to end the lone running request with reason length.)"""
+
     async def body():
         h = ChunkHarness(chunk=8)
         h.kv = KVCache(40, max_running_requests=4, max_context_len=64)
         h.worker = FakeWorker(h.kv)
         from pyserve.engine.scheduler import Scheduler as S
-        h.sched = S(h.kv, h.worker, context_len=64, max_running_requests=4, max_prefill_tokens=64,
-                    emit=h.outs.extend, overlap=False, chunked_prefill_size=8, schedule_conservativeness=0.01)
+
+        h.sched = S(
+            h.kv,
+            h.worker,
+            context_len=64,
+            max_running_requests=4,
+            max_prefill_tokens=64,
+            emit=h.outs.extend,
+            overlap=False,
+            chunked_prefill_size=8,
+            schedule_conservativeness=0.01,
+        )
         h.sched.add_request(treq("A", [1, 2, 3], max_new_tokens=30))
         await h.start()
         await h.step([10])
@@ -239,4 +280,5 @@ def test_a_full_pool_sends_the_chunked_prompt_back_not_the_running_request():
         h.kv.core.check_integrity()
         assert h.kv.free_slots() + h.kv.evictable_slots() == 40 and h.worker.num_live_sampling_rows == 0
         await h.stop()
+
     run(body())

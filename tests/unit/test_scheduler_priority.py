@@ -60,6 +60,7 @@ def admission_order(low_first: bool) -> list[list[str]]:
         h.assert_no_leak()
         await h.stop()
         return [[rid for rid, _ in batch] for batch in h.extends]
+
     return asyncio.run(body())
 
 
@@ -84,22 +85,29 @@ def test_an_urgent_request_preempts_the_least_urgent_newest_running_one():
         # run3 resumed from its cached tokens (prompt + outputs so far): one token re-prefilled
         # priority order at the start (run2 first); mild (sharing urgent's cached [7, 8]) and
         # then run3 join as rows free up; run3 re-prefills one token: the rest was cached
-        assert h.extends == [[("run2", 3), ("run0", 3), ("run1", 3), ("run3", 3)], [("urgent", 3)],
-                             [("mild", 1)], [("run3", 1)]]
-        outs = {rid: [t for o in h.outs_of(rid) for t in o.ids_delta]
-                for rid in ("run0", "run1", "run2", "run3", "urgent", "mild")}
+        assert h.extends == [
+            [("run2", 3), ("run0", 3), ("run1", 3), ("run3", 3)],
+            [("urgent", 3)],
+            [("mild", 1)],
+            [("run3", 1)],
+        ]
+        outs = {
+            rid: [t for o in h.outs_of(rid) for t in o.ids_delta]
+            for rid in ("run0", "run1", "run2", "run3", "urgent", "mild")
+        }
         assert [len(outs[f"run{k}"]) for k in range(4)] == [8, 8, 8, 8]
         assert len(outs["urgent"]) == 2 and len(outs["mild"]) == 2
         await settle()
         h.assert_no_leak()
         await h.stop()
+
     asyncio.run(body())
 
 
 def test_a_request_without_priority_is_the_least_urgent():
     h = PriorityHarness()
-    assert h.sched.priority_of(None) == -(2 ** 63) and h.sched.priority_of(3) == 3
+    assert h.sched.priority_of(None) == -(2**63) and h.sched.priority_of(3) == 3
     h.sched.low_priority_values_first = True
-    assert h.sched.priority_of(None) == 2 ** 63 - 1
+    assert h.sched.priority_of(None) == 2**63 - 1
     h.sched.enable_priority_scheduling = False
     assert h.sched.priority_of(7) == 0  # off: every request is equal

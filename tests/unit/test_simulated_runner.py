@@ -26,8 +26,16 @@ class _Batch:
 
 
 def test_step_times_ids_and_busy_accounting():
-    runner = SimulatedRunner(vocab_size=6, eos_token_ids={2}, max_total_tokens=64, context_len=32,
-                             extend_us_per_token=100.0, decode_base_ms=300.0, decode_us_per_req=500.0, seed=7)
+    runner = SimulatedRunner(
+        vocab_size=6,
+        eos_token_ids={2},
+        max_total_tokens=64,
+        context_len=32,
+        extend_us_per_token=100.0,
+        decode_base_ms=300.0,
+        decode_us_per_req=500.0,
+        seed=7,
+    )
     extend, decode = _Batch(ForwardMode.EXTEND, 2, 40), _Batch(ForwardMode.DECODE, 4, 4)
     assert runner.step_time_s(extend) == 40 * 100e-6
     assert runner.step_time_s(decode) == 300e-3 + 4 * 500e-6
@@ -53,7 +61,7 @@ def test_ids_come_from_one_seeded_stream_that_wraps_around():
     step = _Batch(ForwardMode.DECODE, 1000, 1000)
     ids = torch.cat([runner.sample_next(None, step)[0] for _ in range(1050)])  # past 2^20 ids
     stream_len = 1 << 20
-    assert torch.equal(ids[stream_len:], ids[:ids.shape[0] - stream_len])  # the stream again
+    assert torch.equal(ids[stream_len:], ids[: ids.shape[0] - stream_len])  # the stream again
     assert 7 not in set(ids[:stream_len].tolist()) and len(set(ids[:stream_len].tolist())) == 49
     ids_, failed = runner.sample_next(None, _Batch(ForwardMode.DECODE, 3, 3))
     assert failed.tolist() == [False] * 3 and ids_.dtype == torch.int64
@@ -61,15 +69,39 @@ def test_ids_come_from_one_seeded_stream_that_wraps_around():
 
 def test_bench_host_small_run(tmp_path, stories_path):
     out = tmp_path / "host.jsonl"
-    proc = subprocess.run([
-        sys.executable, "-m", "pyserve", "bench", "host", "--model-path", str(stories_path),
-        "--clients", "3", "--decode-step-ms", "2", "--input-len", "16", "--output-len", "8",
-        "--backend", "pyserve", "openai", "--output-file", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pyserve",
+            "bench",
+            "host",
+            "--model-path",
+            str(stories_path),
+            "--clients",
+            "3",
+            "--decode-step-ms",
+            "2",
+            "--input-len",
+            "16",
+            "--output-len",
+            "8",
+            "--backend",
+            "pyserve",
+            "openai",
+            "--output-file",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["clients"], r["stream"], r["overlap"], r["backend"]) for r in rows] == [
-        (3, s, o, b) for s in (True, False) for o in (True, False) for b in ("pyserve", "openai")]
+        (3, s, o, b) for s in (True, False) for o in (True, False) for b in ("pyserve", "openai")
+    ]
     for r in rows:
         assert r["completed"] == r["requests"] == r["clients"] and r["failed"] == 0
         # one prefill step and 7 decode steps at least (the first token comes from the prefill)
@@ -120,15 +152,20 @@ def test_submit_returns_once_the_worker_launched_the_step():
     from pyserve.engine.worker import ModelWorker
     from pyserve.forward_batch_info import StepPlan
 
-    runner = SimulatedRunner(vocab_size=50, eos_token_ids=set(), max_total_tokens=64, context_len=16,
-                             decode_base_ms=50.0, seed=3)
+    runner = SimulatedRunner(
+        vocab_size=50, eos_token_ids=set(), max_total_tokens=64, context_len=16, decode_base_ms=50.0, seed=3
+    )
     worker = ModelWorker(runner, num_rows=4, row_width=16, vocab_size=50)
     rows = np.array([1, 2], dtype=np.int32)
 
     def plan(position: int) -> StepPlan:
-        return StepPlan(ForwardMode.DECODE, req_pool_indices=rows, seq_lens=np.full(2, position + 1, np.int32),
-                        positions=np.full(2, position, np.int32),
-                        out_cache_loc=np.array([2 * position + 1, 2 * position + 2], np.int32))
+        return StepPlan(
+            ForwardMode.DECODE,
+            req_pool_indices=rows,
+            seq_lens=np.full(2, position + 1, np.int32),
+            positions=np.full(2, position, np.int32),
+            out_cache_loc=np.array([2 * position + 1, 2 * position + 2], np.int32),
+        )
 
     async def body() -> None:
         done = []

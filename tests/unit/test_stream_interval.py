@@ -35,8 +35,12 @@ def test_a_sink_stream_left_by_its_client_leaves_nothing_behind(engine):
 
     core = engine.core
     tm = core.tokenizer_manager
-    req = GenerateReqInput(text="Once upon a time", stream=True, rid="left", sampling_params={
-        "temperature": 0, "max_new_tokens": 200, "ignore_eos": True}).split()[0]
+    req = GenerateReqInput(
+        text="Once upon a time",
+        stream=True,
+        rid="left",
+        sampling_params={"temperature": 0, "max_new_tokens": 200, "ignore_eos": True},
+    ).split()[0]
     got: list = []
 
     async def run() -> None:

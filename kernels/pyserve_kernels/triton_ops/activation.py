@@ -16,8 +16,13 @@ _MAX_BLOCK = 1024
 
 @triton.jit
 def _silu_and_mul_kernel(
-    x_ptr, out_ptr, intermediate,
-    x_s0, x_s1, out_s0, out_s1,
+    x_ptr,
+    out_ptr,
+    intermediate,
+    x_s0,
+    x_s1,
+    out_s0,
+    out_s1,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -30,8 +35,7 @@ def _silu_and_mul_kernel(
     # Rounded to the input dtype before the multiply, as the reference's
     # `silu(gate) * up` rounds silu's result (a no-op for float32).
     silu = silu.to(x_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * out_s0 + cols * out_s1, (silu * up).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    tl.store(out_ptr + row * out_s0 + cols * out_s1, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -41,8 +45,10 @@ def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
     try:
         return t.view(-1, t.shape[-1])
     except RuntimeError:
-        raise ValueError(f"silu_and_mul: {name} {tuple(t.shape)} with strides {t.stride()} "
-                         "cannot be viewed as [rows, cols] without a copy") from None
+        raise ValueError(
+            f"silu_and_mul: {name} {tuple(t.shape)} with strides {t.stride()} "
+            "cannot be viewed as [rows, cols] without a copy"
+        ) from None
 
 
 def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -61,26 +67,31 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     if out is not None and out.device != x.device:
         raise ValueError(f"silu_and_mul: x on {x.device}, out on {out.device}")
     if x.device.type != "cuda" and isinstance(_silu_and_mul_kernel, triton.runtime.JITFunction):
-        raise ValueError(f"silu_and_mul: x on {x.device}; the Triton kernel needs CUDA tensors "
-                         "(CPU tensors only under TRITON_INTERPRET=1)")
+        raise ValueError(
+            f"silu_and_mul: x on {x.device}; the Triton kernel needs CUDA tensors "
+            "(CPU tensors only under TRITON_INTERPRET=1)"
+        )
     if x.dtype not in _DTYPES:
         raise ValueError(f"silu_and_mul: x must be float32, float16 or bfloat16, got {x.dtype}")
     if x.dim() < 1 or x.shape[-1] % 2:
-        raise ValueError(f"silu_and_mul: last dim of x {tuple(x.shape)} must be even "
-                         "(gate then up)")
+        raise ValueError(f"silu_and_mul: last dim of x {tuple(x.shape)} must be even (gate then up)")
     intermediate = x.shape[-1] // 2
     out_shape = (*x.shape[:-1], intermediate)
     if out is None:
         out = x.new_empty(out_shape)
     elif out.shape != out_shape or out.dtype != x.dtype:
-        raise ValueError(f"silu_and_mul: out {tuple(out.shape)} {out.dtype}, want "
-                         f"{out_shape} {x.dtype}")
+        raise ValueError(f"silu_and_mul: out {tuple(out.shape)} {out.dtype}, want {out_shape} {x.dtype}")
     x2, out2 = _rows(x, "x"), _rows(out, "out")
     if x2.shape[0] == 0 or intermediate == 0:
         return out
     block = min(triton.next_power_of_2(intermediate), _MAX_BLOCK)
     grid = (x2.shape[0], triton.cdiv(intermediate, block))
     _silu_and_mul_kernel[grid](
-        x2, out2, intermediate, *x2.stride(), *out2.stride(), BLOCK=block,
+        x2,
+        out2,
+        intermediate,
+        *x2.stride(),
+        *out2.stride(),
+        BLOCK=block,
     )
     return out

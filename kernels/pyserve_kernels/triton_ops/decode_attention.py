@@ -25,12 +25,33 @@ _BLOCK_N = 32
 
 @triton.jit
 def _decode_stage1_kernel(
-    q_ptr, k_ptr, v_ptr, req_to_token_ptr, req_pool_indices_ptr, seq_lens_ptr, mid_ptr,
-    scaling, window, head_dim,
-    stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_row,
-    stride_mb, stride_mh, stride_ms,
-    GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    DOT_FP32: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    req_to_token_ptr,
+    req_pool_indices_ptr,
+    seq_lens_ptr,
+    mid_ptr,
+    scaling,
+    window,
+    head_dim,
+    stride_qb,
+    stride_qh,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_row,
+    stride_mb,
+    stride_mh,
+    stride_ms,
+    GROUP: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     # One program: request b, the GROUP query heads of KV head kvh, one split of the keys.
     b = tl.program_id(0)
@@ -51,8 +72,11 @@ def _decode_stage1_kernel(
     heads = kvh * GROUP + h_idx
     d_offs = tl.arange(0, BLOCK_D)
     d_mask = d_offs < head_dim
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d_offs[None, :],
-                mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + d_offs[None, :],
+        mask=h_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     if DOT_FP32:
         q = q.to(tl.float32)
 
@@ -62,8 +86,22 @@ def _decode_stage1_kernel(
     for start in range(split_start, split_end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         n_mask = pos < split_end
-        k, v = load_kv_tile(k_ptr, v_ptr, req_to_token_ptr, row, stride_row, pos, n_mask, kvh,
-                            stride_kn, stride_kh, stride_vn, stride_vh, d_offs, d_mask)
+        k, v = load_kv_tile(
+            k_ptr,
+            v_ptr,
+            req_to_token_ptr,
+            row,
+            stride_row,
+            pos,
+            n_mask,
+            kvh,
+            stride_kn,
+            stride_kh,
+            stride_vn,
+            stride_vh,
+            d_offs,
+            d_mask,
+        )
         s = tl.where(n_mask[None, :], tile_scores(q, k, DOT_FP32) * scaling, float("-inf"))
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_FP32)
 
@@ -72,16 +110,23 @@ def _decode_stage1_kernel(
     l_safe = tl.where(nonempty, l_i, 1.0)
     lse = tl.where(nonempty, m_i + tl.log(l_safe), float("-inf"))
     mid = mid_ptr + b * stride_mb + heads * stride_mh + split * stride_ms
-    tl.store(mid[:, None] + d_offs[None, :], acc / l_safe[:, None],
-             mask=h_mask[:, None] & d_mask[None, :])
+    tl.store(mid[:, None] + d_offs[None, :], acc / l_safe[:, None], mask=h_mask[:, None] & d_mask[None, :])
     tl.store(mid + head_dim, lse, mask=h_mask)
 
 
 @triton.jit
 def _decode_stage2_kernel(
-    mid_ptr, out_ptr, head_dim,
-    stride_mb, stride_mh, stride_ms, stride_ob, stride_oh,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    mid_ptr,
+    out_ptr,
+    head_dim,
+    stride_mb,
+    stride_mh,
+    stride_ms,
+    stride_ob,
+    stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -97,19 +142,23 @@ def _decode_stage2_kernel(
     o = tl.load(mid[:, None] + d_offs[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
     total = tl.sum(w, 0)
     res = tl.sum(w[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + d_offs,
-             res.to(out_ptr.dtype.element_ty), mask=d_mask)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d_offs, res.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 def is_host_int(value: object, minimum: int) -> bool:
     """True for a host integer (Python or numpy, not bool, not a tensor) >= minimum."""
-    return (isinstance(value, numbers.Integral) and not isinstance(value, bool)
-            and int(value) >= minimum)
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= minimum
 
 
-def check_paged_kv(name: str, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
-                   req_to_token: torch.Tensor, indices: dict[str, torch.Tensor],
-                   sliding_window: int | None) -> int:
+def check_paged_kv(
+    name: str,
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    indices: dict[str, torch.Tensor],
+    sliding_window: int | None,
+) -> int:
     """Shared argument checks of the paged attention launchers; returns the GQA group size.
 
     Raises ValueError naming `name` when q is not 3-D, the buffers' shapes, dtypes or devices
@@ -122,8 +171,7 @@ def check_paged_kv(name: str, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer:
         raise ValueError(f"{name}: q must be floating point, got {q.dtype}")
     for label, buf in (("k_buffer", k_buffer), ("v_buffer", v_buffer)):
         if buf.dim() != 3:
-            raise ValueError(f"{name}: {label} must be 3-D [num_slots, num_kv_heads, head_dim], "
-                             f"got {tuple(buf.shape)}")
+            raise ValueError(f"{name}: {label} must be 3-D [num_slots, num_kv_heads, head_dim], got {tuple(buf.shape)}")
         if buf.dtype != q.dtype:
             raise ValueError(f"{name}: {label} dtype {buf.dtype} != q dtype {q.dtype}")
         if buf.device != q.device:
@@ -141,8 +189,7 @@ def check_paged_kv(name: str, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer:
     if q.stride(-1) != 1:
         raise ValueError(f"{name}: q must be contiguous in head_dim")
     if req_to_token.dim() != 2:
-        raise ValueError(f"{name}: req_to_token must be 2-D [num_rows, max_context], "
-                         f"got {tuple(req_to_token.shape)}")
+        raise ValueError(f"{name}: req_to_token must be 2-D [num_rows, max_context], got {tuple(req_to_token.shape)}")
     for label, t in (("req_to_token", req_to_token), *indices.items()):
         if t.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name}: {label} must be int32 or int64, got {t.dtype}")
@@ -162,21 +209,26 @@ def check_out(name: str, out: torch.Tensor | None, q: torch.Tensor) -> torch.Ten
     if out is None:
         return torch.empty_like(q)
     if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
-        raise ValueError(f"{name}: out must be {tuple(q.shape)} {q.dtype} on {q.device}, "
-                         f"got {tuple(out.shape)} {out.dtype} on {out.device}")
+        raise ValueError(
+            f"{name}: out must be {tuple(q.shape)} {q.dtype} on {q.device}, "
+            f"got {tuple(out.shape)} {out.dtype} on {out.device}"
+        )
     if out.stride(-1) != 1:
         raise ValueError(f"{name}: out must be contiguous in head_dim")
     return out
 
 
-def decode_workspace(batch: int, num_heads: int, head_dim: int,
-                     num_kv_splits: int = DEFAULT_NUM_KV_SPLITS,
-                     device: torch.device | str = "cuda") -> torch.Tensor:
+def decode_workspace(
+    batch: int,
+    num_heads: int,
+    head_dim: int,
+    num_kv_splits: int = DEFAULT_NUM_KV_SPLITS,
+    device: torch.device | str = "cuda",
+) -> torch.Tensor:
     """A float32 workspace for `decode_attention_fwd`: [batch, num_heads, num_kv_splits,
     head_dim + 1] (each split's partial output, then its log-sum-exp). Allocate it once for the
     largest captured batch to replay decode in a CUDA graph."""
-    return torch.empty(batch, num_heads, num_kv_splits, head_dim + 1,
-                       dtype=torch.float32, device=device)
+    return torch.empty(batch, num_heads, num_kv_splits, head_dim + 1, dtype=torch.float32, device=device)
 
 
 def decode_attention_fwd(
@@ -212,13 +264,21 @@ def decode_attention_fwd(
     Raises ValueError on bad shapes, dtypes, devices or arguments (see `check_paged_kv`).
     """
     name = "decode_attention_fwd"
-    group = check_paged_kv(name, q, k_buffer, v_buffer, req_to_token,
-                           {"req_pool_indices": req_pool_indices, "seq_lens": seq_lens},
-                           sliding_window)
+    group = check_paged_kv(
+        name,
+        q,
+        k_buffer,
+        v_buffer,
+        req_to_token,
+        {"req_pool_indices": req_pool_indices, "seq_lens": seq_lens},
+        sliding_window,
+    )
     batch, num_heads, head_dim = q.shape
     if req_pool_indices.shape[0] != batch or seq_lens.shape[0] != batch:
-        raise ValueError(f"{name}: req_pool_indices {tuple(req_pool_indices.shape)} and seq_lens "
-                         f"{tuple(seq_lens.shape)} must both be [{batch}]")
+        raise ValueError(
+            f"{name}: req_pool_indices {tuple(req_pool_indices.shape)} and seq_lens "
+            f"{tuple(seq_lens.shape)} must both be [{batch}]"
+        )
     if num_kv_splits is None:
         num_kv_splits = DEFAULT_NUM_KV_SPLITS
     if not is_host_int(num_kv_splits, minimum=1):
@@ -227,13 +287,19 @@ def decode_attention_fwd(
     out = check_out(name, out, q)
     if workspace is None:
         workspace = decode_workspace(batch, num_heads, head_dim, num_kv_splits, q.device)
-    elif (workspace.dim() != 4 or workspace.shape[0] < batch
-          or tuple(workspace.shape[1:]) != (num_heads, num_kv_splits, head_dim + 1)
-          or workspace.dtype != torch.float32 or workspace.device != q.device
-          or workspace.stride(-1) != 1):
-        raise ValueError(f"{name}: workspace must be float32 [>={batch}, {num_heads}, "
-                         f"{num_kv_splits}, {head_dim + 1}] on {q.device}, got "
-                         f"{tuple(workspace.shape)} {workspace.dtype} on {workspace.device}")
+    elif (
+        workspace.dim() != 4
+        or workspace.shape[0] < batch
+        or tuple(workspace.shape[1:]) != (num_heads, num_kv_splits, head_dim + 1)
+        or workspace.dtype != torch.float32
+        or workspace.device != q.device
+        or workspace.stride(-1) != 1
+    ):
+        raise ValueError(
+            f"{name}: workspace must be float32 [>={batch}, {num_heads}, "
+            f"{num_kv_splits}, {head_dim + 1}] on {q.device}, got "
+            f"{tuple(workspace.shape)} {workspace.dtype} on {workspace.device}"
+        )
     if batch == 0:
         return out
 
@@ -244,17 +310,45 @@ def decode_attention_fwd(
     # Off CUDA (the interpreter) low-precision tl.dot is unreliable, so dot in float32 there.
     dot_fp32 = q.dtype == torch.float32 or q.device.type != "cuda"
     _decode_stage1_kernel[(batch, num_kv_heads, num_kv_splits)](
-        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, workspace,
-        float(scaling), int(sliding_window or 0), head_dim,
-        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
-        v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
-        workspace.stride(0), workspace.stride(1), workspace.stride(2),
-        GROUP=group, NUM_SPLITS=num_kv_splits, HAS_WINDOW=sliding_window is not None,
-        DOT_FP32=dot_fp32, BLOCK_H=block_h, BLOCK_N=_BLOCK_N, BLOCK_D=block_d,
+        q,
+        k_buffer,
+        v_buffer,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        workspace,
+        float(scaling),
+        int(sliding_window or 0),
+        head_dim,
+        q.stride(0),
+        q.stride(1),
+        k_buffer.stride(0),
+        k_buffer.stride(1),
+        v_buffer.stride(0),
+        v_buffer.stride(1),
+        req_to_token.stride(0),
+        workspace.stride(0),
+        workspace.stride(1),
+        workspace.stride(2),
+        GROUP=group,
+        NUM_SPLITS=num_kv_splits,
+        HAS_WINDOW=sliding_window is not None,
+        DOT_FP32=dot_fp32,
+        BLOCK_H=block_h,
+        BLOCK_N=_BLOCK_N,
+        BLOCK_D=block_d,
     )
     _decode_stage2_kernel[(batch, num_heads)](
-        workspace, out, head_dim,
-        workspace.stride(0), workspace.stride(1), workspace.stride(2), out.stride(0), out.stride(1),
-        NUM_SPLITS=num_kv_splits, BLOCK_S=triton.next_power_of_2(num_kv_splits), BLOCK_D=block_d,
+        workspace,
+        out,
+        head_dim,
+        workspace.stride(0),
+        workspace.stride(1),
+        workspace.stride(2),
+        out.stride(0),
+        out.stride(1),
+        NUM_SPLITS=num_kv_splits,
+        BLOCK_S=triton.next_power_of_2(num_kv_splits),
+        BLOCK_D=block_d,
     )
     return out

@@ -14,20 +14,39 @@ import torch
 import triton
 import triton.language as tl
 
-from pyserve_kernels.triton_ops.decode_attention import (check_out, check_paged_kv,
-                                                        is_host_int)
+from pyserve_kernels.triton_ops.decode_attention import check_out, check_paged_kv, is_host_int
 from pyserve_kernels.triton_ops.paged_kv import load_kv_tile, online_softmax_step, tile_scores
 
 
 @triton.jit
 def _extend_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, req_to_token_ptr, req_pool_indices_ptr,
-    prefix_lens_ptr, extend_lens_ptr, qo_indptr_ptr,
-    scaling, window, head_dim,
-    stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    req_to_token_ptr,
+    req_pool_indices_ptr,
+    prefix_lens_ptr,
+    extend_lens_ptr,
+    qo_indptr_ptr,
+    scaling,
+    window,
+    head_dim,
+    stride_qt,
+    stride_qh,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_ot,
+    stride_oh,
     stride_row,
-    GROUP: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     # One program: request b, query head h, the BLOCK_M new tokens of tile mb.
     b = tl.program_id(0)
@@ -47,8 +66,11 @@ def _extend_kernel(
     d_offs = tl.arange(0, BLOCK_D)
     d_mask = d_offs < head_dim
     q_rows = qo_start + m_offs
-    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + h * stride_qh + d_offs[None, :],
-                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + q_rows[:, None] * stride_qt + h * stride_qh + d_offs[None, :],
+        mask=m_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     if DOT_FP32:
         q = q.to(tl.float32)
 
@@ -64,8 +86,22 @@ def _extend_kernel(
     for start in range(kv_start, kv_end, BLOCK_N):
         k_pos = start + tl.arange(0, BLOCK_N)
         n_mask = k_pos < kv_end
-        k, v = load_kv_tile(k_ptr, v_ptr, req_to_token_ptr, row, stride_row, k_pos, n_mask, kvh,
-                            stride_kn, stride_kh, stride_vn, stride_vh, d_offs, d_mask)
+        k, v = load_kv_tile(
+            k_ptr,
+            v_ptr,
+            req_to_token_ptr,
+            row,
+            stride_row,
+            k_pos,
+            n_mask,
+            kvh,
+            stride_kn,
+            stride_kh,
+            stride_vn,
+            stride_vh,
+            d_offs,
+            d_mask,
+        )
         s = tile_scores(q, k, DOT_FP32)
         allowed = n_mask[None, :] & (k_pos[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
@@ -75,8 +111,11 @@ def _extend_kernel(
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_FP32)
 
     res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + q_rows[:, None] * stride_ot + h * stride_oh + d_offs[None, :],
-             res.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+    tl.store(
+        out_ptr + q_rows[:, None] * stride_ot + h * stride_oh + d_offs[None, :],
+        res.to(out_ptr.dtype.element_ty),
+        mask=m_mask[:, None] & d_mask[None, :],
+    )
 
 
 def extend_attention_fwd(
@@ -111,14 +150,26 @@ def extend_attention_fwd(
     Raises ValueError on bad shapes, dtypes, devices or arguments.
     """
     name = "extend_attention_fwd"
-    group = check_paged_kv(name, q, k_buffer, v_buffer, req_to_token,
-                           {"req_pool_indices": req_pool_indices, "prefix_lens": prefix_lens,
-                            "extend_lens": extend_lens, "qo_indptr": qo_indptr},
-                           sliding_window)
+    group = check_paged_kv(
+        name,
+        q,
+        k_buffer,
+        v_buffer,
+        req_to_token,
+        {
+            "req_pool_indices": req_pool_indices,
+            "prefix_lens": prefix_lens,
+            "extend_lens": extend_lens,
+            "qo_indptr": qo_indptr,
+        },
+        sliding_window,
+    )
     batch = req_pool_indices.shape[0]
     if prefix_lens.shape[0] != batch or extend_lens.shape[0] != batch:
-        raise ValueError(f"{name}: prefix_lens {tuple(prefix_lens.shape)} and extend_lens "
-                         f"{tuple(extend_lens.shape)} must both be [{batch}] like req_pool_indices")
+        raise ValueError(
+            f"{name}: prefix_lens {tuple(prefix_lens.shape)} and extend_lens "
+            f"{tuple(extend_lens.shape)} must both be [{batch}] like req_pool_indices"
+        )
     if qo_indptr.shape[0] != batch + 1:
         raise ValueError(f"{name}: qo_indptr must be [{batch + 1}], got {tuple(qo_indptr.shape)}")
     if not is_host_int(max_extend_len, minimum=0):
@@ -136,13 +187,32 @@ def extend_attention_fwd(
     dot_fp32 = q.dtype == torch.float32 or q.device.type != "cuda"
     grid = (batch, num_heads, triton.cdiv(max_extend_len, block_m))
     _extend_kernel[grid](
-        q, k_buffer, v_buffer, out, req_to_token, req_pool_indices,
-        prefix_lens, extend_lens, qo_indptr,
-        float(scaling), int(sliding_window or 0), head_dim,
-        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
-        v_buffer.stride(0), v_buffer.stride(1), out.stride(0), out.stride(1),
+        q,
+        k_buffer,
+        v_buffer,
+        out,
+        req_to_token,
+        req_pool_indices,
+        prefix_lens,
+        extend_lens,
+        qo_indptr,
+        float(scaling),
+        int(sliding_window or 0),
+        head_dim,
+        q.stride(0),
+        q.stride(1),
+        k_buffer.stride(0),
+        k_buffer.stride(1),
+        v_buffer.stride(0),
+        v_buffer.stride(1),
+        out.stride(0),
+        out.stride(1),
         req_to_token.stride(0),
-        GROUP=group, HAS_WINDOW=sliding_window is not None, DOT_FP32=dot_fp32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        GROUP=group,
+        HAS_WINDOW=sliding_window is not None,
+        DOT_FP32=dot_fp32,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
     )
     return out

@@ -32,10 +32,22 @@ def _load_row(x_row, res_row, cols, mask, x_s1, res_s1, in_dtype, HAS_RESIDUAL: 
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr,
-    hidden, eps,
-    x_s0, x_s1, res_s0, res_s1, w_s0, out_s0, out_s1,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    hidden,
+    eps,
+    x_s0,
+    x_s1,
+    res_s0,
+    res_s1,
+    w_s0,
+    out_s0,
+    out_s1,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_s0
@@ -72,8 +84,7 @@ def _rms_norm_kernel(
                 x32 = tl.load(x_row + cols * x_s1, mask=mask, other=0.0).to(tl.float32)
             normed = (x32 * rstd).to(in_dtype).to(tl.float32)
             w = tl.load(weight_ptr + cols * w_s0, mask=mask, other=0.0).to(tl.float32)
-            tl.store(out_row + cols * out_s1, (w * normed).to(out_ptr.dtype.element_ty),
-                     mask=mask)
+            tl.store(out_row + cols * out_s1, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _rows(t: torch.Tensor, name: str, op: str) -> torch.Tensor:
@@ -85,29 +96,36 @@ def _rows(t: torch.Tensor, name: str, op: str) -> torch.Tensor:
     try:
         return t.view(-1, t.shape[-1])
     except RuntimeError:
-        raise ValueError(f"{op}: {name} {tuple(t.shape)} with strides {t.stride()} cannot be "
-                         "viewed as [rows, hidden] without a copy") from None
+        raise ValueError(
+            f"{op}: {name} {tuple(t.shape)} with strides {t.stride()} cannot be viewed as [rows, hidden] without a copy"
+        ) from None
 
 
 def _check(op: str, kernel, named: dict[str, torch.Tensor], weight: torch.Tensor) -> None:
     tensors = {**named, "weight": weight}
     if len({t.device for t in tensors.values()}) != 1:
-        raise ValueError(f"{op}: tensors on different devices: "
-                         + ", ".join(f"{n} {t.device}" for n, t in tensors.items()))
+        raise ValueError(
+            f"{op}: tensors on different devices: " + ", ".join(f"{n} {t.device}" for n, t in tensors.items())
+        )
     if weight.device.type != "cuda" and isinstance(kernel, triton.runtime.JITFunction):
-        raise ValueError(f"{op}: tensors on {weight.device}; the Triton kernel needs CUDA tensors "
-                         "(CPU tensors only under TRITON_INTERPRET=1)")
+        raise ValueError(
+            f"{op}: tensors on {weight.device}; the Triton kernel needs CUDA tensors "
+            "(CPU tensors only under TRITON_INTERPRET=1)"
+        )
     for name, t in tensors.items():
         if t.dtype not in _DTYPES:
             raise ValueError(f"{op}: {name} must be float32, float16 or bfloat16, got {t.dtype}")
     x = named["x"]
     if weight.dim() != 1 or x.dim() < 1 or x.shape[-1] != weight.shape[0]:
-        raise ValueError(f"{op}: x {tuple(x.shape)} does not fit weight {tuple(weight.shape)} "
-                         "(want x [..., hidden], weight [hidden])")
+        raise ValueError(
+            f"{op}: x {tuple(x.shape)} does not fit weight {tuple(weight.shape)} "
+            "(want x [..., hidden], weight [hidden])"
+        )
 
 
-def _launch(x2: torch.Tensor, residual2: torch.Tensor | None, weight: torch.Tensor,
-            out2: torch.Tensor, eps: float) -> None:
+def _launch(
+    x2: torch.Tensor, residual2: torch.Tensor | None, weight: torch.Tensor, out2: torch.Tensor, eps: float
+) -> None:
     num_rows, hidden = x2.shape
     if num_rows == 0 or hidden == 0:
         return
@@ -115,15 +133,24 @@ def _launch(x2: torch.Tensor, residual2: torch.Tensor | None, weight: torch.Tens
     num_warps = 4 if block <= 1024 else 8 if block <= 4096 else 16
     res = residual2 if residual2 is not None else x2
     _rms_norm_kernel[(num_rows,)](
-        x2, res, weight, out2, hidden, float(eps),
-        *x2.stride(), *res.stride(), weight.stride(0), *out2.stride(),
-        HAS_RESIDUAL=residual2 is not None, BLOCK=block, NUM_CHUNKS=triton.cdiv(hidden, block),
+        x2,
+        res,
+        weight,
+        out2,
+        hidden,
+        float(eps),
+        *x2.stride(),
+        *res.stride(),
+        weight.stride(0),
+        *out2.stride(),
+        HAS_RESIDUAL=residual2 is not None,
+        BLOCK=block,
+        NUM_CHUNKS=triton.cdiv(hidden, block),
         num_warps=num_warps,
     )
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             out: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """x / sqrt(mean(x^2, -1) + eps) * weight, normalised in float32 and rounded to x.dtype
     before the weight multiply (as `reference.rms_norm`).
 
@@ -143,14 +170,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if out is None:
         out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     elif out.shape != x.shape or out.dtype != out_dtype:
-        raise ValueError(f"rms_norm: out {tuple(out.shape)} {out.dtype}, want "
-                         f"{tuple(x.shape)} {out_dtype}")
+        raise ValueError(f"rms_norm: out {tuple(out.shape)} {out.dtype}, want {tuple(x.shape)} {out_dtype}")
     _launch(_rows(x, "x", "rms_norm"), None, weight, _rows(out, "out", "rms_norm"), eps)
     return out
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A pre-norm block's residual add and the next RMSNorm in one pass, IN PLACE:
     residual <- x + residual (rounded to the dtype), x <- rms_norm(residual) (as
     `reference.fused_add_rms_norm`, rounded to x.dtype).
@@ -165,8 +192,9 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     """
     _check("fused_add_rms_norm", _rms_norm_kernel, {"x": x, "residual": residual}, weight)
     if x.shape != residual.shape or x.dtype != residual.dtype:
-        raise ValueError(f"fused_add_rms_norm: x {tuple(x.shape)} {x.dtype} != residual "
-                         f"{tuple(residual.shape)} {residual.dtype}")
+        raise ValueError(
+            f"fused_add_rms_norm: x {tuple(x.shape)} {x.dtype} != residual {tuple(residual.shape)} {residual.dtype}"
+        )
     x2 = _rows(x, "x", "fused_add_rms_norm")
     _launch(x2, _rows(residual, "residual", "fused_add_rms_norm"), weight, x2, eps)
     return x, residual

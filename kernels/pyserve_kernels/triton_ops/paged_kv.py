@@ -10,16 +10,28 @@ import triton.language as tl
 
 
 @triton.jit
-def load_kv_tile(k_ptr, v_ptr, req_to_token_ptr, row, stride_row, pos, n_mask, kvh,
-                 stride_kn, stride_kh, stride_vn, stride_vh, d_offs, d_mask):
+def load_kv_tile(
+    k_ptr,
+    v_ptr,
+    req_to_token_ptr,
+    row,
+    stride_row,
+    pos,
+    n_mask,
+    kvh,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    d_offs,
+    d_mask,
+):
     """K and V tiles [BLOCK_N, BLOCK_D] of KV head kvh at key positions `pos` (masked by
     n_mask) of request row `row`: slot = req_to_token[row, pos], 0 where masked."""
     slots = tl.load(req_to_token_ptr + row * stride_row + pos, mask=n_mask, other=0).to(tl.int64)
     kv_mask = n_mask[:, None] & d_mask[None, :]
-    k = tl.load(k_ptr + slots[:, None] * stride_kn + kvh * stride_kh + d_offs[None, :],
-                mask=kv_mask, other=0.0)
-    v = tl.load(v_ptr + slots[:, None] * stride_vn + kvh * stride_vh + d_offs[None, :],
-                mask=kv_mask, other=0.0)
+    k = tl.load(k_ptr + slots[:, None] * stride_kn + kvh * stride_kh + d_offs[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + slots[:, None] * stride_vn + kvh * stride_vh + d_offs[None, :], mask=kv_mask, other=0.0)
     return k, v
 
 

@@ -21,10 +21,19 @@ _MAX_TILE = 2048
 
 @triton.jit
 def _rotary_kernel(
-    x_ptr, cos_ptr, sin_ptr,
-    num_heads, half,
-    x_s0, x_s1, cos_s0, cos_s1, sin_s0, sin_s1,
-    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    num_heads,
+    half,
+    x_s0,
+    x_s1,
+    cos_s0,
+    cos_s1,
+    sin_s0,
+    sin_s1,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
@@ -50,8 +59,9 @@ def _rotary_kernel(
     tl.store(second, (b * cos_b + a * sin_b).to(x_ptr.dtype.element_ty), mask=mask)
 
 
-def rotary_embedding_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
-                      head_dim: int) -> torch.Tensor:
+def rotary_embedding_(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, head_dim: int
+) -> torch.Tensor:
     """Rotate, IN PLACE, heads 0..num_heads of every row of x (rotate-half layout; equals
     `reference.rotary` on x[:, :num_heads * head_dim] viewed as [num_tokens, num_heads,
     head_dim], computed in float32 and rounded to x.dtype). Columns past
@@ -71,11 +81,15 @@ def rotary_embedding_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num
     """
     tensors = {"x": x, "cos": cos, "sin": sin}
     if len({t.device for t in tensors.values()}) != 1:
-        raise ValueError("rotary_embedding_: tensors on different devices: "
-                         + ", ".join(f"{n} {t.device}" for n, t in tensors.items()))
+        raise ValueError(
+            "rotary_embedding_: tensors on different devices: "
+            + ", ".join(f"{n} {t.device}" for n, t in tensors.items())
+        )
     if x.device.type != "cuda" and isinstance(_rotary_kernel, triton.runtime.JITFunction):
-        raise ValueError(f"rotary_embedding_: tensors on {x.device}; the Triton kernel needs "
-                         "CUDA tensors (CPU tensors only under TRITON_INTERPRET=1)")
+        raise ValueError(
+            f"rotary_embedding_: tensors on {x.device}; the Triton kernel needs "
+            "CUDA tensors (CPU tensors only under TRITON_INTERPRET=1)"
+        )
     if x.dtype not in _DTYPES:
         raise ValueError(f"rotary_embedding_: x must be float32, float16 or bfloat16, got {x.dtype}")
     if not (cos.is_floating_point() and sin.is_floating_point()):
@@ -84,12 +98,18 @@ def rotary_embedding_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num
         raise ValueError(f"rotary_embedding_: head_dim {head_dim} must be even and positive")
     if num_heads < 0:
         raise ValueError(f"rotary_embedding_: num_heads {num_heads} is negative")
-    if (x.dim() != 2 or x.shape[1] < num_heads * head_dim
-            or cos.shape != (x.shape[0], head_dim) or sin.shape != cos.shape):
-        raise ValueError(f"rotary_embedding_: x {tuple(x.shape)}, cos {tuple(cos.shape)}, "
-                         f"sin {tuple(sin.shape)} do not fit {num_heads} heads of {head_dim} "
-                         "(want x [num_tokens, >= num_heads * head_dim], cos / sin "
-                         "[num_tokens, head_dim])")
+    if (
+        x.dim() != 2
+        or x.shape[1] < num_heads * head_dim
+        or cos.shape != (x.shape[0], head_dim)
+        or sin.shape != cos.shape
+    ):
+        raise ValueError(
+            f"rotary_embedding_: x {tuple(x.shape)}, cos {tuple(cos.shape)}, "
+            f"sin {tuple(sin.shape)} do not fit {num_heads} heads of {head_dim} "
+            "(want x [num_tokens, >= num_heads * head_dim], cos / sin "
+            "[num_tokens, head_dim])"
+        )
     num_tokens = x.shape[0]
     if num_tokens == 0 or num_heads == 0:
         return x
@@ -98,8 +118,15 @@ def rotary_embedding_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num
     block_h = min(triton.next_power_of_2(num_heads), max(1, _MAX_TILE // block_half))
     grid = (num_tokens, triton.cdiv(num_heads, block_h))
     _rotary_kernel[grid](
-        x, cos, sin, num_heads, half,
-        *x.stride(), *cos.stride(), *sin.stride(),
-        BLOCK_H=block_h, BLOCK_HALF=block_half,
+        x,
+        cos,
+        sin,
+        num_heads,
+        half,
+        *x.stride(),
+        *cos.stride(),
+        *sin.stride(),
+        BLOCK_H=block_h,
+        BLOCK_HALF=block_half,
     )
     return x

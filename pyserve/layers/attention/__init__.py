@@ -9,4 +9,10 @@ from pyserve.layers.attention.cpu_backend import CpuAttnBackend
 from pyserve.layers.attention.registry import create_attention_backend
 from pyserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
-__all__ = ["AttentionBackend", "CapturableAttentionBackend", "CpuAttnBackend", "TorchNativeAttnBackend", "create_attention_backend"]
+__all__ = [
+    "AttentionBackend",
+    "CapturableAttentionBackend",
+    "CpuAttnBackend",
+    "TorchNativeAttnBackend",
+    "create_attention_backend",
+]

@@ -36,7 +36,7 @@ class AttentionBackend(abc.ABC):
     supports_cuda_graph: ClassVar[bool] = False
     requirement: ClassVar[str] = ""  # what `supported` needs, for error messages
 
-    def __init__(self, kv_pool: "MHATokenToKVPool") -> None:
+    def __init__(self, kv_pool: MHATokenToKVPool) -> None:
         self.kv_pool = kv_pool
 
     @classmethod
@@ -45,7 +45,7 @@ class AttentionBackend(abc.ABC):
         return True
 
     @classmethod
-    def supported(cls, kv_pool: "MHATokenToKVPool") -> bool:
+    def supported(cls, kv_pool: MHATokenToKVPool) -> bool:
         """Whether this backend can serve `kv_pool` (its device and dtype) here."""
         return True
 
@@ -54,9 +54,16 @@ class AttentionBackend(abc.ABC):
         """Precompute what every layer of `forward_batch` shares (once per batch)."""
 
     @abc.abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                scaling: float, forward_batch: ForwardBatch,
-                sliding_window: int | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        scaling: float,
+        forward_batch: ForwardBatch,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
         """Store k, v at forward_batch.out_cache_loc in layer `layer_id`'s buffers (mutates
         the pool), then attend.
 

@@ -14,14 +14,14 @@ of a prefill next to its GEMMs, so EXTEND keeps the reference. Only the worker t
 
 from __future__ import annotations
 
-import torch
-from pyserve_kernels import native_available
-from pyserve_kernels._native import _cpu, as_int_array
-
 import dataclasses
 
-from pyserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
+import torch
+
 from pyserve.forward_batch_info import ForwardBatch, ForwardMode, kv_indptr_of
+from pyserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from pyserve_kernels import native_available
+from pyserve_kernels._native import _cpu, as_int_array
 
 
 class CpuAttnBackend(TorchNativeAttnBackend):
@@ -85,20 +85,37 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         long_tokens, single_tokens = tokens[~token_single], tokens[token_single]
         indptr = forward_batch.kv_indptr
         long_seq = forward_batch.seq_lens[long_rows]
-        long_indices = torch.cat([forward_batch.kv_indices[int(indptr[r]):int(indptr[r + 1])] for r in long_rows.tolist()])
+        long_indices = torch.cat(
+            [forward_batch.kv_indices[int(indptr[r]) : int(indptr[r + 1])] for r in long_rows.tolist()]
+        )
         sub = dataclasses.replace(
-            forward_batch, batch_size=int(long_rows.shape[0]), input_ids=forward_batch.input_ids[long_tokens],
-            positions=forward_batch.positions[long_tokens], out_cache_loc=forward_batch.out_cache_loc[long_tokens],
-            seq_lens=long_seq, kv_indptr=kv_indptr_of(long_seq), kv_indices=long_indices,
-            extend_prefix_lens=forward_batch.extend_prefix_lens[long_rows], extend_seq_lens=extend_lens[long_rows],
-            req_pool_indices=None, max_extend_len=None)
+            forward_batch,
+            batch_size=int(long_rows.shape[0]),
+            input_ids=forward_batch.input_ids[long_tokens],
+            positions=forward_batch.positions[long_tokens],
+            out_cache_loc=forward_batch.out_cache_loc[long_tokens],
+            seq_lens=long_seq,
+            kv_indptr=kv_indptr_of(long_seq),
+            kv_indices=long_indices,
+            extend_prefix_lens=forward_batch.extend_prefix_lens[long_rows],
+            extend_seq_lens=extend_lens[long_rows],
+            req_pool_indices=None,
+            max_extend_len=None,
+        )
         super().init_forward_metadata(sub)
         single_seq = forward_batch.seq_lens[single_rows]
-        single_indices = torch.cat([forward_batch.kv_indices[int(indptr[r]):int(indptr[r + 1])] for r in single_rows.tolist()])
+        single_indices = torch.cat(
+            [forward_batch.kv_indices[int(indptr[r]) : int(indptr[r + 1])] for r in single_rows.tolist()]
+        )
         dec = dataclasses.replace(
-            forward_batch, forward_mode=ForwardMode.DECODE, batch_size=int(single_rows.shape[0]),
-            out_cache_loc=forward_batch.out_cache_loc[single_tokens], seq_lens=single_seq,
-            kv_indptr=kv_indptr_of(single_seq), kv_indices=single_indices)
+            forward_batch,
+            forward_mode=ForwardMode.DECODE,
+            batch_size=int(single_rows.shape[0]),
+            out_cache_loc=forward_batch.out_cache_loc[single_tokens],
+            seq_lens=single_seq,
+            kv_indptr=kv_indptr_of(single_seq),
+            kv_indices=single_indices,
+        )
         self._init_decode(dec)
         self.split = (sub, long_tokens, single_tokens)
 
@@ -107,7 +124,8 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         assert forward_batch.kv_indptr is not None and forward_batch.kv_indices is not None
         kv_indptr = forward_batch.kv_indptr
         if kv_indptr.shape[0] != forward_batch.batch_size + 1 or not torch.equal(
-                kv_indptr[1:] - kv_indptr[:-1], forward_batch.seq_lens):
+            kv_indptr[1:] - kv_indptr[:-1], forward_batch.seq_lens
+        ):
             raise ValueError("kv_indptr does not match seq_lens / batch_size")
         # The kernels take int32, which a worker-built batch already is (no copy then); a
         # hand-built int64 batch is converted here, range-checked. The kernel checks the
@@ -133,23 +151,41 @@ class CpuAttnBackend(TorchNativeAttnBackend):
         if self.split is not None:  # a mixed EXTEND batch: long rows, then one-token rows
             sub, long_tokens, single_tokens = self.split
             out = torch.empty_like(q)
-            out[long_tokens] = super().forward(q[long_tokens], k[long_tokens], v[long_tokens], layer_id,
-                                               scaling, sub, sliding_window)
-            out[single_tokens] = self._decode_forward(q[single_tokens], k[single_tokens], v[single_tokens],
-                                                      layer_id, scaling, sliding_window)
+            out[long_tokens] = super().forward(
+                q[long_tokens], k[long_tokens], v[long_tokens], layer_id, scaling, sub, sliding_window
+            )
+            out[single_tokens] = self._decode_forward(
+                q[single_tokens], k[single_tokens], v[single_tokens], layer_id, scaling, sliding_window
+            )
             return out
         if not self.decode:
             return super().forward(q, k, v, layer_id, scaling, forward_batch, sliding_window)
         return self._decode_forward(q, k, v, layer_id, scaling, sliding_window)
 
-    def _decode_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                        scaling: float, sliding_window: int | None) -> torch.Tensor:
+    def _decode_forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        scaling: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
         """Store k, v at the decode metadata's slots, then the native kernel."""
         k_view, v_view = self._k_views[layer_id], self._v_views[layer_id]
         # k, v may be strided views of the fused q|k|v row: the kernel takes contiguous rows.
         _cpu.store_kv(k_view, v_view, self._out_cache_loc, k.numpy(), v.numpy())
         q = q.contiguous()
         out = torch.empty_like(q)
-        _cpu.decode_attention(q.numpy(), k_view, v_view, self._kv_indptr, self._kv_indices,
-                              out.numpy(), scaling, sliding_window, self._num_threads)
+        _cpu.decode_attention(
+            q.numpy(),
+            k_view,
+            v_view,
+            self._kv_indptr,
+            self._kv_indices,
+            out.numpy(),
+            scaling,
+            sliding_window,
+            self._num_threads,
+        )
         return out

@@ -24,17 +24,16 @@ BACKENDS: dict[str, str] = {
 AUTO_ORDER: dict[str, tuple[str, ...]] = {"cuda": ("triton", "torch_native"), "cpu": ("cpu", "torch_native")}
 
 
-def backend_class(name: str) -> "type[AttentionBackend]":
+def backend_class(name: str) -> type[AttentionBackend]:
     """The class registered as `name`. Raises ValueError for an unknown name."""
     target = BACKENDS.get(name)
     if target is None:
-        raise ValueError(f"attention backend {name!r} is not supported; supported: auto, "
-                         + ", ".join(BACKENDS))
+        raise ValueError(f"attention backend {name!r} is not supported; supported: auto, " + ", ".join(BACKENDS))
     module, cls = target.split(":")
     return getattr(importlib.import_module(module), cls)
 
 
-def create_attention_backend(name: str, kv_pool: "MHATokenToKVPool") -> "AttentionBackend":
+def create_attention_backend(name: str, kv_pool: MHATokenToKVPool) -> AttentionBackend:
     """The backend `name` ("auto" or a registered name) over `kv_pool`. Raises ValueError for
     an unknown name, or a backend that cannot serve the pool (its `requirement` says why)."""
     if name == "auto":

@@ -39,7 +39,7 @@ class TorchNativeAttnBackend(AttentionBackend):
     name = "torch_native"
     requirement = "any device and dtype"
 
-    def __init__(self, kv_pool: "MHATokenToKVPool") -> None:
+    def __init__(self, kv_pool: MHATokenToKVPool) -> None:
         super().__init__(kv_pool)
         self._masks: dict[tuple[int, int | None, torch.dtype], torch.Tensor] = {}
 
@@ -79,14 +79,17 @@ class TorchNativeAttnBackend(AttentionBackend):
                 raise ValueError("EXTEND batch needs extend_seq_lens and extend_prefix_lens")
             if not torch.equal(prefix_lens + extend_lens, seq_lens):
                 i = int(torch.nonzero(prefix_lens + extend_lens != seq_lens)[0, 0])
-                raise ValueError(f"request {i}: prefix {int(prefix_lens[i])} + extend "
-                                 f"{int(extend_lens[i])} != seq_len {int(seq_lens[i])}")
+                raise ValueError(
+                    f"request {i}: prefix {int(prefix_lens[i])} + extend "
+                    f"{int(extend_lens[i])} != seq_len {int(seq_lens[i])}"
+                )
             self.max_q = int(extend_lens.max())
             q_idx = torch.arange(self.max_q, device=device, dtype=idx)
             self.query_pos = prefix_lens[:, None] + q_idx[None, :]
             self.query_valid = q_idx[None, :] < extend_lens[:, None]
-            self.query_rows = (torch.arange(batch, device=device, dtype=idx)[:, None] * self.max_q
-                               + q_idx[None, :])[self.query_valid]
+            self.query_rows = (torch.arange(batch, device=device, dtype=idx)[:, None] * self.max_q + q_idx[None, :])[
+                self.query_valid
+            ]
             # Every request extends by max_q tokens: the padded grid is the batch itself.
             self.query_dense = self.query_rows.shape[0] == batch * self.max_q
         self.key_pos = key_pos
@@ -162,12 +165,19 @@ class TorchNativeAttnBackend(AttentionBackend):
                 padded = q.new_zeros(batch * max_q, num_heads, head_dim)
                 padded[self.query_rows] = q
             # [B, Q, H_kv, G, D] -> [B, H_kv, G * Q, D] so each KV head serves its query heads.
-            query = (padded.view(batch, max_q, num_kv_heads, group, head_dim)
-                     .permute(0, 2, 3, 1, 4).reshape(batch, num_kv_heads, group * max_q, head_dim))
-        attn = F.scaled_dot_product_attention(query, keys, values,
-                                              attn_mask=self._mask(group, sliding_window, q.dtype), scale=scaling)
+            query = (
+                padded.view(batch, max_q, num_kv_heads, group, head_dim)
+                .permute(0, 2, 3, 1, 4)
+                .reshape(batch, num_kv_heads, group * max_q, head_dim)
+            )
+        attn = F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=self._mask(group, sliding_window, q.dtype), scale=scaling
+        )
         if self.query_rows is None:
             return attn.reshape(num_tokens, num_heads, head_dim)
-        out = (attn.view(batch, num_kv_heads, group, max_q, head_dim)
-               .permute(0, 3, 1, 2, 4).reshape(batch * max_q, num_heads, head_dim))
+        out = (
+            attn.view(batch, num_kv_heads, group, max_q, head_dim)
+            .permute(0, 3, 1, 2, 4)
+            .reshape(batch * max_q, num_heads, head_dim)
+        )
         return out if self.query_dense else out[self.query_rows]

@@ -16,10 +16,10 @@ import os
 from typing import TYPE_CHECKING
 
 import torch
-from pyserve_kernels._triton import triton_available
 
 from pyserve.forward_batch_info import ForwardBatch, ForwardMode
 from pyserve.layers.attention.base import CapturableAttentionBackend
+from pyserve_kernels._triton import triton_available
 
 if TYPE_CHECKING:
     from pyserve.mem_cache.memory_pool import MHATokenToKVPool
@@ -41,7 +41,7 @@ class TritonAttnBackend(CapturableAttentionBackend):
     name = "triton"
     requirement = "triton, and a CUDA KV pool (on CPU only with TRITON_INTERPRET=1)"
 
-    def __init__(self, kv_pool: "MHATokenToKVPool") -> None:
+    def __init__(self, kv_pool: MHATokenToKVPool) -> None:
         super().__init__(kv_pool)
         from pyserve_kernels.triton_ops import decode_attention, extend_attention, kv_store
 
@@ -55,7 +55,7 @@ class TritonAttnBackend(CapturableAttentionBackend):
         return triton_available()
 
     @classmethod
-    def supported(cls, kv_pool: "MHATokenToKVPool") -> bool:
+    def supported(cls, kv_pool: MHATokenToKVPool) -> bool:
         if not triton_available():
             return False
         device = kv_pool.get_key_buffer(0).device.type
@@ -77,9 +77,16 @@ class TritonAttnBackend(CapturableAttentionBackend):
         self.qo_indptr = torch.zeros(lens.shape[0] + 1, dtype=lens.dtype, device=lens.device)
         torch.cumsum(lens, dim=0, dtype=lens.dtype, out=self.qo_indptr[1:])
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                scaling: float, forward_batch: ForwardBatch,
-                sliding_window: int | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        scaling: float,
+        forward_batch: ForwardBatch,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
         """As `AttentionBackend.forward`: stores k, v, then attends; [T, H, D] in q.dtype (q
         may be a strided view of the fused q|k|v row: the kernels take its strides)."""
         k_buf = self.kv_pool.get_key_buffer(layer_id)
@@ -90,13 +97,35 @@ class TritonAttnBackend(CapturableAttentionBackend):
         # (init_forward_metadata raised if any of these were missing; this narrows the types)
         assert req_to_token is not None and rows is not None
         if self.decode:
-            return self._decode(q, k_buf, v_buf, req_to_token, rows, forward_batch.seq_lens, scaling,
-                                sliding_window=sliding_window, num_kv_splits=NUM_KV_SPLITS, out=out)
+            return self._decode(
+                q,
+                k_buf,
+                v_buf,
+                req_to_token,
+                rows,
+                forward_batch.seq_lens,
+                scaling,
+                sliding_window=sliding_window,
+                num_kv_splits=NUM_KV_SPLITS,
+                out=out,
+            )
         prefix_lens, extend_lens = forward_batch.extend_prefix_lens, forward_batch.extend_seq_lens
         max_extend_len = forward_batch.max_extend_len
         assert prefix_lens is not None and extend_lens is not None and max_extend_len is not None
-        return self._extend(q, k_buf, v_buf, req_to_token, rows, prefix_lens, extend_lens, self.qo_indptr,
-                            max_extend_len, scaling, sliding_window=sliding_window, out=out)
+        return self._extend(
+            q,
+            k_buf,
+            v_buf,
+            req_to_token,
+            rows,
+            prefix_lens,
+            extend_lens,
+            self.qo_indptr,
+            max_extend_len,
+            scaling,
+            sliding_window=sliding_window,
+            out=out,
+        )
 
     # ---- CUDA graphs ---------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int) -> None:

@@ -33,9 +33,14 @@ def chat_logprobs(out: GenerateOutput, start: int, end: int | None = None) -> di
     return {"content": content}
 
 
-def completion_logprobs(out: GenerateOutput, start: int, end: int | None = None,
-                        echo: bool = False, text_offset: int = 0,
-                        prompt_offsets: list[int] | None = None) -> dict[str, Any] | None:
+def completion_logprobs(
+    out: GenerateOutput,
+    start: int,
+    end: int | None = None,
+    echo: bool = False,
+    text_offset: int = 0,
+    prompt_offsets: list[int] | None = None,
+) -> dict[str, Any] | None:
     """The completions `logprobs` of output tokens start..end, preceded by the prompt's
     tokens when `echo` (the first prompt token has a null logprob and null top_logprobs).
     text_offset: character offset in the choice's text of the first output token; each next
@@ -57,7 +62,7 @@ def completion_logprobs(out: GenerateOutput, start: int, end: int | None = None,
     outputs = out.logprobs["output_token_logprobs"][start:end]
     entries += outputs
     out_tops = out.logprobs.get("output_top_logprobs")
-    tops += out_tops[start:start + len(outputs)] if out_tops is not None else [None] * len(outputs)
+    tops += out_tops[start : start + len(outputs)] if out_tops is not None else [None] * len(outputs)
     offsets += _running_offsets(outputs, text_offset)
     return {
         "tokens": [e[2] or "" for e in entries],

@@ -162,39 +162,47 @@ class _Common(BaseModel):
         if not isinstance(data, dict):
             return data
         fields = cls.model_fields
-        return {k: v for k, v in data.items()
-                if v is not None or k not in fields or fields[k].default is None}
+        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].default is None}
 
     def check_supported(self) -> None:
         """Raise InvalidRequestError (400, `param` naming the field) for a field set to
         something pyserve cannot honour yet."""
         for name, feature in UNSUPPORTED.items():
             if name in type(self).model_fields and not is_unset(getattr(self, name)):
-                raise InvalidRequestError(f"{name}: {feature} not supported yet; leave it unset",
-                                          param=name)
+                raise InvalidRequestError(f"{name}: {feature} not supported yet; leave it unset", param=name)
         if self.response_format and self.response_format.get("type") != "text":
-            raise InvalidRequestError("response_format other than text is not supported yet",
-                                      param="response_format")
+            raise InvalidRequestError("response_format other than text is not supported yet", param="response_format")
         if not self.spaces_between_special_tokens:
-            raise InvalidRequestError("spaces_between_special_tokens: only true is supported",
-                                      param="spaces_between_special_tokens")
+            raise InvalidRequestError(
+                "spaces_between_special_tokens: only true is supported", param="spaces_between_special_tokens"
+            )
         if self.length_penalty != 1.0:
-            raise InvalidRequestError("length_penalty: beam search is not supported yet",
-                                      param="length_penalty")
+            raise InvalidRequestError("length_penalty: beam search is not supported yet", param="length_penalty")
         for key in self.logit_bias or {}:
             if not key.isdigit():
-                raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}",
-                                          param="logit_bias")
+                raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
 
     def sampling_params(self, max_new_tokens: int | None) -> SamplingParams:
         return SamplingParams(
-            max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-            top_k=self.top_k, min_p=self.min_p, stop=self.stop, stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens, seed=self.seed,
-            frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
-            repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias,
-            min_new_tokens=self.min_tokens, n=self.n, stream_interval=self.stream_interval,
-            no_stop_trim=self.no_stop_trim or self.include_stop_str_in_output)
+            max_new_tokens=max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
+            seed=self.seed,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self.logit_bias,
+            min_new_tokens=self.min_tokens,
+            n=self.n,
+            stream_interval=self.stream_interval,
+            no_stop_trim=self.no_stop_trim or self.include_stop_str_in_output,
+        )
 
     @property
     def include_usage(self) -> bool:
@@ -239,35 +247,52 @@ class ChatCompletionRequest(_Common):
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
         if self.tool_choice not in (None, "none", "auto"):
-            raise InvalidRequestError("tool_choice: tool calling is not supported yet",
-                                      param="tool_choice")
+            raise InvalidRequestError("tool_choice: tool calling is not supported yet", param="tool_choice")
         if self.continue_final_message:
             if self.add_generation_prompt:
                 raise InvalidRequestError(
-                    "continue_final_message needs add_generation_prompt=false",
-                    param="continue_final_message")
+                    "continue_final_message needs add_generation_prompt=false", param="continue_final_message"
+                )
             if self.messages[-1].role != "assistant":
                 raise InvalidRequestError(
-                    "continue_final_message needs an assistant message last",
-                    param="continue_final_message")
+                    "continue_final_message needs an assistant message last", param="continue_final_message"
+                )
         # arguments of apply_chat_template itself, or features refused above
-        reserved = {"conversation", "messages", "tokenize", "add_generation_prompt",
-                    "continue_final_message", "return_dict", "chat_template", "tools", "documents",
-                    "tokenizer_kwargs", "return_assistant_tokens_mask", "padding", "truncation",
-                    "max_length", "return_tensors"}
+        reserved = {
+            "conversation",
+            "messages",
+            "tokenize",
+            "add_generation_prompt",
+            "continue_final_message",
+            "return_dict",
+            "chat_template",
+            "tools",
+            "documents",
+            "tokenizer_kwargs",
+            "return_assistant_tokens_mask",
+            "padding",
+            "truncation",
+            "max_length",
+            "return_tensors",
+        }
         clash = reserved & set(self.chat_template_kwargs or {})
         if clash:
-            raise InvalidRequestError(f"chat_template_kwargs may not set {sorted(clash)[0]!r}",
-                                      param="chat_template_kwargs")
+            raise InvalidRequestError(
+                f"chat_template_kwargs may not set {sorted(clash)[0]!r}", param="chat_template_kwargs"
+            )
 
     def template_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of `tokenizer.apply_chat_template` for this request."""
-        return {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt,
-                "continue_final_message": self.continue_final_message}
+        return {
+            **(self.chat_template_kwargs or {}),
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+        }
 
     def logprob_params(self) -> LogprobParams:
-        return LogprobParams(return_logprob=self.logprobs, top_logprobs_num=self.top_logprobs or 0,
-                             return_text_in_logprobs=True)
+        return LogprobParams(
+            return_logprob=self.logprobs, top_logprobs_num=self.top_logprobs or 0, return_text_in_logprobs=True
+        )
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -288,19 +313,29 @@ class CompletionRequest(_Common):
         prompt tokens' too (the first one has none: null)."""
         if self.logprobs is None:
             return LogprobParams()
-        return LogprobParams(return_logprob=True, top_logprobs_num=self.logprobs,
-                             logprob_start_len=0 if self.echo else None, return_text_in_logprobs=True)
+        return LogprobParams(
+            return_logprob=True,
+            top_logprobs_num=self.logprobs,
+            logprob_start_len=0 if self.echo else None,
+            return_text_in_logprobs=True,
+        )
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequestError(
-                f"best_of must equal n ({self.n}): choosing the best of more samples is not "
-                "supported yet", param="best_of")
+                f"best_of must equal n ({self.n}): choosing the best of more samples is not supported yet",
+                param="best_of",
+            )
         if isinstance(self.prompt, list) and len(self.prompt) == 0:
             raise InvalidRequestError("prompt is empty", param="prompt")
-        if self.stream and isinstance(self.prompt, list) and self.prompt and \
-                isinstance(self.prompt[0], (str, list)) and len(self.prompt) > 1:
+        if (
+            self.stream
+            and isinstance(self.prompt, list)
+            and self.prompt
+            and isinstance(self.prompt[0], (str, list))
+            and len(self.prompt) > 1
+        ):
             raise InvalidRequestError("stream=true takes a single prompt", param="prompt")
 
     def prompts(self) -> list[tuple[str | None, list[int] | None]]:

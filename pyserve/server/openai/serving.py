@@ -31,13 +31,16 @@ def usage(outs: list[GenerateOutput], n: int = 1) -> dict[str, Any]:
     """Usage of final (or, streaming, latest) outputs: `outs` holds n samples per prompt in a
     row; each prompt counts once, with the cached tokens its samples found (the most any
     sample found)."""
-    groups = [outs[i:i + n] for i in range(0, len(outs), n)]
+    groups = [outs[i : i + n] for i in range(0, len(outs), n)]
     prompt = sum(g[0].prompt_tokens for g in groups)
     completion = sum(len(o.output_ids) for o in outs)
     cached = sum(max(o.cached_tokens for o in g) for g in groups)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def model_name(engine: EngineCore, requested: str | None) -> str:
@@ -50,24 +53,41 @@ async def chat_completions(request: Request) -> Response | StreamResponse:
     body.check_supported()
     engine = engine_of(request)
     name = model_name(engine, body.model)
-    prompt = await engine.apply_chat_template([m.to_template() for m in body.messages],
-                                              **body.template_kwargs())
-    req = SingleReq(text=prompt, input_ids=None, sampling_params=body.sampling_params(body.max_new_tokens),
-                    stream=body.stream, add_special_tokens=body.add_special_tokens,
-                    logprob=body.logprob_params(), rid=body.rid or new_rid(), priority=body.priority)
+    prompt = await engine.apply_chat_template([m.to_template() for m in body.messages], **body.template_kwargs())
+    req = SingleReq(
+        text=prompt,
+        input_ids=None,
+        sampling_params=body.sampling_params(body.max_new_tokens),
+        stream=body.stream,
+        add_special_tokens=body.add_special_tokens,
+        logprob=body.logprob_params(),
+        rid=body.rid or new_rid(),
+        priority=body.priority,
+    )
     rid = f"chatcmpl-{req.rid}"
     created = int(time.time())
     if body.stream:
         return await stream_response(request, req, ChatStreamEncoder(body, rid, created, name))
     outs = await until_disconnect(request, engine.generate_all([req]))
-    return SafeJSONResponse({
-        "id": rid, "object": "chat.completion", "created": created, "model": name,
-        "choices": [{"index": i, "message": {"role": "assistant", "content": out.text},
-                     "logprobs": chat_logprobs(out, 0), "finish_reason": finish_reason(out),
-                     "matched_stop": out.finish_reason.matched if out.finish_reason else None}
-                    for i, out in enumerate(outs)],
-        "usage": usage(outs, body.n),
-    })
+    return SafeJSONResponse(
+        {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": name,
+            "choices": [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": out.text},
+                    "logprobs": chat_logprobs(out, 0),
+                    "finish_reason": finish_reason(out),
+                    "matched_stop": out.finish_reason.matched if out.finish_reason else None,
+                }
+                for i, out in enumerate(outs)
+            ],
+            "usage": usage(outs, body.n),
+        }
+    )
 
 
 async def completions(request: Request) -> Response | StreamResponse:
@@ -77,12 +97,20 @@ async def completions(request: Request) -> Response | StreamResponse:
     name = model_name(engine, body.model)
     base_rid = body.rid or new_rid()
     prompts = body.prompts()
-    reqs = [SingleReq(text=text, input_ids=ids, sampling_params=body.sampling_params(body.max_tokens),
-                      stream=body.stream, logprob=body.logprob_params(),
-                      add_special_tokens=body.add_special_tokens,
-                      rid=base_rid if len(prompts) == 1 else f"{base_rid}-p{k}",
-                      parent_rid=None if len(prompts) == 1 else base_rid, priority=body.priority)
-            for k, (text, ids) in enumerate(prompts)]
+    reqs = [
+        SingleReq(
+            text=text,
+            input_ids=ids,
+            sampling_params=body.sampling_params(body.max_tokens),
+            stream=body.stream,
+            logprob=body.logprob_params(),
+            add_special_tokens=body.add_special_tokens,
+            rid=base_rid if len(prompts) == 1 else f"{base_rid}-p{k}",
+            parent_rid=None if len(prompts) == 1 else base_rid,
+            priority=body.priority,
+        )
+        for k, (text, ids) in enumerate(prompts)
+    ]
     rid = f"cmpl-{base_rid}"
     created = int(time.time())
     if body.stream:  # (one prompt: check_supported)
@@ -95,13 +123,27 @@ async def completions(request: Request) -> Response | StreamResponse:
     choices = []
     for i, o in enumerate(outs):
         prefix, prompt_offsets = echoes[i // body.n]
-        choices.append({
-            "index": i, "text": prefix + o.text,
-            "logprobs": completion_logprobs(o, 0, echo=body.echo, text_offset=len(prefix),
-                                            prompt_offsets=prompt_offsets),
-            "finish_reason": finish_reason(o), "matched_stop": o.finish_reason.matched if o.finish_reason else None})
-    return SafeJSONResponse({"id": rid, "object": "text_completion", "created": created, "model": name,
-                             "choices": choices, "usage": usage(outs, body.n)})
+        choices.append(
+            {
+                "index": i,
+                "text": prefix + o.text,
+                "logprobs": completion_logprobs(
+                    o, 0, echo=body.echo, text_offset=len(prefix), prompt_offsets=prompt_offsets
+                ),
+                "finish_reason": finish_reason(o),
+                "matched_stop": o.finish_reason.matched if o.finish_reason else None,
+            }
+        )
+    return SafeJSONResponse(
+        {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": name,
+            "choices": choices,
+            "usage": usage(outs, body.n),
+        }
+    )
 
 
 async def _echo(engine: EngineCore, req: SingleReq, body: CompletionRequest) -> tuple[str, list[int] | None]:
@@ -114,8 +156,14 @@ async def _echo(engine: EngineCore, req: SingleReq, body: CompletionRequest) -> 
 
 
 def _model_card(engine: EngineCore) -> dict[str, Any]:
-    return {"id": engine.model_name, "object": "model", "created": int(engine.start_time),
-            "owned_by": "pyserve", "root": engine.model_path, "max_model_len": engine.context_len}
+    return {
+        "id": engine.model_name,
+        "object": "model",
+        "created": int(engine.start_time),
+        "owned_by": "pyserve",
+        "root": engine.model_path,
+        "max_model_len": engine.context_len,
+    }
 
 
 async def list_models(request: Request) -> Response:
