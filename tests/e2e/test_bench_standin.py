@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from pyserve.bench.cli import main as bench_main
-from tests.conftest import free_port
+from tests.conftest import STORIES_PATH, free_port
 
 TTFT_S = 0.3
 GAP_S = 0.1
@@ -117,7 +117,7 @@ def run_bench(tmp_path, base_url: str, prompts: list[str], *extra: str) -> dict:
             "--base-url",
             base_url,
             "--tokenizer",
-            "../shared/models/stories260k",
+            str(STORIES_PATH),
             "--dataset-name",
             "jsonl",
             "--dataset-path",
