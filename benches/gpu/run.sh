@@ -190,7 +190,7 @@ table_of() {  # table_of LOG TITLE: the table a script printed last, or its prog
     echo
     if [[ -f $OUT/bench_host.log ]]; then
         echo "== bench host (simulated device; loop and writer CPU per generated token)"
-        grep -e '^ *overlap' -e '^---' -e '^ *o[nf]f* ' "$OUT/bench_host.log" | tail -n 12
+        grep -v -e '^nanobind' -e '^ - ' -e '^See https://nanobind' "$OUT/bench_host.log" | tail -n 12
         echo
     fi
     echo "== summary ($(( SECONDS - start_s )) s in all; logs in $OUT)"

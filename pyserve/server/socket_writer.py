@@ -34,6 +34,8 @@ import queue
 import threading
 from typing import Any
 
+from starlette.types import Receive, Send
+
 from pyserve._rs import send_each
 from pyserve.server.stream_writer import StreamWriter, WrittenStream
 
@@ -50,20 +52,21 @@ UVICORN_CYCLE_MODULE = "uvicorn.protocols.http.httptools_impl"
 PASS_THROUGH_SEND_MODULES = frozenset({"starlette.middleware.errors", "starlette._exception_handler"})
 
 
-def uvicorn_cycle(receive: Any, send: Any) -> Any:
+def uvicorn_cycle(receive: Receive, send: Send) -> Any:
     """uvicorn's httptools `RequestResponseCycle` behind an ASGI call's `receive` and `send`,
     when `send` reaches the cycle's own `send` through pass-through wrappers only (nothing
     between may change the body); else None."""
     cycle = getattr(receive, "__self__", None)
     if type(cycle).__module__ != UVICORN_CYCLE_MODULE:
         return None
+    fn: Any = send  # walked through its closures, which the Send type does not describe
     for _ in range(8):  # (a few wrappers at most; a loop of closures must not hang us)
-        if getattr(send, "__self__", None) is cycle:
-            return cycle if getattr(send, "__name__", None) == "send" else None
-        if getattr(send, "__module__", None) not in PASS_THROUGH_SEND_MODULES:
+        if getattr(fn, "__self__", None) is cycle:
+            return cycle if getattr(fn, "__name__", None) == "send" else None
+        if getattr(fn, "__module__", None) not in PASS_THROUGH_SEND_MODULES:
             return None
         try:
-            send = send.__closure__[send.__code__.co_freevars.index("send")].cell_contents
+            fn = fn.__closure__[fn.__code__.co_freevars.index("send")].cell_contents
         except (AttributeError, ValueError, TypeError, IndexError):
             return None
     return None

@@ -23,6 +23,8 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
+from starlette.types import Receive, Scope, Send
+
 from pyserve.engine.tokenizer_manager import failure_of
 from pyserve.errors import InvalidRequestError, ModelStepError
 from pyserve.io_struct import GenerateOutput
@@ -65,7 +67,7 @@ class Stream:
         "failed",
     )
 
-    def __init__(self, encode: StreamEncoder, receive: Any, send: Any) -> None:
+    def __init__(self, encode: StreamEncoder, receive: Receive, send: Send) -> None:
         loop = asyncio.get_running_loop()
         self.encode = encode
         self.send, self.receive = send, receive
@@ -190,7 +192,7 @@ class StreamResponse:
     ) -> None:
         self.hub, self.encode, self.start, self.abort = hub, encode, start, abort
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         stream = Stream(self.encode, receive, send)
         watcher = asyncio.ensure_future(_wait_disconnect(receive))
         finished = started = False
@@ -254,7 +256,7 @@ def _failure_response(exc: Exception) -> Any:
     return error_response(500, f"internal server error: {type(exc).__name__}: {exc}", type_="internal_server_error")
 
 
-async def _wait_disconnect(receive: Any) -> None:
+async def _wait_disconnect(receive: Receive) -> None:
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":

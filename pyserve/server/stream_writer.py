@@ -13,6 +13,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any, Protocol
 
+from starlette.types import Receive, Send
+
 
 class WrittenStream(Protocol):
     """A streamed response as a writer sees it.
@@ -21,8 +23,8 @@ class WrittenStream(Protocol):
     response got it, through any middleware). writer: the writer writing it now (a writer that
     hands the stream to another sets this). writer_state: the writer's per-stream state."""
 
-    send: Any
-    receive: Any
+    send: Send
+    receive: Receive
     writer: StreamWriter | None
     writer_state: Any
 
