@@ -15,6 +15,7 @@ Loop thread only.
 
 from __future__ import annotations
 
+import abc
 from typing import Any
 
 from pyserve.io_struct import GenerateOutput
@@ -45,7 +46,7 @@ def prompt_once_usage(outs: list[GenerateOutput]) -> dict[str, Any]:
     }
 
 
-class _OpenAIStreamEncoder:
+class _OpenAIStreamEncoder(abc.ABC):
     """What chat and completion streams share: per-choice progress (latest outputs, logprobs
     already sent), the chunk envelope, the usage chunk, and the fast running chunk."""
 
@@ -86,8 +87,9 @@ class _OpenAIStreamEncoder:
         """The events before the first output's own."""
         return b""
 
+    @abc.abstractmethod
     def encode(self, out: GenerateOutput) -> bytes:
-        raise NotImplementedError
+        """The events of `out` (the general path: any output of any choice)."""
 
     def update(self, out: GenerateOutput) -> tuple[int, int]:
         """Record `out`; returns (its choice index, output logprobs sent before it)."""
