@@ -15,7 +15,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve a model over HTTP (native and OpenAI APIs)")
     ServerArgs.add_cli_args(serve)
     # Listed for --help only: main() hands `bench ...` to pyserve.bench.cli before parsing.
-    sub.add_parser("bench", help="benchmark: serve (load a server), offline (Engine), one-batch", add_help=False)
+    sub.add_parser(
+        "bench",
+        help="benchmark: serve (load a server), offline (Engine), host (simulated device), one-batch",
+        add_help=False,
+    )
     return parser
 
 
