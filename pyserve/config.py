@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch_native", "cpu", "triton")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+GRAMMAR_BACKENDS = ("xgrammar", "none")
 
 
 class ServerArgsError(ValueError):
@@ -60,6 +62,12 @@ class ServerArgs:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
     cuda_graph_bs: list[int] | None = None
+    # structured output: "none" refuses any grammar with a 400
+    grammar_backend: str = "xgrammar"
+    grammar_compile_timeout_s: float = 60.0
+    constrained_json_disable_any_whitespace: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
     # the garbage collector's thresholds while the engine runs (gc.set_threshold; None: as
     # the process has them); see docs/architecture.md, "Garbage collection"
     gc_threshold: tuple[int, ...] | None = (50000, 10, 10)
@@ -129,6 +137,11 @@ class ServerArgs:
             raise bad("cuda_graph_max_bs", f"got {self.cuda_graph_max_bs}; must be >= 1")
         if self.cuda_graph_bs is not None and (not self.cuda_graph_bs or min(self.cuda_graph_bs) <= 0):
             raise bad("cuda_graph_bs", f"got {self.cuda_graph_bs}; must be batch sizes >= 1")
+        if self.grammar_backend not in GRAMMAR_BACKENDS:
+            raise bad("grammar_backend", f"got {self.grammar_backend!r}; must be xgrammar or none")
+        if not self.grammar_compile_timeout_s > 0:
+            raise bad("grammar_compile_timeout_s", f"got {self.grammar_compile_timeout_s}; must be > 0 seconds")
+        self._check_parsers(bad)
         if self.gc_threshold is not None:
             values = list(self.gc_threshold)
             if not 1 <= len(values) <= 3 or any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in values):
@@ -138,6 +151,18 @@ class ServerArgs:
                     "(gc.set_threshold's; 0 first turns automatic collection off)",
                 )
             self.gc_threshold = tuple(values)
+
+    def _check_parsers(self, bad: Callable[[str, str], ServerArgsError]) -> None:
+        if self.tool_call_parser is None and self.reasoning_parser is None:
+            return
+        from pyserve.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS  # (leaf modules: names only)
+
+        for flag, value, names in (
+            ("tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS),
+            ("reasoning_parser", self.reasoning_parser, REASONING_PARSERS),
+        ):
+            if value is not None and value not in names:
+                raise bad(flag, f"got {value!r}; must be one of {', '.join(names)}")
 
     def resolved_chunked_prefill_size(self, device_memory_bytes: int | None) -> int | None:
         """The chunk size in tokens, or None when chunked prefill is off (-1). The default
@@ -309,6 +334,38 @@ class ServerArgs:
             help="largest decode batch captured in a CUDA graph (default 256; sizes 1, 2, 4, 8, then multiples of 8)",
         )
         a("--cuda-graph-bs", type=int, nargs="+", default=None, help="exactly these decode batch sizes are captured")
+        a(
+            "--grammar-backend",
+            type=str,
+            default="xgrammar",
+            choices=GRAMMAR_BACKENDS,
+            help="structured output (json_schema, regex, ebnf, structural_tag, response_format, forced tool "
+            "calls) through xgrammar; none refuses them with a 400 (default: xgrammar)",
+        )
+        a(
+            "--grammar-compile-timeout-s",
+            type=float,
+            default=d["grammar_compile_timeout_s"].default,
+            help="a grammar not compiled within this many seconds fails its request with a 400 (default: 60)",
+        )
+        a(
+            "--constrained-json-disable-any-whitespace",
+            action="store_true",
+            help="JSON-schema grammars allow no whitespace between tokens (compact JSON; default: any whitespace)",
+        )
+        a(
+            "--tool-call-parser",
+            type=str,
+            default=None,
+            help="how tool calls appear in the model's output: qwen25 (alias hermes), llama3, mistral, pythonic "
+            "(default: none; tool_choice required or a named function works without one)",
+        )
+        a(
+            "--reasoning-parser",
+            type=str,
+            default=None,
+            help="split <think>...</think> into reasoning_content: deepseek-r1 or qwen3 (default: none)",
+        )
         a(
             "--gc-threshold",
             type=int,

@@ -34,7 +34,8 @@ class FinishReason:
     (STOP only). length: output tokens when a LENGTH limit ended it. message: why it was
     aborted (ABORT). status_code: for aborts the server or the request caused, the HTTP
     status the consumer reports (400: the request's own parameters, 500: a failed model
-    step); None for a plain abort (client gone, /abort_request, shutdown).
+    step); None for a plain abort (client gone, /abort_request, shutdown). param: the
+    request field a 400 is about (e.g. "json_schema"), when known.
     """
 
     kind: FinishKind
@@ -42,6 +43,7 @@ class FinishReason:
     length: int | None = None
     message: str | None = None
     status_code: int | None = None
+    param: str | None = None
 
     @classmethod
     def stop(cls, matched: int | str) -> FinishReason:
@@ -52,8 +54,8 @@ class FinishReason:
         return cls(FinishKind.LENGTH, length=length)
 
     @classmethod
-    def abort(cls, message: str, status_code: int | None = None) -> FinishReason:
-        return cls(FinishKind.ABORT, message=message, status_code=status_code)
+    def abort(cls, message: str, status_code: int | None = None, param: str | None = None) -> FinishReason:
+        return cls(FinishKind.ABORT, message=message, status_code=status_code, param=param)
 
     @property
     def is_abort(self) -> bool:
@@ -84,7 +86,10 @@ class SamplingRow:
     frequency/presence penalties when resuming, or None. num_sampled: tokens the request
     sampled before this admission (min_new_tokens counts them). generator: the request's
     seeded torch.Generator on the model's device, or None (made by the loop once; only the
-    worker draws from it).
+    worker draws from it). grammar: the request's compiled grammar (xgrammar.CompiledGrammar,
+    host data) or None; grammar_start_ids: the grammar constrains only the output after these
+    ids (the end of a reasoning block), or from the first token when None. With a grammar,
+    output_ids holds the output so far when the request resumes (its matcher replays it).
     """
 
     req_pool_idx: int
@@ -94,6 +99,8 @@ class SamplingRow:
     output_ids: np.ndarray | None = None
     num_sampled: int = 0
     generator: torch.Generator | None = None
+    grammar: Any = None
+    grammar_start_ids: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -183,6 +190,10 @@ class SamplingBatchInfo:
     logit_bias_rows, logit_bias_ids: [K] int64; logit_bias_values: [K] float32.
     banned_rows, banned_ids: [J] int64: tokens masked to -inf (stop tokens of requests below
                   min_new_tokens).
+    grammar_bitmask: [G, ceil(vocab / 32)] int32: the allowed-token bitmasks of the batch's
+                  rows under a grammar (structured output; xgrammar's layout: bit j of word w
+                  allows id 32 * w + j); grammar_rows: [G] int32, the batch row each mask
+                  row applies to.
     """
 
     temperatures: torch.Tensor
@@ -202,6 +213,8 @@ class SamplingBatchInfo:
     logit_bias_values: torch.Tensor | None = None
     banned_rows: torch.Tensor | None = None
     banned_ids: torch.Tensor | None = None
+    grammar_bitmask: torch.Tensor | None = None
+    grammar_rows: torch.Tensor | None = None
 
     @property
     def is_all_greedy(self) -> bool:

@@ -285,6 +285,9 @@ class SingleReq:
     # parent aborts it too
     parent_rid: str | None = None
     priority: int | None = None  # with --enable-priority-scheduling (None: 0)
+    # with a grammar: it constrains only the output after this text (the end of a reasoning
+    # block, set by the chat route when a reasoning parser is on); None: all of the output
+    grammar_start_text: str | None = None
 
 
 @dataclass
@@ -300,6 +303,8 @@ class TokenizedGenerateReq:
     # no stop strings, no logprobs): the scheduler hands its tokens on once, when it ends
     quiet: bool = False
     priority: int = 0  # higher runs first (lower with --schedule-low-priority-values-first)
+    # the token ids of SingleReq.grammar_start_text (None: the grammar applies from the start)
+    grammar_start_ids: tuple[int, ...] | None = None
 
 
 class IdsPrefix(Sequence[int]):

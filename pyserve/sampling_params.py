@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # Temperatures below this sample greedily (SGLang uses the same cut-off).
 GREEDY_TEMPERATURE = 1e-5
@@ -14,6 +14,9 @@ MAX_N = 128
 
 # the largest finite float32 (the dtype of the worker's sampling rows)
 FLOAT32_MAX = 3.4028234663852886e38
+
+# the structured-output fields, one of which may name the request's grammar
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
 class SamplingParams(BaseModel):
@@ -40,11 +43,16 @@ class SamplingParams(BaseModel):
     no_stop_trim:   keep the matched stop string or stop token's text in the output (SGLang's
                     name; the OpenAI routes also take vLLM's `include_stop_str_in_output`).
     stream_interval: stream a chunk every this many tokens (None: every step).
+    json_schema, regex, ebnf, structural_tag: a grammar the output must follow (structured
+                    output, compiled by xgrammar; at most one per request). json_schema is a
+                    JSON Schema as JSON text, or "$$ANY$$" for any JSON value; regex a
+                    regular expression the whole output matches; ebnf a GBNF grammar whose
+                    start rule is `root`; structural_tag xgrammar's structural-tag JSON.
 
     The rest of SGLang 0.5.2's fields are accepted at their defaults only, so a client that
     always sends them works, and a feature pyserve lacks is refused, never ignored:
-    `json_schema`, `regex`, `ebnf`, `structural_tag` (structured output), `custom_params`
-    (None), `spaces_between_special_tokens` (true: what the fast tokenizers do).
+    `custom_params` (None), `spaces_between_special_tokens` (true: what the fast tokenizers
+    do).
     """
 
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -69,22 +77,31 @@ class SamplingParams(BaseModel):
     n: int = Field(default=1, ge=1, le=MAX_N)
     no_stop_trim: bool = False
     stream_interval: int | None = Field(default=None, ge=1)
-    # SGLang fields accepted at their default only (see the class docstring)
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
     structural_tag: str | None = None
+    # SGLang fields accepted at their default only (see the class docstring)
     custom_params: dict[str, Any] | None = None
     spaces_between_special_tokens: bool = True
 
-    @field_validator("json_schema", "regex", "ebnf", "structural_tag")
-    @classmethod
-    def _no_grammar(cls, v: str | None) -> str | None:
-        if v is not None:
+    @model_validator(mode="after")
+    def _one_grammar(self) -> SamplingParams:
+        given = [name for name in GRAMMAR_KINDS if getattr(self, name) is not None]
+        if len(given) > 1:
             raise ValueError(
-                "structured output (json_schema, regex, ebnf, structural_tag) is not supported yet; leave it null"
+                f"give at most one of json_schema, regex, ebnf and structural_tag (got {', '.join(given)})"
             )
-        return v
+        return self
+
+    @property
+    def grammar_key(self) -> tuple[str, str] | None:
+        """(kind, text) of the request's grammar (kind: one of GRAMMAR_KINDS), or None."""
+        for kind in GRAMMAR_KINDS:
+            text = getattr(self, kind)
+            if text is not None:
+                return kind, text
+        return None
 
     @field_validator("custom_params")
     @classmethod

@@ -87,13 +87,16 @@ CHAT_TEMPLATE = REPO / "tests" / "data" / "stories_chat_template.jinja"
 
 def is_idle(info: dict) -> bool:
     """True when a /get_server_info (or Engine.get_server_info) dict shows nothing running,
-    waiting or holding KV, and no request or sampling row still live on the worker."""
+    waiting (for admission or for its grammar) or holding KV, and no request, sampling or
+    grammar row still live on the worker."""
     return (
         info["num_running_reqs"] == 0
         and info["num_waiting_reqs"] == 0
         and info["kv_protected_slots"] == 0
         and info["num_req_rows_used"] == 0
         and info["num_sampling_rows_live"] == 0
+        and info["num_grammar_rows_live"] == 0
+        and info["num_grammar_queue_reqs"] == 0
     )
 
 

@@ -16,11 +16,13 @@ from pyserve_kernels.kv_cache import store_kv
 from pyserve_kernels.layernorm import fused_add_rms_norm, rms_norm
 from pyserve_kernels.reference import apply_rotary_pos_emb, rotate_half
 from pyserve_kernels.rotary import rotary_embedding_
+from pyserve_kernels.token_bitmask import apply_token_bitmask_
 
 __version__ = "0.1.0"
 
 __all__ = [
     "apply_rotary_pos_emb",
+    "apply_token_bitmask_",
     "decode_attention",
     "fused_add_rms_norm",
     "native_available",

@@ -194,3 +194,71 @@ def extend_attention(
         out[rows] = torch.einsum("htn,nhd->thd", torch.softmax(scores, dim=-1), values)
         row_start += extend
     return out.to(q.dtype)
+
+
+def check_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """The argument contract of every `apply_token_bitmask_` (reference, native, Triton):
+    shapes, dtypes, devices and layout only, so it reads no tensor data (no host sync on CUDA).
+
+    logits: [batch, vocab] float32 with contiguous rows that do not overlap (stride(1) == 1,
+    stride(0) >= vocab); bitmask: [num_masked, ceil(vocab / 32)] int32; rows: [num_masked]
+    int32; all on one device.
+    Raises ValueError naming what does not fit.
+    """
+    name = "apply_token_bitmask_"
+    tensors = {"logits": (logits, torch.float32), "bitmask": (bitmask, torch.int32), "rows": (rows, torch.int32)}
+    if len({t.device for t, _ in tensors.values()}) != 1:
+        devices = ", ".join(f"{n} {t.device}" for n, (t, _) in tensors.items())
+        raise ValueError(f"{name}: tensors on different devices: {devices}")
+    for n, (t, dtype) in tensors.items():
+        if t.dtype != dtype:
+            raise ValueError(f"{name}: {n} must be {dtype}, got {t.dtype}")
+    if (
+        logits.dim() != 2
+        or bitmask.dim() != 2
+        or rows.dim() != 1
+        or bitmask.shape != (rows.shape[0], (logits.shape[1] + 31) // 32)
+    ):
+        raise ValueError(
+            f"{name}: logits {tuple(logits.shape)}, bitmask {tuple(bitmask.shape)}, rows {tuple(rows.shape)} "
+            "do not fit (logits [batch, vocab], bitmask [len(rows), ceil(vocab / 32)], rows [len(rows)])"
+        )
+    batch, vocab = logits.shape
+    if vocab > 1 and logits.stride(1) != 1:
+        raise ValueError(f"{name}: each row of logits must be contiguous, got strides {logits.stride()}")
+    if batch > 1 and vocab > 0 and logits.stride(0) < vocab:
+        # a broadcast (expanded) view: one write would land in several rows
+        raise ValueError(f"{name}: rows of logits overlap in memory, got strides {logits.stride()}")
+
+
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """Grammar mask of structured output, IN PLACE: for each k, logits[rows[k], t] = -inf for
+    every token t whose bit in bitmask[k] is 0; other logits keep their bits, and rows of
+    logits not in `rows` are untouched. Returns None.
+
+    Layout: xgrammar's token bitmask (`xgrammar.allocate_token_bitmask`,
+    `GrammarMatcher.fill_next_token_bitmask`): bit j (least significant first) of int32 word w
+    allows token 32 w + j; bits of ids >= vocab are ignored.
+
+    logits:  [batch, vocab] float32, contiguous rows, any device
+    bitmask: [num_masked, ceil(vocab / 32)] int32, same device
+    rows:    [num_masked] int32, same device, distinct, in 0..batch
+    Raises ValueError for a contract `check_token_bitmask` rejects, a row outside 0..batch or
+    a repeated row (reads `rows` on the host; nothing written then).
+    """
+    check_token_bitmask(logits, bitmask, rows)
+    batch, vocab = logits.shape
+    seen: set[int] = set()
+    for k, row in enumerate(rows.tolist()):
+        if not 0 <= row < batch:
+            raise ValueError(f"apply_token_bitmask_: rows[{k}] = {row} is outside 0..{batch}")
+        if row in seen:
+            raise ValueError(f"apply_token_bitmask_: row {row} appears twice in rows")
+        seen.add(row)
+    if not seen or vocab == 0:
+        return
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    # an arithmetic shift of a negative word still leaves bit j in place for the & 1
+    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, :vocab]  # [num_masked, vocab]
+    index = rows.long()
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from tokenizers.decoders import DecodeStream  # (older tokenizers lack it: see stream_backend)
     from transformers import PreTrainedTokenizerBase
 
-from pyserve.engine.scheduler import TokenOut
+from pyserve.engine.step_pipeline import TokenOut
 from pyserve.forward_batch_info import FinishKind, FinishReason, TokenLogprobs
 from pyserve.io_struct import GenerateOutput, IdsPrefix, LogprobParams, json_safe_logprob
 

@@ -19,6 +19,7 @@ from typing import Any, cast
 import torch
 
 from pyserve.config import ServerArgs
+from pyserve.constrained import GrammarBackend
 from pyserve.engine import parallel_sampling, server_info
 from pyserve.engine.detokenizer import token_deltas
 from pyserve.engine.scheduler import Scheduler
@@ -48,6 +49,7 @@ class EngineCore:
         self._given_runner = model_runner
         self.started = False
         self._tasks: list[asyncio.Task] = []
+        self.grammar_backend: GrammarBackend | None = None
         # rid -> the rids running for it (a batch's prompts, n > 1 samples and their prefill)
         self._derived: dict[str, set[str]] = {}
 
@@ -76,6 +78,7 @@ class EngineCore:
         self.worker = await loop.run_in_executor(
             None, ModelWorker, runner, self.kv_cache.num_rows, self.kv_cache.max_context_len, mc.vocab_size
         )
+        self.grammar_backend = await loop.run_in_executor(None, self._grammar_backend)
         self.scheduler = Scheduler(
             self.kv_cache,
             self.worker,
@@ -93,6 +96,8 @@ class EngineCore:
             low_priority_values_first=args.schedule_low_priority_values_first,
             preemption_threshold=args.priority_scheduling_preemption_threshold,
             schedule_conservativeness=args.schedule_conservativeness,
+            grammar_backend=self.grammar_backend,
+            grammar_compile_timeout_s=args.grammar_compile_timeout_s,
         )
         self.tokenizer_manager = TokenizerManager(
             self.tokenizer,
@@ -124,6 +129,20 @@ class EngineCore:
         self._gc_threshold_before = gc.get_threshold()
         if self.server_args.gc_threshold is not None:
             gc.set_threshold(*self.server_args.gc_threshold)
+
+    def _grammar_backend(self) -> GrammarBackend | None:
+        """The grammar compiler for the served vocabulary (None with --grammar-backend none).
+        Executor thread: it reads the whole vocabulary."""
+        args = self.server_args
+        if args.grammar_backend == "none":
+            return None
+        mc = self.model_runner.model_config
+        return GrammarBackend(
+            self.tokenizer,
+            mc.vocab_size,
+            sorted(mc.eos_token_ids),
+            any_whitespace=not args.constrained_json_disable_any_whitespace,
+        )
 
     def _load(self) -> None:
         from pyserve.model_executor.model_runner import ModelRunner
@@ -206,6 +225,8 @@ class EngineCore:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.get_running_loop().run_in_executor(None, self.worker.shutdown)
+        if self.grammar_backend is not None:
+            self.grammar_backend.shutdown()
         self.tokenizer_manager.executor.shutdown(wait=False)
 
     def _emit(self, outs: list) -> None:

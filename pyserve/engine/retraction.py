@@ -1,6 +1,10 @@
-"""Giving KV back: retraction when a decode step cannot get its slots, priority preemption,
-and the priority order of the waiting queue. A mixin of `Scheduler` (the state it reads and
-writes is the scheduler's). Loop thread only.
+"""`Retractor`: giving KV back. Retraction when a decode step cannot get its slots, priority
+preemption, and the priority order of the waiting queue. Loop thread only.
+
+It holds what it reads and moves explicitly: the KV cache, the scheduler's requests
+(`ScheduleState`: a retracted request leaves `running` or `chunked_req` for the head of
+`waiting`), the step pipeline (steps in flight, released rows, ending a request) and the
+new-token ratio it raises.
 
 Retraction follows SGLang's rule: a prompt still being prefilled in chunks goes first (it has
 no output yet), then the running request with the fewest output tokens (of those, the
@@ -14,17 +18,13 @@ newest first among equals), and only when they free enough room.
 from __future__ import annotations
 
 import logging
-from collections import deque
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
 
 from pyserve.engine.schedule_batch import Req
-from pyserve.engine.schedule_policy import reserved_tokens, span_tokens
+from pyserve.engine.schedule_policy import NewTokenRatio, reserved_tokens, span_tokens
+from pyserve.engine.schedule_state import ScheduleState
+from pyserve.engine.step_pipeline import StepPipeline, token_out
 from pyserve.forward_batch_info import FinishReason
-
-if TYPE_CHECKING:
-    from pyserve.engine.schedule_policy import SchedulePolicy
-    from pyserve.mem_cache.kv_cache import KVCache
+from pyserve.mem_cache.kv_cache import KVCache
 
 logger = logging.getLogger("pyserve.engine.scheduler")
 
@@ -35,85 +35,89 @@ LEAST_URGENT = -(2**63)
 LEAST_URGENT_LOW_FIRST = 2**63 - 1
 
 
-class Retraction:
-    """The scheduler's retraction and priority methods (see the module docstring)."""
+class Retractor:
+    """Retraction, priority order and priority preemption (see the module docstring).
 
-    kv_cache: KVCache
-    running: list[Req]
-    waiting: deque[Req]
-    chunked_req: Req | None
-    policy: SchedulePolicy
-    inflight: deque
-    max_running_requests: int
-    enable_priority_scheduling: bool
-    low_priority_values_first: bool
-    preemption_threshold: int
-    new_token_ratio: float
-    _released_rows: list[int]
-    _need_drain: bool
-    _decode_turn: bool
-    # the scheduler's own methods this part calls
-    emit: Callable[[list[Any]], None]
-    _end: Callable[[Req, FinishReason], None]
-    _out: Callable[[Req], Any]
-    _release_finished: Callable[[], None]
-    finish_request: Callable[[str, FinishReason], None]
+    enable_priority_scheduling: requests carry a priority (else every request is equal);
+    low_priority_values_first: smaller values are more urgent; preemption_threshold: how much
+    more urgent a waiting request must be to preempt a running one.
+    """
 
-    def _retract(self) -> None:
+    def __init__(
+        self,
+        kv_cache: KVCache,
+        state: ScheduleState,
+        pipeline: StepPipeline,
+        new_token_ratio: NewTokenRatio,
+        max_running_requests: int,
+        enable_priority_scheduling: bool = False,
+        low_priority_values_first: bool = False,
+        preemption_threshold: int = 10,
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.state = state
+        self.pipeline = pipeline
+        self.new_token_ratio = new_token_ratio
+        self.max_running_requests = max_running_requests
+        self.enable_priority_scheduling = enable_priority_scheduling
+        self.low_priority_values_first = low_priority_values_first
+        self.preemption_threshold = preemption_threshold
+
+    def retract(self) -> None:
         """The pool is full even after eviction: send a request back to the waiting queue,
         by SGLang's rule the one with the fewest output tokens (of those, the longest prompt);
         its computed tokens go to the radix cache, so it resumes by prefilling only what was
         evicted meanwhile. A lone request cannot be helped by retraction: it finishes with
         reason length. Only with no step in flight."""
-        chunked = self.chunked_req
+        chunked = self.state.chunked_req
         if chunked is not None and not chunked.finished:
             # a prompt being prefilled in chunks has no output yet (the first pick of
             # SGLang's rule) and holds its chunks: it goes back, they stay cached
-            self._send_back(chunked)
+            self.send_back(chunked)
             logger.warning(
                 "KV pool full: retracted the prefill of request %s (%d tokens so far)",
                 chunked.rid,
                 len(chunked.origin_input_ids),
             )
             return
-        live = [r for r in self.running if not r.finished]
+        live = [r for r in self.state.running if not r.finished]
         if len(live) == 1:
-            self._end(live[0], FinishReason.length_limit(len(live[0].output_ids)))
-            self.emit([self._out(live[0])])
-            self._release_finished()
+            self.pipeline.end(live[0], FinishReason.length_limit(len(live[0].output_ids)))
+            self.pipeline.emit([token_out(live[0])])
+            self.pipeline.release_finished()
             return
         req = min(reversed(live), key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
-        self._send_back(req)
+        self.send_back(req)
         # SGLang's new estimate: what the rest decoded so far plus a few more steps each,
         # over what they may still decode in all
-        rest = [r for r in self.running if not r.finished]
+        rest = [r for r in self.state.running if not r.finished]
         total_max = sum(r.max_new_tokens for r in rest)
         if total_max:
             decoded = sum(len(r.output_ids) for r in rest)
-            self.new_token_ratio = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(rest)) / total_max)
+            self.new_token_ratio.value = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(rest)) / total_max)
         logger.warning("KV pool full: retracted request %s (%d tokens so far)", req.rid, req.seq_len)
 
-    def _send_back(self, req: Req) -> None:
+    def send_back(self, req: Req) -> None:
         """Retract a running request, or the one whose prompt is being prefilled in chunks
         (no step in flight holds it): its stored tokens are cached (unlocked: eviction may
         take them), its row and sampling row are released, and it waits again at the head of
         the queue with its output so far (its cached_tokens stays what it found at first)."""
-        if req is self.chunked_req:
-            self.chunked_req = None
-            self._decode_turn = False
+        state = self.state
+        if req is state.chunked_req:
+            state.chunked_req = None
         else:
-            self.running.remove(req)
+            state.running.remove(req)
         assert req.req_id is not None and req.req_pool_idx is not None
         if req.kv_invalid:
             self.kv_cache.abort_req(req.req_id)
         else:
             kv_len = self.kv_cache.kv_len(req.req_id)
             self.kv_cache.cache_finished_req(req.req_id, req.kv_token_ids(kv_len))
-        self._released_rows.append(req.req_pool_idx)
+        self.pipeline.released_rows.append(req.req_pool_idx)
         req.req_id, req.req_pool_idx, req.prefix_len, req.extend_end = None, None, 0, None
         req.num_planned = len(req.output_ids)
         req.num_retractions += 1
-        self.waiting.appendleft(req)
+        state.waiting.appendleft(req)
 
     def _urgency(self, req: Req) -> int:
         """Larger runs first (priority scheduling)."""
@@ -128,39 +132,37 @@ class Retraction:
             return LEAST_URGENT_LOW_FIRST if self.low_priority_values_first else LEAST_URGENT
         return priority
 
-    def bump_least_urgent_waiting(self, priority: int) -> bool:
-        """Queue full, a request of `priority` arrives: with priority scheduling, if it is
-        strictly more urgent than the least urgent waiting request (the newest of equals),
-        that one ends with 503 (its consumer is told) and True lets the new one in."""
-        if not self.enable_priority_scheduling or not self.waiting:
-            return False
+    def bumped_by(self, priority: int) -> Req | None:
+        """Queue full, a request of `priority` arrives: with priority scheduling, the least
+        urgent waiting request (the newest of equals) if the new one is strictly more urgent
+        (the scheduler lets it go for the new one), else None."""
+        if not self.enable_priority_scheduling or not self.state.waiting:
+            return None
         urgency = priority if not self.low_priority_values_first else -priority
-        candidates = list(self.waiting)
+        candidates = list(self.state.waiting)
         victim = min(reversed(candidates), key=self._urgency)
         if urgency <= self._urgency(victim):
-            return False
-        self.finish_request(
-            victim.rid,
-            FinishReason.abort("the request was let go from the full queue for a more urgent one", status_code=503),
-        )
-        return True
+            return None
+        return victim
 
-    def _order_waiting(self) -> None:
-        self.policy.order(self.waiting)
+    def order_by_priority(self) -> None:
+        """Reorder the waiting queue (already in the policy's order) by urgency."""
         if self.enable_priority_scheduling:  # priority first, the policy's order within it
-            ordered = sorted(self.waiting, key=lambda r: -self._urgency(r))
-            self.waiting.clear()
-            self.waiting.extend(ordered)
+            waiting = self.state.waiting
+            ordered = sorted(waiting, key=lambda r: -self._urgency(r))
+            waiting.clear()
+            waiting.extend(ordered)
 
-    def _preempt_for(self, head: Req) -> bool:
+    def preempt_for(self, head: Req) -> bool:
         """Priority scheduling: retract running requests at least `preemption_threshold`
         less urgent than the waiting `head` (least urgent first, then the newest) until it
         has a row and its KV fits. True if it now fits; with steps in flight, asks for a
         drain first (their KV is being written) and returns False."""
+        running = self.state.running
         victims = sorted(
             (
                 r
-                for r in reversed(self.running)
+                for r in reversed(running)
                 if not r.finished  # newest first
                 and self._urgency(head) - self._urgency(r) > self.preemption_threshold
             ),
@@ -173,7 +175,7 @@ class Retraction:
         short = span_tokens(
             int(kv.match_lens([head.prefix_key()])[0]), head.seq_len + reserved_tokens(head), kv.page_size
         ) - (kv.available_size() - self._reserved())
-        rows_short = len(self.running) + 1 > self.max_running_requests or kv.free_req_rows() <= 1
+        rows_short = len(running) + 1 > self.max_running_requests or kv.free_req_rows() <= 1
         chosen: list[Req] = []
         for victim in victims:
             if short <= 0 and not rows_short:
@@ -181,14 +183,14 @@ class Retraction:
             chosen.append(victim)
             rows_short = False
             assert victim.req_id is not None  # running requests hold their KV
-            short -= self.kv_cache.kv_len(victim.req_id) + int(reserved_tokens(victim) * self.new_token_ratio)
+            short -= self.kv_cache.kv_len(victim.req_id) + int(reserved_tokens(victim) * self.new_token_ratio.value)
         if not chosen or short > 0:
             return False
-        if self.inflight:  # their KV is being written: drain first, decide again then
-            self._need_drain = True
+        if self.pipeline.inflight:  # their KV is being written: drain first, decide again then
+            self.pipeline.need_drain = True
             return False
         for victim in chosen:
-            self._send_back(victim)
+            self.send_back(victim)
             logger.info(
                 "preempted request %s (priority %d) for %s (priority %d)",
                 victim.rid,
@@ -200,4 +202,4 @@ class Retraction:
 
     def _reserved(self) -> int:
         """KV kept for the running requests' future tokens (as PrefillAdder counts it)."""
-        return int(sum(reserved_tokens(r) for r in self.running if not r.finished) * self.new_token_ratio)
+        return int(sum(reserved_tokens(r) for r in self.state.running if not r.finished) * self.new_token_ratio.value)

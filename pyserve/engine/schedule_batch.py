@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from operator import attrgetter
+from typing import Any
 
 import numpy as np
 import torch
@@ -58,7 +59,7 @@ class Req:
     dropped_ids: tokens sampled after it finished (by a stop token, stop string or abort seen
         one step late); their inputs' KV was stored, so the radix cache may keep it.
     logprob: what logprobs it wants; input_logprobs_done once its prompt logprobs were sent.
-    num_emitted / quiet: see TokenizedGenerateReq.quiet and Scheduler._out.
+    num_emitted / quiet: see TokenizedGenerateReq.quiet and step_pipeline.token_out.
     generator: the seeded torch.Generator (created here on `generator_device`, the model's:
         creating one launches nothing; used only by the worker, which then draws on the
         device without a host round trip), so a retracted request continues the same stream.
@@ -101,6 +102,10 @@ class Req:
         self.greedy = sampling_params.is_greedy
         self.return_logprob = self.logprob.return_logprob
         self.input_logprobs_done = False
+        # the compiled grammar (xgrammar.CompiledGrammar) once the grammar queue has it, and
+        # the ids after which it applies (None: from the first output token)
+        self.grammar: Any = None
+        self.grammar_start_ids: tuple[int, ...] | None = None
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator(device=generator_device).manual_seed(sampling_params.seed)
@@ -183,7 +188,8 @@ class Req:
         seen = None
         if sp.repetition_penalty != 1.0:
             seen = self.fill_ids()
-        outputs = np.asarray(self.output_ids, dtype=np.int32) if sp.has_penalties and self.output_ids else None
+        resumes = bool(self.output_ids) and (sp.has_penalties or self.grammar is not None)
+        outputs = np.asarray(self.output_ids, dtype=np.int32) if resumes else None
         assert self.req_pool_idx is not None
         return SamplingRow(
             self.req_pool_idx,
@@ -193,6 +199,8 @@ class Req:
             output_ids=outputs,
             num_sampled=len(self.output_ids),
             generator=self.generator,
+            grammar=self.grammar,
+            grammar_start_ids=self.grammar_start_ids,
         )
 
 

@@ -1,6 +1,6 @@
 """Which waiting requests join the next prefill batch: the order of the waiting queue
-(`SchedulePolicy`), who is admitted (`PrefillAdder`), and where a long prompt is cut into
-chunks (chunked prefill).
+(`SchedulePolicy`), who is admitted (`PrefillAdder`) against what the running requests keep
+reserved (`NewTokenRatio`), and where a long prompt is cut into chunks (chunked prefill).
 
 Policies (SGLang's `--schedule-policy`): `fcfs` keeps arrival order; `lpm` (longest prefix
 match) puts the requests with the longest cached prefix first, and falls back to fcfs when
@@ -13,17 +13,17 @@ nothing in the cache (no split, no LRU refresh).
 In-batch prefix sharing (every policy): a waiting request whose cached prefix is shorter than
 `IN_BATCH_PREFIX_TOKENS` and whose first `IN_BATCH_PREFIX_TOKENS` tokens equal those of a
 request admitted in the same round waits a round (the later requests may still be admitted):
-its twin's prompt enters the radix cache as soon as its step is planned (the scheduler's
+its twin's prompt enters the radix cache as soon as its step is planned (the batch planner's
 `_share_prompts`), so the next round it reuses the twin's KV instead of computing it too.
 (SGLang's lpm only moves such requests to the back of the queue; the threshold is its
 IN_BATCH_PREFIX_CACHING thresholds' value.) In `lpm`, such requests also sort last.
 
 Admission reserves KV for each running request's remaining output, clipped at
-`CLIP_MAX_NEW_TOKENS` and scaled by the scheduler's new-token ratio (SGLang's estimate of the
-share of max_new_tokens requests really generate: it starts at 0.7 x
+`CLIP_MAX_NEW_TOKENS` and scaled by the new-token ratio (`NewTokenRatio`: SGLang's estimate
+of the share of max_new_tokens requests really generate; it starts at 0.7 x
 --schedule-conservativeness, decays each decode step to 0.14 of that, and is raised again
 by a retraction), and for an admitted request its whole clipped max_new_tokens. When decode
-still runs out of KV the scheduler retracts a request (see engine/retraction.py). Admission
+still runs out of KV the `Retractor` retracts a request (engine/retraction.py). Admission
 matches first without locking (`match_unlocked`), so a request that cannot fit is turned away
 without taking and giving back a lock. A request whose prompt is being
 prefilled in chunks keeps its whole remaining prompt and output reserved, so chunking never
@@ -48,6 +48,10 @@ from pyserve.mem_cache.kv_cache import KVCache
 
 # Output tokens reserved per request at most when admitting (a guess, not a bound).
 CLIP_MAX_NEW_TOKENS = 4096
+# SGLang's defaults for the new-token ratio
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
+NEW_TOKEN_RATIO_DECAY_STEPS = 600
 POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 LPM_MAX_WAITING = 128  # SGLang's limit: above it lpm is fcfs
 IN_BATCH_PREFIX_TOKENS = 32
@@ -111,6 +115,26 @@ def span_tokens(start: int, end: int, page_size: int) -> int:
     """KV slots a request holding positions 0..start-1 takes to hold up to position end-1:
     the whole pages past those it has (a partly used last page already counts)."""
     return -(-end // page_size) * page_size - -(-start // page_size) * page_size
+
+
+class NewTokenRatio:
+    """SGLang's new-token ratio: the share of running requests' remaining max_new_tokens
+    admission reserves (`value`); it decays per decode step (`decay`) from `init_value` to
+    `min_value`, and a retraction raises it again (engine/retraction.py). One object, shared
+    by the batch planner (decay, admission) and the retractor. Loop thread only."""
+
+    __slots__ = ("init_value", "min_value", "decay_per_step", "value")
+
+    def __init__(self, schedule_conservativeness: float = 1.0) -> None:
+        self.init_value = min(INIT_NEW_TOKEN_RATIO * schedule_conservativeness, 1.0)
+        self.min_value = min(self.init_value * MIN_NEW_TOKEN_RATIO_FACTOR, 1.0)
+        self.decay_per_step = (self.init_value - self.min_value) / NEW_TOKEN_RATIO_DECAY_STEPS
+        self.value = self.init_value
+
+    def decay(self) -> None:
+        """A decode step was planned: admission may count on a little less of each running
+        request's remaining output being generated."""
+        self.value = max(self.value - self.decay_per_step, self.min_value)
 
 
 class PrefillAdder:

@@ -9,10 +9,17 @@ HTTP; `overlap=False` (`--disable-overlap-schedule`) awaits each step before pla
 A step's results are processed, and the next step planned and launched, in the loop callback
 that resolves it (`_step_done`); the `run` task only starts an empty pipeline.
 
-One step late: a request whose stop token (or stop string, or abort) is seen when step N's
-results are processed is already in step N+1. Its extra token is dropped and its resources
-are released once, after N+1 (`Req.num_inflight`). A length finish is known when planning, so
-it costs no extra step.
+`Scheduler` is the thin owner of that loop. It wires its collaborators, each an object with
+its own module and state, and keeps the surface the tokenizer manager, the detokenizer and
+the engine use:
+  ScheduleState  schedule_state.py  the requests by where they are (waiting, running, the
+                                    chunked one, every one not yet released by rid)
+  StepPipeline   step_pipeline.py   the steps in flight: launch, results, release of the
+                                    finished (one step late: see there)
+  BatchPlanner   batch_planner.py   the next step: admission, chunked prefill turns, mixed
+                                    chunks, prompt sharing, the new-token ratio
+  Retractor      retraction.py      giving KV back: retraction, priority order, preemption
+  GrammarQueue   grammar_queue.py   requests whose grammar is still compiling
 
 A prefill (EXTEND) step of newly admitted requests holds no running request, so with overlap
 the decode step right behind a prefill that is the newer of two steps in flight is planned
@@ -30,55 +37,27 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
-from operator import attrgetter
 
-import numpy as np
-
-from pyserve.engine.retraction import Retraction
-from pyserve.engine.schedule_batch import Req, ScheduleBatch, decodable
-from pyserve.engine.schedule_policy import PrefillAdder, SchedulePolicy
+from pyserve.constrained import GrammarBackend
+from pyserve.engine.batch_planner import BatchPlanner
+from pyserve.engine.grammar_queue import GrammarQueue
+from pyserve.engine.retraction import Retractor
+from pyserve.engine.schedule_batch import Req
+from pyserve.engine.schedule_policy import NewTokenRatio, SchedulePolicy
+from pyserve.engine.schedule_state import ScheduleState
+from pyserve.engine.step_pipeline import Launched, StepPipeline, TokenOut, token_out
 from pyserve.engine.worker import ModelWorker
-from pyserve.forward_batch_info import FinishReason, ForwardMode, StepOutput, TokenLogprobs
+from pyserve.forward_batch_info import FinishReason, ForwardMode
 from pyserve.io_struct import TokenizedGenerateReq
 from pyserve.mem_cache.kv_cache import KVCache
 
-_REQ_ID = attrgetter("req_id")  # (a decode plan's pass over its requests runs in C)
 logger = logging.getLogger(__name__)
 
-# SGLang's defaults for the new-token ratio
-INIT_NEW_TOKEN_RATIO = 0.7
-MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
-NEW_TOKEN_RATIO_DECAY_STEPS = 600
 
-
-@dataclass(slots=True)
-class TokenOut:
-    """New token ids of one request after one step (to the detokenizer), with their logprobs
-    (output_logprobs: one entry per id of ids_delta) and, once, the prompt's (input_logprobs
-    with the prompt ids they are about, input_logprob_ids) when the request asked."""
-
-    rid: str
-    ids_delta: list[int]
-    finish_reason: FinishReason | None
-    prompt_tokens: int
-    cached_tokens: int
-    output_logprobs: TokenLogprobs | None = None
-    input_logprobs: TokenLogprobs | None = None
-    input_logprob_ids: list[int] | None = None
-
-
-@dataclass
-class Launched:
-    """A step handed to the worker whose results are not processed yet."""
-
-    batch: ScheduleBatch
-    future: asyncio.Future
-
-
-class Scheduler(Retraction):
-    """Owns the waiting queue, the running requests and the KV bookkeeping (giving KV back,
-    by retraction or priority preemption, is `Retraction`'s part)."""
+class Scheduler:
+    """Owns the requests (`state`) and the loop that plans (`planner`), launches and
+    processes (`pipeline`) steps; KV is given back by the `retractor`, grammars wait in the
+    `grammar_queue` (see the module docstring)."""
 
     def __init__(
         self,
@@ -98,48 +77,93 @@ class Scheduler(Retraction):
         low_priority_values_first: bool = False,
         preemption_threshold: int = 10,
         schedule_conservativeness: float = 1.0,
+        grammar_backend: GrammarBackend | None = None,
+        grammar_compile_timeout_s: float = 60.0,
     ) -> None:
         self.kv_cache = kv_cache
         self.worker = worker
         self.context_len = context_len
-        self.max_running_requests = max_running_requests
-        self.max_prefill_tokens = max_prefill_tokens
         self.emit = emit
         self.stats_interval_s = stats_interval_s
         self.overlap = overlap
-        self.chunked_prefill_size = chunked_prefill_size  # None: prompts are never cut
-        self.chunked_req: Req | None = None  # admitted, its prompt partly prefilled
-        self._decode_turn = False  # while a prompt is chunked: a decode step goes next
-        # prefill steps carry the running requests' decode tokens too (SGLang's mixed chunk)
-        self.enable_mixed_chunk = enable_mixed_chunk
-        self.policy = SchedulePolicy(schedule_policy, kv_cache, seed=random_seed)
-        self.enable_priority_scheduling = enable_priority_scheduling
-        self.low_priority_values_first = low_priority_values_first
-        self.preemption_threshold = preemption_threshold
-        # SGLang's new-token ratio: the share of running requests' remaining max_new_tokens
-        # admission reserves; it decays per decode step and a retraction raises it again
-        self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * schedule_conservativeness, 1.0)
-        self.min_new_token_ratio = min(self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR, 1.0)
-        self.new_token_ratio_decay = (
-            self.init_new_token_ratio - self.min_new_token_ratio
-        ) / NEW_TOKEN_RATIO_DECAY_STEPS
-        self.new_token_ratio = self.init_new_token_ratio
+        policy = SchedulePolicy(schedule_policy, kv_cache, seed=random_seed)
+        new_token_ratio = NewTokenRatio(schedule_conservativeness)
         # seeded requests draw from a generator on the model's device
         self.generator_device = str(getattr(getattr(worker, "model_runner", None), "device", "cpu"))
-        self.waiting: deque[Req] = deque()
-        self.running: list[Req] = []
-        self.reqs: dict[str, Req] = {}
-        self.inflight: deque[Launched] = deque()
-        self._to_release: list[Req] = []  # finished, not yet released
-        self._released_rows: list[int] = []  # for the next plan (the worker's sampling rows)
-        self._need_drain = False
+        self.state = ScheduleState()
+        self.pipeline = StepPipeline(kv_cache, worker, self.state, emit, self._step_done)
+        self.retractor = Retractor(
+            kv_cache,
+            self.state,
+            self.pipeline,
+            new_token_ratio,
+            max_running_requests,
+            enable_priority_scheduling,
+            low_priority_values_first,
+            preemption_threshold,
+        )
+        self.planner = BatchPlanner(
+            kv_cache,
+            self.state,
+            self.pipeline,
+            self.retractor,
+            new_token_ratio,
+            policy,
+            max_running_requests,
+            max_prefill_tokens,
+            chunked_prefill_size,
+            enable_mixed_chunk,
+        )
+        # requests whose grammar compiles; they join `waiting` once it is ready
+        self.grammar_queue = GrammarQueue(
+            grammar_backend, grammar_compile_timeout_s, self._admit_compiled, self._fail_unadmitted
+        )
         self._failure: BaseException | None = None  # a bug in a step-done callback
         self._wake = asyncio.Event()
         self._stopping = False
-        self.num_steps = 0
-        self.num_generated_tokens = 0
         self.last_gen_throughput = 0.0  # output tokens/s over the last stats interval
         self._last_stats = (time.monotonic(), 0)
+
+    # ---- what the engine, the server info and the tests read ---------------------------------
+    @property
+    def waiting(self) -> deque[Req]:
+        return self.state.waiting
+
+    @property
+    def running(self) -> list[Req]:
+        return self.state.running
+
+    @property
+    def reqs(self) -> dict[str, Req]:
+        return self.state.reqs
+
+    @property
+    def chunked_req(self) -> Req | None:
+        return self.state.chunked_req
+
+    @property
+    def inflight(self) -> deque[Launched]:
+        return self.pipeline.inflight
+
+    @property
+    def num_steps(self) -> int:
+        return self.pipeline.num_steps
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return self.pipeline.num_generated_tokens
+
+    @property
+    def chunked_prefill_size(self) -> int | None:
+        return self.planner.chunked_prefill_size
+
+    @property
+    def enable_mixed_chunk(self) -> bool:
+        return self.planner.enable_mixed_chunk
+
+    @property
+    def enable_priority_scheduling(self) -> bool:
+        return self.retractor.enable_priority_scheduling
 
     # ---- called by the tokenizer manager / detokenizer (loop thread) ------------------------
     def add_request(self, treq: TokenizedGenerateReq) -> None:
@@ -158,28 +182,67 @@ class Scheduler(Retraction):
         )
         req.quiet = treq.quiet
         req.priority = treq.priority
-        self.reqs[req.rid] = req
+        req.grammar_start_ids = treq.grammar_start_ids
+        self.state.reqs[req.rid] = req
+        grammar = sp.grammar_key
+        if grammar is not None:  # it waits for its grammar; nothing else does
+            self.grammar_queue.add(req, *grammar)
+            return
         # max_new_tokens 0 still prefills, as in SGLang: the prompt's KV enters the radix
         # cache (clients send such requests to cache a prefix) and prompt logprobs are
         # computed; the token sampled after it is dropped.
-        self.waiting.append(req)
+        self.state.waiting.append(req)
         self._wake.set()
 
     def finish_request(self, rid: str, finish_reason: FinishReason) -> None:
         """End a request now (client gone, or a stop string matched). Its KV is released once
         no step in flight holds it; tokens computed meanwhile are dropped. Unknown rids are
         ignored."""
-        req = self.reqs.get(rid)
+        req = self.state.reqs.get(rid)
         if req is None or req.finished:
             return
-        if req.req_id is None:  # still waiting: nothing allocated
+        if req.req_id is None:  # still waiting (for admission or its grammar): nothing allocated
             req.finish_reason = finish_reason
-            self.waiting.remove(req)
-            self._forget(req)
+            if self.grammar_queue.remove(rid) is None:
+                self.state.waiting.remove(req)
+            self.state.forget(req)
         else:  # its KV goes once no step holds it; the consumer hears of the end now
-            self._end(req, finish_reason)
-        self.emit([self._out(req)])
+            self.pipeline.end(req, finish_reason)
+        self.emit([token_out(req)])
         self._wake.set()
+
+    def priority_of(self, priority: int | None) -> int:
+        """A request's priority as the scheduler keeps it (`Retractor.priority_of`)."""
+        return self.retractor.priority_of(priority)
+
+    def bump_least_urgent_waiting(self, priority: int) -> bool:
+        """Queue full, a request of `priority` arrives: with priority scheduling, if it is
+        strictly more urgent than the least urgent waiting request (the newest of equals),
+        that one ends with 503 (its consumer is told) and True lets the new one in."""
+        victim = self.retractor.bumped_by(priority)
+        if victim is None:
+            return False
+        self.finish_request(
+            victim.rid,
+            FinishReason.abort("the request was let go from the full queue for a more urgent one", status_code=503),
+        )
+        return True
+
+    @property
+    def accepts_grammars(self) -> bool:
+        """Whether requests with a grammar are served (a grammar backend is configured)."""
+        return self.grammar_queue.backend is not None
+
+    def _admit_compiled(self, req: Req) -> None:
+        """The grammar queue has the request's grammar: it waits for admission now."""
+        self.state.waiting.append(req)
+        self._wake.set()
+
+    def _fail_unadmitted(self, req: Req, reason: FinishReason) -> None:
+        """A request that holds nothing yet ends (its grammar failed to compile)."""
+        req.finish_reason = reason
+        self.state.forget(req)
+        self.emit([token_out(req)])
 
     def flush_cache(self) -> bool:
         """Empty the radix cache (every cached prefix's KV is freed). Only while no request
@@ -190,14 +253,21 @@ class Scheduler(Retraction):
         return True
 
     def is_idle(self) -> bool:
-        return not self.waiting and not self.running and not self.inflight and self.chunked_req is None
+        state = self.state
+        return (
+            not state.waiting
+            and not state.running
+            and not self.pipeline.inflight
+            and state.chunked_req is None
+            and not self.grammar_queue
+        )
 
     def load(self) -> int:
         """SGLang's load figure: KV slots held by admitted requests (neither free nor
         evictable) plus the prompt tokens of the waiting ones."""
         kv = self.kv_cache
         held = kv.max_total_tokens - kv.free_slots() - kv.evictable_slots()
-        return held + sum(len(r.origin_input_ids) for r in self.waiting)
+        return held + sum(len(r.origin_input_ids) for r in self.state.waiting)
 
     async def stop(self) -> None:
         self._stopping = True
@@ -210,8 +280,9 @@ class Scheduler(Retraction):
         each step's completion processes its results and launches the next step itself
         (`_step_done`, run by the worker's resolve callback), so a finished step never waits
         behind the loop's other ready callbacks before the device gets its next step."""
+        inflight = self.pipeline.inflight
         while not self._stopping:
-            if not self.inflight:
+            if not inflight:
                 self._pump()
             if self._failure is not None:
                 raise self._failure
@@ -223,37 +294,37 @@ class Scheduler(Retraction):
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=self.stats_interval_s)
             self._maybe_log_stats()
-        while self.inflight:  # let the worker finish what it has before we go
+        while inflight:  # let the worker finish what it has before we go
             with contextlib.suppress(Exception):
-                await self.inflight.popleft().future
-        chunked = [self.chunked_req] if self.chunked_req is not None else []
-        for req in list(self.waiting) + self.running + chunked:
+                await inflight.popleft().future
+        state = self.state
+        chunked = [state.chunked_req] if state.chunked_req is not None else []
+        for req in list(state.waiting) + state.running + chunked + self.grammar_queue.take_all():
             if not req.finished:
                 req.finish_reason = FinishReason.abort("server shutting down")
-                self.emit([self._out(req)])
+                self.emit([token_out(req)])
 
     def _pump(self) -> None:
         """Launch steps until the pipeline is full (two in flight with overlap: the next is
         planned while one runs; a third behind a prefill, `_room_behind_prefill`; one
         without) or nothing can run yet. Loop thread."""
+        pipeline = self.pipeline
         depth = 2 if self.overlap else 1
         while not self._stopping:
-            self._release_finished()
+            pipeline.release_finished()
             self._maybe_log_stats()
-            if len(self.inflight) >= depth and not self._room_behind_prefill():
+            if len(pipeline.inflight) >= depth and not self._room_behind_prefill():
                 return
-            batch = None if self._need_drain else self._get_next_batch()
+            batch = None if pipeline.need_drain else self.planner.next_batch()
             if batch is not None:
-                self._launch(batch)
+                pipeline.launch(batch)
                 continue
-            if self.inflight:  # nothing to plan until a step in flight ends
+            if pipeline.inflight:  # nothing to plan until a step in flight ends
                 return
-            drained, self._need_drain = self._need_drain, False
+            drained, pipeline.need_drain = pipeline.need_drain, False
             if drained:  # every token in flight is known now: plan again (maybe retract)
                 continue
-            if self._released_rows:  # idle: the worker drops the rows of who left
-                self.worker.release_rows(self._released_rows)
-                self._released_rows = []
+            pipeline.send_released_rows()
             return
 
     def _room_behind_prefill(self) -> bool:
@@ -262,9 +333,10 @@ class Scheduler(Retraction):
         no request is in two unprocessed steps yet, so planning the next one now keeps the
         one-step-late bound, and the device, done with the short prefill, need not wait for
         the older step's results to be processed first. At most three in flight."""
-        if not self.overlap or len(self.inflight) != 2:
+        inflight = self.pipeline.inflight
+        if not self.overlap or len(inflight) != 2:
             return False
-        newer = self.inflight[-1].batch
+        newer = inflight[-1].batch
         return (
             newer.forward_mode is ForwardMode.EXTEND
             and newer.plan.num_decode_rows == 0
@@ -278,299 +350,31 @@ class Scheduler(Retraction):
         if self._stopping or self._failure is not None:
             return
         try:
-            while self.inflight and self.inflight[0].future.done():
-                self._process_done(self.inflight.popleft())
+            self.pipeline.process_done_steps()
             self._pump()
         except BaseException as exc:
             self._failure = exc
             self._wake.set()
             raise
 
-    def _launch(self, batch: ScheduleBatch) -> None:
-        for req in batch.reqs:
-            req.num_inflight += 1
-            req.num_planned += 1
-        if batch.forward_mode is ForwardMode.EXTEND:  # its prefills join (decode rows are in)
-            prefills = batch.reqs[: len(batch.reqs) - batch.plan.num_decode_rows]
-            self.running.extend(r for r in prefills if r is not batch.partial)
-        if batch.partial is not None:
-            batch.partial.num_planned -= 1  # a prompt chunk plans no output token
-        self.num_steps += 1
-        self.inflight.append(Launched(batch, self.worker.submit(batch.plan, self._step_done)))
-
-    def _process_done(self, launched: Launched) -> None:
-        batch = launched.batch
-        exc = launched.future.exception()
-        if exc is not None:
-            for req in batch.reqs:
-                req.num_inflight -= 1
-                # this step wrote (some of) its KV: never cache it, even for a request that
-                # had finished normally one step before (its stop token's KV is in here)
-                req.kv_invalid = True
-                if not req.finished:
-                    # status_code: a server-side failure, not the client's (HTTP 500)
-                    self._end(req, FinishReason.abort(f"model step failed: {exc}", status_code=500))
-                    self.emit([self._out(req)])
-            return
-        self._process_batch_result(batch, launched.future.result())
-
-    def _get_next_batch(self) -> ScheduleBatch | None:
-        """The next step: a prefill (EXTEND) of admitted waiting requests if any fit (SGLang's
-        prefill-first order), else the running requests' DECODE step, or None."""
-        chunked = self.chunked_req
-        if chunked is not None and chunked.finished:  # aborted mid-prefill: released as usual
-            self.chunked_req = chunked = None
-        if chunked is not None and self._decode_turn and self.running and not self.enable_mixed_chunk:
-            # a long prompt being chunked must not stop the running streams: its chunks and
-            # decode steps take turns
-            self._decode_turn = False
-            batch = self._decode_batch()
-            if batch is not None or self._need_drain:
-                return batch
-        # a full batch admits nothing (unless a more urgent request may preempt): skip the
-        # ordering and the admission pass, which cost O(waiting + running) per step
-        full = (
-            chunked is None and not self.enable_priority_scheduling and len(self.running) >= self.max_running_requests
-        )
-        if (self.waiting and not full) or chunked is not None:
-            self._order_waiting()
-            adder = PrefillAdder(
-                self.kv_cache,
-                self.running,
-                self.max_running_requests,
-                self.max_prefill_tokens,
-                self.chunked_prefill_size,
-                chunked,
-                self.new_token_ratio,
-            )
-            admitted = adder.admit_from(self.waiting)
-            if (
-                not admitted
-                and self.enable_priority_scheduling
-                and self.waiting
-                and chunked is None
-                and self._preempt_for(self.waiting[0])
-            ):
-                self._order_waiting()  # the preempted wait behind it again
-                adder = PrefillAdder(
-                    self.kv_cache,
-                    self.running,
-                    self.max_running_requests,
-                    self.max_prefill_tokens,
-                    self.chunked_prefill_size,
-                    None,
-                    self.new_token_ratio,
-                )
-                admitted = adder.admit_from(self.waiting)
-            if self._need_drain and not admitted:
-                return None
-            self.chunked_req = adder.chunked_req
-            self._decode_turn = self.chunked_req is not None
-            if admitted:
-                batch = self._extend_batch(admitted, self._mixed_decodes(admitted))
-                if batch is not None:
-                    self._share_prompts([r for r in admitted if id(r) in adder.leaders], batch.partial)
-                    return batch
-        if self.running:
-            return self._decode_batch()
-        return None
-
-    def _take_released_rows(self) -> list[int]:
-        rows, self._released_rows = self._released_rows, []
-        return rows
-
-    def _share_prompts(self, leaders: list[Req], partial: Req | None) -> None:
-        """Put the prompts of `leaders` (admitted requests a waiting twin shares a prompt head
-        with) into the radix cache now, so the twin reuses them next round: their KV is
-        computed by the step just planned, which runs before any step of the twin. Skipped
-        when the cache holds more of the prompt than the request locked (another request
-        computed it meanwhile): caching would then swap the request's pages for the cache's
-        under the worker's row. A chunk in progress is cached when its next chunk is planned."""
-        for req in leaders:
-            if req is partial or req.req_id is None:
-                continue
-            kv_len = self.kv_cache.kv_len(req.req_id)
-            stored = req.fill_ids()[:kv_len]
-            if int(self.kv_cache.match_lens([stored])[0]) > req.prefix_len:
-                continue
-            self.kv_cache.cache_unfinished_req(req.req_id, stored)
-
-    def _mixed_decodes(self, admitted: list[Req]) -> list[Req]:
-        """The running requests that decode inside this prefill step (mixed chunk): all that
-        can, unless logprobs are wanted by any (as SGLang, which does not mix them)."""
-        if not self.enable_mixed_chunk or not self.running:
-            return []
-        decodes = decodable(self.running)
-        if any(r.logprob.return_logprob for r in decodes) or any(r.logprob.return_logprob for r in admitted):
-            return []
-        return decodes
-
-    def _extend_batch(self, reqs: list[Req], decodes: list[Req] | None = None) -> ScheduleBatch | None:
-        """The EXTEND step of `reqs` (each up to its `extend_end`) with `decodes` decoding one
-        token each in it, or None, putting `reqs` back to wait, when their pages do not fit
-        after all (without `decodes` first)."""
-        decodes = decodes or []
-        fill = [r.fill_ids() for r in reqs]
-        fill = [f if r.extend_end is None else f[: r.extend_end] for f, r in zip(fill, reqs)]
-        extend_lens = [len(f) - r.prefix_len for f, r in zip(fill, reqs)]
-        ids = [_kv_id(r) for r in reqs]
-        arrays = self.kv_cache.prepare_extend(ids + [_kv_id(r) for r in decodes], extend_lens + [1] * len(decodes))
-        if arrays is None and decodes:
-            decodes = []
-            arrays = self.kv_cache.prepare_extend(ids, extend_lens)
-        if arrays is None:  # admission raced with reservations: put them back
-            for req in reversed(reqs):
-                if req.prefix_len > req.cached_tokens:  # a chunked one: its own chunks are
-                    req.num_retractions += 1  # not what it found cached at admission
-                self._unadmit(req)
-                self.waiting.appendleft(req)
-            self.chunked_req = None  # a chunked one resumes from its cached chunks
-            return None
-        partial = self.chunked_req if self.chunked_req in reqs else None
-        return ScheduleBatch.extend(reqs, fill, arrays, self._take_released_rows(), self.num_steps, partial, decodes)
-
-    def _decode_batch(self) -> ScheduleBatch | None:
-        while True:
-            reqs = decodable(self.running)
-            if not reqs:
-                return None
-            req_ids = np.fromiter(map(_REQ_ID, reqs), dtype=np.int64, count=len(reqs))
-            arrays = self.kv_cache.prepare_decode(req_ids)
-            if arrays is not None:
-                self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
-                return ScheduleBatch.decode(reqs, arrays, self._take_released_rows(), self.num_steps)
-            if self.inflight:  # retract only once every token in flight is known
-                self._need_drain = True
-                return None
-            self._retract()
-
-    def _unadmit(self, req: Req) -> None:
-        self.kv_cache.abort_req(_kv_id(req))
-        req.req_id, req.req_pool_idx, req.prefix_len, req.extend_end = None, None, 0, None
-
-    def _process_batch_result(self, batch: ScheduleBatch, result: StepOutput) -> None:
-        """Append each request's new token, decide who finished, emit TokenOuts."""
-        outs = []
-        failed = set(result.failed_rows) if result.failed_rows else ()
-        ids = result.next_token_ids.tolist()
-        with_logprobs = result.output_logprobs is not None or result.input_logprobs is not None
-        generated = 0
-        for i, (req, token) in enumerate(zip(batch.reqs, ids)):
-            req.num_inflight -= 1
-            if req is batch.partial:  # a prompt chunk: its token is not an output
-                continue
-            if req.finish_reason is not None:  # ended while the step ran: drop the extra token
-                req.dropped_ids.append(token)
-                continue
-            if i in failed:  # its own parameters left nothing to sample: it alone fails
-                self._end(
-                    req,
-                    FinishReason.abort(
-                        "the sampling parameters leave no token to sample at output token "
-                        f"{len(req.output_ids)} (every logit banned, or a bias or penalty overflowed)",
-                        status_code=400,
-                    ),
-                )
-                outs.append(self._out(req))
-                continue
-            if req.max_new_tokens == 0:  # a prefill-only request: no output token
-                self._end(req, FinishReason.length_limit(0))
-                req.dropped_ids.append(token)
-                token_out = self._out(req)
-                self._add_input_logprobs(token_out, req, result, i)
-                outs.append(token_out)
-                continue
-            output_ids = req.output_ids
-            output_ids.append(token)
-            generated += 1
-            if token in req.stop_token_ids or len(output_ids) >= req.max_new_tokens:
-                req.check_finished()  # (only these two can end it: see its docstring)
-            if req.finish_reason is not None:
-                self._to_release.append(req)
-            elif req.quiet:
-                continue  # its tokens go to the detokenizer once, when it ends
-            out = self._out(req)
-            if with_logprobs:
-                if result.output_logprobs is not None:
-                    out.output_logprobs = result.output_logprobs[i]
-                self._add_input_logprobs(out, req, result, i)
-            outs.append(out)
-        self.num_generated_tokens += generated
-        if outs:
-            self.emit(outs)
-
-    @staticmethod
-    def _add_input_logprobs(out: TokenOut, req: Req, result: StepOutput, i: int) -> None:
-        """Attach row i's prompt logprobs (once per request) to its TokenOut."""
-        if result.input_logprobs is not None and result.input_logprobs[i] is not None:
-            out.input_logprobs = result.input_logprobs[i]
-            out.input_logprob_ids = req.origin_input_ids[req.logprob.logprob_start_len :].tolist()
-            req.input_logprobs_done = True
-
-    def _end(self, req: Req, reason: FinishReason) -> None:
-        """An admitted request ends: it is released once no step in flight holds it."""
-        req.finish_reason = reason
-        self._to_release.append(req)
-
-    def _release_finished(self) -> None:
-        """Return the KV of finished requests that no step in flight holds: cached for normal
-        finishes, freed for aborts. Each is released exactly once."""
-        if not self._to_release:
-            return
-        pending, released = [], set()
-        for req in self._to_release:
-            if req.num_inflight > 0:
-                pending.append(req)
-                continue
-            if req.req_id is not None:
-                if req.finish_reason.is_abort or req.kv_invalid:  # type: ignore[union-attr]
-                    self.kv_cache.abort_req(req.req_id)
-                else:
-                    kv_len = self.kv_cache.kv_len(req.req_id)
-                    self.kv_cache.cache_finished_req(req.req_id, req.kv_token_ids(kv_len))
-                assert req.req_pool_idx is not None  # admitted: it holds a row
-                self._released_rows.append(req.req_pool_idx)
-                req.req_id = req.req_pool_idx = None
-            released.add(id(req))
-            self._forget(req)
-        self._to_release = pending
-        if released:
-            self.running = [r for r in self.running if id(r) not in released]
-
-    def _forget(self, req: Req) -> None:
-        if self.reqs.get(req.rid) is req:  # the rid may already name a newer request
-            del self.reqs[req.rid]
-
-    def _out(self, req: Req) -> TokenOut:
-        """The request's output tokens not handed on yet (one per step, or all of a quiet
-        request's at its end) and its finish reason."""
-        start, req.num_emitted = req.num_emitted, len(req.output_ids)
-        ids = req.output_ids[start:] if start < req.num_emitted else []
-        return TokenOut(req.rid, ids, req.finish_reason, len(req.origin_input_ids), req.cached_tokens)
-
     def _maybe_log_stats(self) -> None:
         now = time.monotonic()
         last_t, last_n = self._last_stats
         if now - last_t < self.stats_interval_s:
             return
-        self._last_stats = (now, self.num_generated_tokens)
-        self.last_gen_throughput = (self.num_generated_tokens - last_n) / (now - last_t)
-        if self.is_idle() and self.num_generated_tokens == last_n:
+        num_generated = self.pipeline.num_generated_tokens
+        self._last_stats = (now, num_generated)
+        self.last_gen_throughput = (num_generated - last_n) / (now - last_t)
+        if self.is_idle() and num_generated == last_n:
             return
         total = self.kv_cache.max_total_tokens
         used = total - self.kv_cache.free_slots()
         logger.info(
             "running=%d queued=%d kv_used=%d/%d (%.1f%%) gen_throughput=%.1f tok/s",
-            len(self.running),
-            len(self.waiting),
+            len(self.state.running),
+            len(self.state.waiting),
             used,
             total,
             100.0 * used / total,
             self.last_gen_throughput,
         )
-
-
-def _kv_id(req: Req) -> int:
-    """The Rust core's id of an admitted request (set at admission, None once released)."""
-    assert req.req_id is not None
-    return req.req_id

@@ -57,6 +57,8 @@ def server_info(core: EngineCore) -> dict[str, Any]:
             "num_inflight_steps": len(sched.inflight),
             "num_req_rows_used": kv.num_reqs(),
             "num_sampling_rows_live": core.worker.num_live_sampling_rows,
+            "num_grammar_rows_live": core.worker.num_live_grammar_rows,
+            "num_grammar_queue_reqs": len(sched.grammar_queue),
             "num_generated_tokens": sched.num_generated_tokens,
         }
     )

@@ -234,7 +234,17 @@ class TokenizerManager:
                     code="context_length_exceeded",
                 )
         stop_ids = set(sp.stop_token_ids or ())
-        if not sp.ignore_eos:
+        grammar_start_ids = None
+        if sp.grammar_key is not None:
+            if not self.scheduler.accepts_grammars:
+                kind = sp.grammar_key[0]
+                raise InvalidRequestError(
+                    f"{kind}: structured output is off on this server (--grammar-backend none)", param=kind
+                )
+            if req.grammar_start_text:
+                grammar_start_ids = tuple(int(t) for t in await self.encode(req.grammar_start_text, False))
+        if not sp.ignore_eos or sp.grammar_key is not None:
+            # a grammar that ended allows only EOS: it ends the request even with ignore_eos
             stop_ids |= self.eos_token_ids
         lp = req.logprob
         for name, token_ids in (
@@ -264,7 +274,16 @@ class TokenizerManager:
                 "priority scheduling is not enabled (--enable-priority-scheduling)", param="priority"
             )
         priority = self.scheduler.priority_of(req.priority)
-        return TokenizedGenerateReq(req.rid, ids, sp, frozenset(stop_ids), lp, quiet=quiet, priority=priority)
+        return TokenizedGenerateReq(
+            req.rid,
+            ids,
+            sp,
+            frozenset(stop_ids),
+            lp,
+            quiet=quiet,
+            priority=priority,
+            grammar_start_ids=grammar_start_ids or None,
+        )
 
     async def generate(
         self, req: SingleReq, tokenized: TokenizedGenerateReq | None = None
@@ -372,7 +391,10 @@ def failure_of(out: GenerateOutput) -> InvalidRequestError | ModelStepError | No
     if status >= 500:
         return ModelStepError(reason.message or "the model step failed")  # type: ignore[union-attr]
     if status >= 400:
-        return InvalidRequestError(reason.message or "invalid request", param="sampling_params")  # type: ignore[union-attr]
+        return InvalidRequestError(
+            reason.message or "invalid request",  # type: ignore[union-attr]
+            param=reason.param or "sampling_params",  # type: ignore[union-attr]
+        )
     return None
 
 

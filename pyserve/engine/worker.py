@@ -79,6 +79,11 @@ class ModelWorker:
         """Requests whose sampling rows the worker holds (0 once idle: the leak check)."""
         return self.state.sampling.num_live
 
+    @property
+    def num_live_grammar_rows(self) -> int:
+        """Requests whose grammar matchers the worker holds (0 once idle: the leak check)."""
+        return self.state.grammar.num_live
+
     def submit(self, plan: StepPlan, done: Callable[[asyncio.Future], None] | None = None) -> asyncio.Future:
         """Queue one step. The future resolves to a StepOutput (next token ids, logprobs), or
         to the exception the step raised; `done(future)` is then called at once, in the same
@@ -156,7 +161,8 @@ class ModelWorker:
             plan, loop, future, done = item
             result: StepOutput | Exception
             if future is None:  # a release without a step
-                self.state.sampling.release_rows(plan)
+                self.state.grammar.flush()
+                self.state.release_rows(plan)
                 continue
             try:
                 if stream is not None:
@@ -187,9 +193,15 @@ class ModelWorker:
         runner = self.model_runner
         batch = self.state.forward_batch(plan)
         logits = runner.forward(batch)
+        grammar = self.state.grammar
+        if grammar.num_live:  # after the launch: only sampling waits for the matchers
+            assert batch.sampling_info is not None
+            grammar.prepare(batch.sampling_info, plan.req_pool_indices)
         next_ids, failed = runner.sample_next(logits, batch)
         ids = self.state.record_sampled(plan, batch, next_ids)  # [B] int32, what the host gets
         if not self._cuda:
+            if grammar.num_live:
+                grammar.record(ids.numpy())
             failed_np = failed.numpy()
             out = StepOutput(
                 next_token_ids=ids.numpy(), failed_rows=np.flatnonzero(failed_np).tolist() if failed_np.any() else []
@@ -204,6 +216,8 @@ class ModelWorker:
         copied.record()
         out = StepOutput(next_token_ids=ids_host.numpy())
         runner.add_logprobs(out, logits, batch, next_ids)
+        if grammar.num_live:  # the matchers take these ids before the next step samples
+            grammar.record(out.next_token_ids, copied.synchronize)
 
         def wait() -> None:  # completer thread: the copies landed, then the failed rows
             copied.synchronize()

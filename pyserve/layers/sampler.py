@@ -1,7 +1,7 @@
 """Pick the next token of each request from its logits, every request with its own parameters
-in one batch: logit bias, repetition / frequency / presence penalties and the min_new_tokens
-stop-token mask adjust the logits; then greedy, or temperature + top-k + top-p + min-p sampling
-with an optional per-request torch.Generator."""
+in one batch: repetition / frequency / presence penalties, the min_new_tokens stop-token mask,
+grammar masks and logit bias adjust the logits; then greedy, or temperature + top-k + top-p +
+min-p sampling with an optional per-request torch.Generator."""
 
 from __future__ import annotations
 
@@ -9,27 +9,26 @@ import torch
 
 from pyserve.device_copy import to_device
 from pyserve.forward_batch_info import SamplingBatchInfo
+from pyserve_kernels import apply_token_bitmask_
 
 
 def apply_logit_adjustments(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-    """Logits [B, vocab] float32 after the batch's logit bias, penalties and bans, in this
-    order (each a no-op when `info` carries no such request):
+    """Logits [B, vocab] float32 after the batch's logit processors, in SGLang's order (each a
+    no-op when `info` carries no such request):
 
-    1. logit_bias: logits[row, id] += value.
-    2. repetition penalty (CTRL, Keskar et al. 2019, as HF's RepetitionPenaltyLogitsProcessor):
+    1. repetition penalty (CTRL, Keskar et al. 2019, as HF's RepetitionPenaltyLogitsProcessor):
        for every token seen in the prompt or output (seen_token_mask), a positive logit is divided by the
        penalty and a negative one multiplied by it.
-    3. frequency / presence penalties (OpenAI API semantics): logit -= frequency * count
+    2. frequency / presence penalties (OpenAI API semantics): logit -= frequency * count
        - presence * (count > 0), count = occurrences among the output tokens so far
        (output_token_counts).
-    4. banned tokens (stop tokens before min_new_tokens) become -inf.
+    3. banned tokens (stop tokens before min_new_tokens) become -inf.
+    4. grammar masks (structured output): in the rows under a grammar, every token the grammar
+       does not allow next becomes -inf (`pyserve_kernels.apply_token_bitmask_`).
+    5. logit_bias: logits[row, id] += value.
     Returns `logits` itself when nothing applies, else a new tensor (the input is not mutated).
     """
     out = logits
-    if info.logit_bias_rows is not None:
-        assert info.logit_bias_ids is not None and info.logit_bias_values is not None
-        out = out.clone()
-        out.index_put_((info.logit_bias_rows, info.logit_bias_ids), info.logit_bias_values, accumulate=True)
     if info.repetition_penalties is not None and info.seen_token_mask is not None:
         penalty = info.repetition_penalties[:, None]
         penalized = torch.where(out > 0, out / penalty, out * penalty)
@@ -44,6 +43,14 @@ def apply_logit_adjustments(logits: torch.Tensor, info: SamplingBatchInfo) -> to
     if info.banned_rows is not None:
         out = out.clone() if out is logits else out
         out[info.banned_rows, info.banned_ids] = float("-inf")
+    if info.grammar_bitmask is not None:
+        assert info.grammar_rows is not None  # set together
+        out = out.clone() if out is logits else out
+        apply_token_bitmask_(out, info.grammar_bitmask, info.grammar_rows)
+    if info.logit_bias_rows is not None:
+        assert info.logit_bias_ids is not None and info.logit_bias_values is not None
+        out = out.clone() if out is logits else out
+        out.index_put_((info.logit_bias_rows, info.logit_bias_ids), info.logit_bias_values, accumulate=True)
     return out
 
 

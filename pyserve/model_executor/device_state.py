@@ -16,6 +16,7 @@ import torch
 
 from pyserve.device_copy import to_device
 from pyserve.forward_batch_info import ForwardBatch, ForwardMode, StepPlan
+from pyserve.model_executor.grammar_rows import GrammarRows
 from pyserve.model_executor.sampling_rows import SamplingRows
 
 
@@ -25,6 +26,7 @@ class DeviceState:
     req_to_token: [num_rows, row_width] int32 KV slots (0 where unused: the padding slot).
     token_table:  [num_rows] int32 last sampled token of each row.
     sampling:     SamplingRows of the same rows.
+    grammar:      GrammarRows of the same rows (the matchers of requests with a grammar).
     Every index array of a step is int32, from the Rust core through the plan to these
     tables: num_rows * row_width stays below 2^31 (ValueError otherwise, as in the Rust
     core), so rows, positions and flat offsets into req_to_token fit.
@@ -40,6 +42,12 @@ class DeviceState:
         self._req_to_token_flat = self.req_to_token.view(-1)  # the same memory, indexed flat
         self.token_table = torch.zeros(num_rows, dtype=torch.int32, device=device)
         self.sampling = SamplingRows(num_rows, vocab_size, device)
+        self.grammar = GrammarRows(num_rows, vocab_size, device)
+
+    def release_rows(self, rows: list[int]) -> None:
+        """Drop the sampling and grammar state of requests that left."""
+        self.sampling.release_rows(rows)
+        self.grammar.release_rows(rows)
 
     def forward_batch(self, plan: StepPlan) -> ForwardBatch:
         """Apply `plan` to the tables (row releases and starts, new slots) and return the
@@ -54,12 +62,13 @@ class DeviceState:
         index_put_ (`t[idx] = v`), which takes int32 indices; index_copy_ would need int64."""
         # the requests that left are gone whether or not this plan holds: a refused plan must
         # not keep their sampling rows live (a later request on the row could not start)
-        self.sampling.release_rows(plan.released_rows)
+        self.release_rows(plan.released_rows)
         batch_size = plan.batch_size
         row_width = self.req_to_token.shape[1]
         if batch_size and int(plan.seq_lens.max()) > row_width:  # the flat index would spill
             raise ValueError(f"a request's {int(plan.seq_lens.max())} tokens exceed its row of {row_width}")
         self.sampling.set_rows(plan.new_sampling_rows)
+        self.grammar.set_rows(plan.new_sampling_rows)
         extend = plan.forward_mode is ForwardMode.EXTEND
         rows_np = plan.req_pool_indices
         parts = [rows_np, plan.seq_lens, plan.positions, plan.out_cache_loc]

@@ -119,7 +119,9 @@ class SimulatedRunner:
 
     def sample_next(self, logits: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """[B] int64 seeded ids, never EOS (the next B of the seeded stream); the failed-row
-        mask [B] bool (all False). Raises ValueError for B > the stream's length."""
+        mask [B] bool (all False). A row under a grammar takes its stream id when the grammar
+        allows it, else the lowest allowed id (EOS too, once the grammar ends). Raises
+        ValueError for B > the stream's length."""
         size, start = batch.batch_size, self._cursor
         if size > _STREAM_LEN:
             raise ValueError(f"a batch of {size} exceeds the simulated id stream ({_STREAM_LEN})")
@@ -130,6 +132,12 @@ class SimulatedRunner:
             end -= _STREAM_LEN
             ids = np.concatenate((self._stream[start:], self._stream[:end]))
         self._cursor = end
+        info = batch.sampling_info
+        if info is not None and info.grammar_bitmask is not None and info.grammar_rows is not None:
+            ids = ids.copy()
+            masks = info.grammar_bitmask.numpy().view(np.uint32)
+            for mask, row in zip(masks, info.grammar_rows.tolist()):
+                ids[row] = _allowed_id(mask, int(ids[row]))
         return torch.from_numpy(ids), self._no_failures[:size]
 
     def add_logprobs(self, out: StepOutput, logits: torch.Tensor, batch: ForwardBatch, next_ids: torch.Tensor) -> None:
@@ -148,3 +156,15 @@ class SimulatedRunner:
         with self._lock:
             self._busy_s = 0.0
             self.num_steps = 0
+
+
+def _allowed_id(mask: np.ndarray, token: int) -> int:
+    """`token` if the bitmask `mask` ([ceil(vocab / 32)] uint32, bit j of word w allows id
+    32 * w + j) allows it, else the lowest allowed id (0 when none is)."""
+    if (int(mask[token >> 5]) >> (token & 31)) & 1:
+        return token
+    words = np.flatnonzero(mask)
+    if words.shape[0] == 0:
+        return 0
+    word = int(mask[words[0]])
+    return int(words[0]) * 32 + ((word & -word).bit_length() - 1)

@@ -8,6 +8,7 @@ control routes (/get_server_info, /get_model_info, /flush_cache, /abort_request,
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -143,10 +144,6 @@ def test_native_unsupported_fields_are_refused_by_name(server, field, value):
 @pytest.mark.parametrize(
     "field,value",
     [
-        ("regex", "a|b"),
-        ("json_schema", "{}"),
-        ("ebnf", "root ::= 'a'"),
-        ("structural_tag", "{}"),
         ("spaces_between_special_tokens", False),
         ("custom_params", {"a": 1}),
     ],
@@ -157,20 +154,35 @@ def test_native_unsupported_sampling_fields_are_refused_by_name(server, field, v
     assert r.json()["error"]["param"] == f"sampling_params.{field}"
 
 
+@pytest.mark.parametrize(
+    "field,good,check,bad",
+    [
+        ("regex", "(ab|cd){2}", lambda text: re.fullmatch("(ab|cd){2}", text), "(ab"),
+        ("json_schema", '{"type": "boolean"}', lambda text: json.loads(text) in (True, False), '{"type": 1}'),
+        ("ebnf", 'root ::= "a" | "b"', lambda text: text in ("a", "b"), 'root ::= "a'),
+        ("structural_tag", None, None, "{}"),
+    ],
+)
+def test_native_grammar_fields_are_followed_or_refused_with_the_compilers_reason(server, field, good, check, bad):
+    if good is not None:
+        r = post(server, "/generate", {"text": "hi", "sampling_params": {field: good, "max_new_tokens": 16}})
+        assert r.status_code == 200, r.text
+        assert check(r.json()["text"]), r.json()
+    for _ in range(2):  # the second answer comes from the compile cache
+        r = post(server, "/generate", {"text": "hi", "sampling_params": {field: bad}})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == field
+        assert r.json()["error"]["message"].startswith(f"{field}: invalid ")
+
+
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
 @pytest.mark.parametrize(
     "field,value",
     [
-        ("regex", "a|b"),
-        ("ebnf", "root ::= 'a'"),
-        ("json_schema", {"type": "object"}),
-        ("structural_tag", "{}"),
-        ("guided_json", {"type": "object"}),
-        ("guided_regex", "a"),
-        ("guided_choice", ["a", "b"]),
-        ("guided_grammar", "g"),
-        ("response_format", {"type": "json_object"}),
-        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("guided_whitespace_pattern", r"\s*"),
+        ("guided_choice", []),
+        ("response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
+        ("functions", [{"name": "f"}]),
         ("use_beam_search", True),
         ("lora_path", "a"),
         ("spaces_between_special_tokens", False),

@@ -243,7 +243,7 @@ def test_openai_echo_of_invalid_ids_and_unsupported_fields(server):
         ("tools", [{"type": "function"}]),
         ("logit_bias", {"99999": 1}),
         ("best_of", 2),
-        ("response_format", {"type": "json_object"}),
+        ("response_format", {"type": "json_schema"}),
     ):
         r = post(server, "/v1/completions", {"prompt": "hi", field: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == field

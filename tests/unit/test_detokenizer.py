@@ -7,7 +7,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from pyserve.engine.detokenizer import Detokenizer
-from pyserve.engine.scheduler import TokenOut
+from pyserve.engine.step_pipeline import TokenOut
 from pyserve.forward_batch_info import FinishReason
 
 

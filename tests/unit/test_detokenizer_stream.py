@@ -12,7 +12,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from pyserve.engine.detokenizer import Detokenizer
-from pyserve.engine.scheduler import TokenOut
+from pyserve.engine.step_pipeline import TokenOut
 from pyserve.forward_batch_info import FinishReason
 
 TEXT = (

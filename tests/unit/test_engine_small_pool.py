@@ -86,3 +86,25 @@ def test_32_requests_through_a_pool_for_8(stories_path, stories_reference):
         assert eng.core.scheduler.num_steps > 64  # they took turns
     finally:
         eng.shutdown()
+
+
+def test_retracted_grammar_requests_resume_their_grammar(engine, stories_path, stories_reference, monkeypatch, caplog):
+    """Grammar requests retracted mid-output resume with their matcher replaying the output
+    so far: the same ids as on a pool where nothing is retracted, and nothing leaks."""
+    from pyserve.engine import schedule_policy
+
+    cases = stories_reference[1:] * 2
+    params = [{"temperature": 0, "max_new_tokens": 64, "regex": "[a-z ]{40}[0-9]{20}"} for _ in cases]
+    roomy = make_stories_engine(stories_path, 4096)
+    try:
+        want = roomy.generate(input_ids=[c["input_ids"] for c in cases], sampling_params=params)
+    finally:
+        roomy.shutdown()
+    monkeypatch.setattr(schedule_policy, "CLIP_MAX_NEW_TOKENS", 4)  # admit far more than fits
+    with caplog.at_level("WARNING", logger="pyserve.engine.scheduler"):
+        outs = engine.generate(input_ids=[c["input_ids"] for c in cases], sampling_params=params)
+    assert any("retracted" in r.getMessage() for r in caplog.records)
+    assert [o["output_ids"] for o in outs] == [w["output_ids"] for w in want]
+    assert all(len(o["text"]) == 60 and o["meta_info"]["finish_reason"]["type"] == "stop" for o in outs)
+    info = wait_engine_idle(engine)
+    assert info["kv_free_slots"] + info["kv_evictable_slots"] == POOL

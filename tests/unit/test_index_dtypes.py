@@ -86,7 +86,7 @@ def test_index_arrays_are_int32_from_the_rust_core_to_the_device_with_no_convers
 
     async def body() -> None:
         h = Harness(overlap=False)
-        h.sched.enable_mixed_chunk = True
+        h.sched.planner.enable_mixed_chunk = True
         for name in ("prepare_extend", "prepare_decode"):
             real = getattr(h.kv, name)
 

@@ -406,7 +406,7 @@ def test_pool_full_with_a_step_in_flight_drains_then_retracts_without_waiting():
 
         h.kv.prepare_decode = full_twice
         await h.step([11, 21])  # decode 1 done; planning decode 3 finds the pool full
-        assert h.sched._need_drain and len(calls) == 1
+        assert h.sched.pipeline.need_drain and len(calls) == 1
         await h.step([12, 22])  # the drain: decode 2 processed, then at once: full again with
         # nothing in flight, so by SGLang's rule a (as many outputs as b, the longer prompt) is
         # retracted and b goes on, with no new request or wake-up needed
@@ -419,7 +419,7 @@ def test_pool_full_with_a_step_in_flight_drains_then_retracts_without_waiting():
         assert h.sched.reqs["b"].num_retractions == 0
         # SGLang's new estimate after a retraction: (b's 2 tokens + 20 steps) / its 6, at most
         # 1; then the two decode steps planned right after it decayed it twice
-        assert h.sched.new_token_ratio == pytest.approx(1.0 - 2 * (0.7 - 0.098) / 600)
+        assert h.sched.planner.new_token_ratio.value == pytest.approx(1.0 - 2 * (0.7 - 0.098) / 600)
         # a's computed tokens were cached: it resumes by prefilling only its last token
         resume = h.worker.plans[-2] if h.worker.plans[-1].forward_mode.name == "DECODE" else h.worker.plans[-1]
         assert resume.forward_mode.name == "EXTEND" and resume.extend_lens.tolist() == [1]
@@ -448,16 +448,17 @@ def test_new_token_ratio_decays_and_decides_admission():
         h = Harness()
         sched = h.sched
         init = min(0.7 * conservativeness, 1.0)
-        sched.init_new_token_ratio = sched.new_token_ratio = init
-        sched.min_new_token_ratio = init * 0.14
-        sched.new_token_ratio_decay = (init - init * 0.14) / 600
+        ratio = sched.planner.new_token_ratio
+        ratio.init_value = ratio.value = init
+        ratio.min_value = init * 0.14
+        ratio.decay_per_step = (init - init * 0.14) / 600
         sched.add_request(treq("a", list(range(1, 11)), max_new_tokens=50))
         sched.add_request(treq("b", list(range(20, 30)), max_new_tokens=40))
         await h.start()
         # round 1: a needs 10 + 50 of the 100 slots; b (10 + 40) does not fit beside it.
         # round 2 (a running, 90 slots left): a keeps 50 x ratio; b fits at 0.7 (35), not at 1.0
         modes = [p.forward_mode.name for p in h.worker.plans[:2]]
-        ratio_after = sched.new_token_ratio
+        ratio_after = ratio.value
         await h.stop()
         return modes, ratio_after, init
 
@@ -473,8 +474,9 @@ def test_new_token_ratio_decays_and_decides_admission():
 
 def test_scheduler_default_new_token_ratio():
     h = Harness()
-    assert h.sched.new_token_ratio == 0.7 and h.sched.min_new_token_ratio == pytest.approx(0.098)
-    assert h.sched.new_token_ratio_decay == pytest.approx((0.7 - 0.098) / 600)
+    ratio = h.sched.planner.new_token_ratio
+    assert ratio.value == 0.7 and ratio.min_value == pytest.approx(0.098)
+    assert ratio.decay_per_step == pytest.approx((0.7 - 0.098) / 600)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])

@@ -206,7 +206,7 @@ def test_page_aligned_chunks():
 class MixedHarness(ChunkHarness):
     def __init__(self, overlap: bool = False) -> None:
         super().__init__(overlap=overlap)
-        self.sched.enable_mixed_chunk = True
+        self.sched.planner.enable_mixed_chunk = True
 
 
 def test_mixed_chunk_carries_the_decodes_in_each_prefill_step():

@@ -20,12 +20,14 @@ class PriorityHarness(Harness):
 
     def __init__(self, low_first: bool = False) -> None:
         super().__init__()
-        self.sched.enable_priority_scheduling = True
-        self.sched.low_priority_values_first = low_first
-        self.sched.preemption_threshold = 10
+        retractor = self.sched.retractor
+        retractor.enable_priority_scheduling = True
+        retractor.low_priority_values_first = low_first
+        retractor.preemption_threshold = 10
         self.extends: list[list[tuple[str, int]]] = []
         self.retracted: list[str] = []
-        launch, send_back = self.sched._launch, self.sched._send_back
+        pipeline = self.sched.pipeline
+        launch, send_back = pipeline.launch, retractor.send_back
 
         def recording_launch(batch):
             if batch.forward_mode.name == "EXTEND":
@@ -36,7 +38,7 @@ class PriorityHarness(Harness):
             self.retracted.append(req.rid)
             send_back(req)
 
-        self.sched._launch, self.sched._send_back = recording_launch, recording_send_back
+        pipeline.launch, retractor.send_back = recording_launch, recording_send_back
 
     async def drain(self) -> None:
         token = 100
@@ -107,7 +109,7 @@ def test_an_urgent_request_preempts_the_least_urgent_newest_running_one():
 def test_a_request_without_priority_is_the_least_urgent():
     h = PriorityHarness()
     assert h.sched.priority_of(None) == -(2**63) and h.sched.priority_of(3) == 3
-    h.sched.low_priority_values_first = True
+    h.sched.retractor.low_priority_values_first = True
     assert h.sched.priority_of(None) == 2**63 - 1
-    h.sched.enable_priority_scheduling = False
+    h.sched.retractor.enable_priority_scheduling = False
     assert h.sched.priority_of(7) == 0  # off: every request is equal

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from pyserve.forward_batch_info import ForwardMode
+from pyserve.forward_batch_info import ForwardMode, SamplingBatchInfo
 from pyserve.model_executor.simulated_runner import SimulatedRunner
 from tests.conftest import REPO
 
@@ -23,6 +23,7 @@ class _Batch:
         self.forward_mode = mode
         self.batch_size = batch_size
         self.input_ids = torch.zeros(num_tokens, dtype=torch.int64)
+        self.sampling_info: SamplingBatchInfo | None = None
 
 
 def test_step_times_ids_and_busy_accounting():
@@ -185,3 +186,28 @@ def test_submit_returns_once_the_worker_launched_the_step():
         asyncio.run(body())
     finally:
         worker.shutdown()
+
+
+def test_grammar_rows_take_an_allowed_id():
+    """A row under a grammar keeps its stream id when the mask allows it, else takes the
+    lowest allowed id; other rows keep theirs."""
+    runner = SimulatedRunner(vocab_size=100, eos_token_ids={0}, max_total_tokens=64, context_len=32, seed=3)
+    free = runner.sample_next(torch.empty(0), _Batch(ForwardMode.DECODE, 3, 3))[0].tolist()
+    runner._cursor = 0  # the same three stream ids again
+    allowed = torch.zeros(3, 100, dtype=torch.bool)
+    allowed[0, free[0]] = True  # row 0: its own id is allowed
+    allowed[1, [71, 40]] = True  # row 2 (mask row 1): only 40 and 71
+    bits = torch.zeros(3, 4 * 32, dtype=torch.int64)
+    bits[:, :100] = allowed.to(torch.int64)
+    packed = (bits.view(3, 4, 32) << torch.arange(32)).sum(-1)
+    batch = _Batch(ForwardMode.DECODE, 3, 3)
+    zeros = torch.zeros(3)
+    batch.sampling_info = SamplingBatchInfo(
+        temperatures=zeros,
+        top_ps=zeros,
+        top_ks=zeros.long(),
+        grammar_bitmask=torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)[:2],
+        grammar_rows=torch.tensor([0, 2], dtype=torch.int32),
+    )
+    ids = runner.sample_next(torch.empty(0), batch)[0].tolist()
+    assert ids == [free[0], free[1], 40 if free[2] not in (40, 71) else free[2]]

@@ -9,14 +9,15 @@ use std::ops::Range;
 
 use numpy::ndarray::{Axis, Dimension};
 use numpy::{
-    Element, PyReadonlyArray, PyReadonlyArray1, PyReadonlyArray3, PyReadonlyArrayDyn,
-    PyReadwriteArray, PyReadwriteArray3, PyReadwriteArrayDyn, PyUntypedArrayMethods,
+    Element, PyReadonlyArray, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3,
+    PyReadonlyArrayDyn, PyReadwriteArray, PyReadwriteArray2, PyReadwriteArray3,
+    PyReadwriteArrayDyn, PyUntypedArrayMethods,
 };
 use pyo3::exceptions::{PyIndexError, PyValueError};
 use pyo3::prelude::*;
 
 use crate::decode_attention::{self as kernel, DecodeAttentionError, DecodeAttentionShape};
-use crate::{activation, norm, rotary, store_kv as kv_store};
+use crate::{activation, norm, rotary, store_kv as kv_store, token_bitmask};
 
 fn not_c_contiguous(name: &str) -> PyErr {
     PyValueError::new_err(format!("{name} must be C-contiguous"))
@@ -48,6 +49,16 @@ fn c_slice_mut<'a, T: Element, D: Dimension>(
 fn span<T>(s: &[T]) -> Range<usize> {
     let start = s.as_ptr() as usize;
     start..start + std::mem::size_of_val(s)
+}
+
+/// Byte addresses from the first to the last of several rows (the rows of a strided array).
+fn rows_span<T>(rows: &[&[T]]) -> Range<usize> {
+    let spans: Vec<Range<usize>> = rows
+        .iter()
+        .map(|r| span(r))
+        .filter(|r| !r.is_empty())
+        .collect();
+    spans.iter().map(|r| r.start).min().unwrap_or(0)..spans.iter().map(|r| r.end).max().unwrap_or(0)
 }
 
 /// ValueError unless each written range is disjoint from every other argument's range.
@@ -338,15 +349,6 @@ fn store_kv(
     let loc = c_slice("loc", &loc)?;
     let kb = c_slice_mut("k_buffer", &mut k_buffer)?;
     let vb = c_slice_mut("v_buffer", &mut v_buffer)?;
-    let rows_span = |rows: &[&[f32]]| {
-        let spans: Vec<Range<usize>> = rows
-            .iter()
-            .map(|r| span(r))
-            .filter(|r| !r.is_empty())
-            .collect();
-        spans.iter().map(|r| r.start).min().unwrap_or(0)
-            ..spans.iter().map(|r| r.end).max().unwrap_or(0)
-    };
     check_disjoint(
         &[("k_buffer", span(kb)), ("v_buffer", span(vb))],
         &[
@@ -371,6 +373,61 @@ fn store_kv(
         .map_err(slot_error)
 }
 
+/// apply_token_bitmask(logits, bitmask, rows, num_threads=1, simd=True) -> str: for each k,
+/// logits row rows[k] gets -inf at every token whose bit in bitmask row k is 0 (xgrammar's
+/// layout: bit j of word w is token 32 w + j, least significant bit first), in place.
+/// logits: [batch, vocab] float32 whose rows are contiguous (a row stride is fine); bitmask:
+/// [len(rows), ceil(vocab / 32)] int32 C-contiguous; rows: [K] int32, distinct, in 0..batch.
+/// `simd=False` forces the portable loop (tests). Returns the path that ran ("avx2" or
+/// "scalar"). Raises ValueError (shapes, layouts, a row out of range or repeated; nothing
+/// written then).
+#[pyfunction]
+#[pyo3(signature = (logits, bitmask, rows, num_threads=1, simd=true))]
+fn apply_token_bitmask(
+    py: Python<'_>,
+    mut logits: PyReadwriteArray2<'_, f32>,
+    bitmask: PyReadonlyArray2<'_, i32>,
+    rows: PyReadonlyArray1<'_, i32>,
+    num_threads: usize,
+    simd: bool,
+) -> PyResult<&'static str> {
+    let (ls, bs) = (logits.shape().to_vec(), bitmask.shape().to_vec());
+    let words = ls[1].div_ceil(token_bitmask::BITS_PER_WORD);
+    if bs != [rows.len(), words] {
+        return Err(PyValueError::new_err(format!(
+            "apply_token_bitmask_: logits {ls:?}, bitmask {bs:?}, rows [{}] do not fit (bitmask must be [len(rows), ceil(vocab / 32)])",
+            rows.len()
+        )));
+    }
+    let mask = c_slice("bitmask", &bitmask)?;
+    let row_ids = c_slice("rows", &rows)?;
+    let mut view = logits.as_array_mut();
+    let row_stride = view.strides()[0].unsigned_abs();
+    let logits_rows: Vec<&mut [f32]> = view
+        .axis_iter_mut(Axis(0))
+        .map(|r| r.into_slice())
+        .collect::<Option<_>>()
+        .ok_or_else(|| {
+            PyValueError::new_err("apply_token_bitmask_: each row of logits must be contiguous")
+        })?;
+    // Rows sharing memory (a broadcast view) would be written by several threads at once.
+    if ls[0] > 1 && ls[1] > 0 && row_stride < ls[1] {
+        return Err(PyValueError::new_err(
+            "apply_token_bitmask_: rows of logits overlap in memory",
+        ));
+    }
+    let read_only: Vec<&[f32]> = logits_rows.iter().map(|r| &**r).collect();
+    check_disjoint(
+        &[("logits", rows_span(&read_only))],
+        &[("bitmask", span(mask)), ("rows", span(row_ids))],
+    )?;
+    py.detach(|| {
+        token_bitmask::apply_token_bitmask(logits_rows, ls[1], mask, row_ids, simd, num_threads)
+    })
+    .map(token_bitmask::MaskPath::name)
+    .map_err(|e| PyValueError::new_err(e.0))
+}
+
 #[pymodule]
 fn _cpu(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_use_openmp, m)?)?;
@@ -381,5 +438,6 @@ fn _cpu(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fused_add_rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(rotary_embedding, m)?)?;
     m.add_function(wrap_pyfunction!(silu_and_mul, m)?)?;
+    m.add_function(wrap_pyfunction!(apply_token_bitmask, m)?)?;
     Ok(())
 }

@@ -5,7 +5,8 @@ A field nobody declared gets a 400 ("Unrecognized request argument", as the Open
 answers), so nothing that could change the output is ignored silently. Harmless metadata
 (`user`, `metadata`, `store`, `service_tier`, ...) is accepted. Fields naming a feature
 pyserve does not have yet (structured output, tools, beam search, ...) are accepted at their
-default and refused with a 400 naming them otherwise (`check_supported()`).
+default and refused with a 400 naming them otherwise (`check_supported()`). Structured output
+fields become one grammar (structured.py); `tools` and `tool_choice` are tools.py's.
 """
 
 from __future__ import annotations
@@ -17,23 +18,31 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pyserve.errors import InvalidRequestError
 from pyserve.io_struct import LogprobParams, is_unset
 from pyserve.sampling_params import MAX_N, SamplingParams
+from pyserve.server.openai.structured import (
+    GRAMMAR_FIELDS,
+    Constraint,
+    field_constraints,
+    one_constraint,
+    response_format_constraint,
+)
+from pyserve.server.openai.tools import (
+    MessageToolCall,
+    Tool,
+    ToolChoice,
+    ToolMode,
+    check_tools,
+    forced_constraint,
+    template_tools,
+    tool_mode,
+)
 
 STRICT = ConfigDict(extra="forbid", strict=True)
 
 # Fields accepted only at their default (null, false, an empty list), with what they would ask.
 UNSUPPORTED = {
-    "regex": "structured output (regex) is",
-    "ebnf": "structured output (ebnf) is",
-    "json_schema": "structured output (json_schema) is",
-    "structural_tag": "structured output (structural_tag) is",
-    "guided_json": "structured output (guided_json) is",
-    "guided_regex": "structured output (guided_regex) is",
-    "guided_choice": "structured output (guided_choice) is",
-    "guided_grammar": "structured output (guided_grammar) is",
-    "guided_whitespace_pattern": "structured output (guided_whitespace_pattern) is",
-    "tools": "tool calling is",
-    "functions": "function calling is",
-    "function_call": "function calling is",
+    "guided_whitespace_pattern": "guided_whitespace_pattern (see --constrained-json-disable-any-whitespace) is",
+    "functions": "functions (the deprecated form of tools) is",
+    "function_call": "function_call (the deprecated form of tool_choice) is",
     "suffix": "suffix (fill-in-the-middle) is",
     "use_beam_search": "beam search is",
     "prompt_logprobs": "prompt_logprobs (use echo with logprobs) is",
@@ -57,6 +66,13 @@ UNSUPPORTED = {
 }
 
 
+# arguments of apply_chat_template itself (or features refused above): not chat_template_kwargs
+TEMPLATE_ARGUMENTS = frozenset(
+    "conversation messages tokenize add_generation_prompt continue_final_message return_dict chat_template tools "
+    "documents tokenizer_kwargs return_assistant_tokens_mask padding truncation max_length return_tensors".split()
+)
+
+
 class StreamOptions(BaseModel):
     model_config = STRICT
     include_usage: bool = False
@@ -71,15 +87,20 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """One message. Fields beyond role/content/name (tool_calls, tool_call_id, ...) are
-    passed to the chat template as they are, which renders those it knows."""
+    """One message. An assistant message may carry `tool_calls` (its content then may be
+    null), a `tool` message the `tool_call_id` it answers. Other fields are passed to the chat
+    template as they are, which renders those it knows."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
 
     def to_template(self) -> dict[str, Any]:
+        """The message as chat templates read it (transformers' convention: a tool call's
+        arguments as a dict)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(p.text for p in content)
@@ -87,6 +108,10 @@ class ChatMessage(BaseModel):
         out: dict[str, Any] = {"role": role, "content": content or ""}
         if self.name:
             out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [call.to_template() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         out.update(self.model_extra or {})
         return out
 
@@ -132,15 +157,16 @@ class _Common(BaseModel):
     include_stop_str_in_output: bool = False
     stream_interval: int | None = Field(default=None, ge=1)
     length_penalty: float = 1.0
+    # structured output (structured.py): SGLang's and vLLM's fields
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: str | dict[str, Any] | None = None
+    structural_tag: str | dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # accepted at their default only (UNSUPPORTED)
-    regex: Any = None
-    ebnf: Any = None
-    json_schema: Any = None
-    structural_tag: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
     guided_whitespace_pattern: Any = None
     use_beam_search: Any = False
     prompt_logprobs: Any = None
@@ -170,8 +196,6 @@ class _Common(BaseModel):
         for name, feature in UNSUPPORTED.items():
             if name in type(self).model_fields and not is_unset(getattr(self, name)):
                 raise InvalidRequestError(f"{name}: {feature} not supported yet; leave it unset", param=name)
-        if self.response_format and self.response_format.get("type") != "text":
-            raise InvalidRequestError("response_format other than text is not supported yet", param="response_format")
         if not self.spaces_between_special_tokens:
             raise InvalidRequestError(
                 "spaces_between_special_tokens: only true is supported", param="spaces_between_special_tokens"
@@ -182,8 +206,27 @@ class _Common(BaseModel):
             if not key.isdigit():
                 raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
 
-    def sampling_params(self, max_new_tokens: int | None) -> SamplingParams:
-        return SamplingParams(
+    def constraints(self) -> list[Constraint]:
+        """The grammars the request's structured-output fields ask for (InvalidRequestError
+        for a malformed response_format or guided_choice)."""
+        rf = response_format_constraint(self.response_format)
+        fields = field_constraints({name: getattr(self, name) for name in GRAMMAR_FIELDS})
+        return ([rf] if rf is not None else []) + fields
+
+    def constraint(self) -> Constraint | None:
+        """The request's one grammar, or None (InvalidRequestError naming the second field
+        when several ask for one)."""
+        return one_constraint(self.constraints())
+
+    def sampling_params(
+        self,
+        max_new_tokens: int | None,
+        constraint: Constraint | None = None,
+        skip_special_tokens: bool | None = None,
+    ) -> SamplingParams:
+        """The engine's SamplingParams; `constraint` sets its grammar field,
+        `skip_special_tokens` (when not None) overrides the request's."""
+        sp = SamplingParams(
             max_new_tokens=max_new_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
@@ -192,7 +235,7 @@ class _Common(BaseModel):
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
-            skip_special_tokens=self.skip_special_tokens,
+            skip_special_tokens=self.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
             seed=self.seed,
             frequency_penalty=self.frequency_penalty,
             presence_penalty=self.presence_penalty,
@@ -203,6 +246,8 @@ class _Common(BaseModel):
             stream_interval=self.stream_interval,
             no_stop_trim=self.no_stop_trim or self.include_stop_str_in_output,
         )
+        # (one grammar field at most: the constraint is the request's only one)
+        return sp if constraint is None else sp.model_copy(update={constraint.kind: constraint.text})
 
     @property
     def include_usage(self) -> bool:
@@ -220,7 +265,8 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(default=None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     modalities: list[Literal["text"]] | None = None
     # chat templating (vLLM / SGLang names)
@@ -231,7 +277,6 @@ class ChatCompletionRequest(_Common):
     separate_reasoning: bool = True
     stream_reasoning: bool = True
     # accepted at their default only (UNSUPPORTED)
-    tools: Any = None
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -246,8 +291,7 @@ class ChatCompletionRequest(_Common):
         super().check_supported()
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise InvalidRequestError("tool_choice: tool calling is not supported yet", param="tool_choice")
+        check_tools(self.tools, self.tool_choice)
         if self.continue_final_message:
             if self.add_generation_prompt:
                 raise InvalidRequestError(
@@ -257,37 +301,39 @@ class ChatCompletionRequest(_Common):
                 raise InvalidRequestError(
                     "continue_final_message needs an assistant message last", param="continue_final_message"
                 )
-        # arguments of apply_chat_template itself, or features refused above
-        reserved = {
-            "conversation",
-            "messages",
-            "tokenize",
-            "add_generation_prompt",
-            "continue_final_message",
-            "return_dict",
-            "chat_template",
-            "tools",
-            "documents",
-            "tokenizer_kwargs",
-            "return_assistant_tokens_mask",
-            "padding",
-            "truncation",
-            "max_length",
-            "return_tensors",
-        }
-        clash = reserved & set(self.chat_template_kwargs or {})
+        clash = TEMPLATE_ARGUMENTS & set(self.chat_template_kwargs or {})
         if clash:
             raise InvalidRequestError(
                 f"chat_template_kwargs may not set {sorted(clash)[0]!r}", param="chat_template_kwargs"
             )
 
+    @property
+    def tool_mode(self) -> ToolMode:
+        """See tools.tool_mode."""
+        return tool_mode(self.tools, self.tool_choice)
+
+    @property
+    def max_calls(self) -> int | None:
+        """Calls a reply may make at most (parallel_tool_calls false: 1), None: any number."""
+        return 1 if self.parallel_tool_calls is False else None
+
+    def constraint(self) -> Constraint | None:
+        """The request's one grammar (see _Common.constraint), a forced tool call's included."""
+        forced = forced_constraint(self.tools, self.tool_choice, self.max_calls)
+        return one_constraint(self.constraints() + ([forced] if forced is not None else []))
+
     def template_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of `tokenizer.apply_chat_template` for this request."""
-        return {
+        """Keyword arguments of `tokenizer.apply_chat_template` for this request (`tools`
+        when the reply may call them)."""
+        out = {
             **(self.chat_template_kwargs or {}),
             "add_generation_prompt": self.add_generation_prompt,
             "continue_final_message": self.continue_final_message,
         }
+        if self.tool_mode != "none":
+            assert self.tools is not None
+            out["tools"] = template_tools(self.tools)
+        return out
 
     def logprob_params(self) -> LogprobParams:
         return LogprobParams(

@@ -4,6 +4,9 @@ Responses follow the OpenAI API's shapes (ids, `object`, `created`, `usage` with
 `prompt_tokens_details.cached_tokens`); streams send `chat.completion.chunk` /
 `text_completion` deltas and end with `data: [DONE]`. With `n > 1` a choice per sample
 (index = prompt index * n + sample), each finishing once; usage counts each prompt once.
+Structured output and tool calls: a request's grammar (structured.py, tools.py) goes to the
+engine in its SamplingParams, and the engine's refusal of it comes back as a 400 naming the
+request field it came from; chat replies go through their ReplyPlan (chat_reply.py).
 """
 
 from __future__ import annotations
@@ -16,15 +19,24 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from pyserve.engine.engine_core import EngineCore
+from pyserve.errors import InvalidRequestError
 from pyserve.io_struct import GenerateOutput, SingleReq, new_rid
 from pyserve.server.errors import parse_json
-from pyserve.server.native import engine_of, stream_response
+from pyserve.server.native import engine_of, stream_hub_of, stream_response
+from pyserve.server.openai.chat_reply import (
+    chat_finish_reason,
+    grammar_start_text,
+    keeps_special_tokens,
+    parse_reply,
+    reply_plan,
+)
 from pyserve.server.openai.logprobs import chat_logprobs, completion_logprobs
 from pyserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pyserve.server.openai.stream_encoders import ChatStreamEncoder, CompletionStreamEncoder, finish_reason
+from pyserve.server.openai.structured import Constraint, rename_param, renamed_output, renamed_outputs
 from pyserve.server.render import SafeJSONResponse
 from pyserve.server.sse import until_disconnect
-from pyserve.server.stream_hub import StreamResponse
+from pyserve.server.stream_hub import StreamEncoder, StreamResponse, outputs_response
 
 
 def usage(outs: list[GenerateOutput], n: int = 1) -> dict[str, Any]:
@@ -53,40 +65,83 @@ async def chat_completions(request: Request) -> Response | StreamResponse:
     body.check_supported()
     engine = engine_of(request)
     name = model_name(engine, body.model)
+    args = engine.server_args
+    plan = reply_plan(body, args.tool_call_parser, args.reasoning_parser)
+    constraint = body.constraint()
     prompt = await engine.apply_chat_template([m.to_template() for m in body.messages], **body.template_kwargs())
     req = SingleReq(
         text=prompt,
         input_ids=None,
-        sampling_params=body.sampling_params(body.max_new_tokens),
+        sampling_params=body.sampling_params(body.max_new_tokens, constraint, keeps_special_tokens(plan, body)),
         stream=body.stream,
         add_special_tokens=body.add_special_tokens,
         logprob=body.logprob_params(),
         rid=body.rid or new_rid(),
         priority=body.priority,
+        grammar_start_text=grammar_start_text(body, args.reasoning_parser, constraint is not None),
     )
     rid = f"chatcmpl-{req.rid}"
     created = int(time.time())
     if body.stream:
-        return await stream_response(request, req, ChatStreamEncoder(body, rid, created, name))
-    outs = await until_disconnect(request, engine.generate_all([req]))
+        return await _stream(request, req, ChatStreamEncoder(body, rid, created, name, plan), constraint)
+    outs = await _generate_all(request, [req], constraint)
+    choices = []
+    for i, out in enumerate(outs):
+        message, calls_made = (
+            ({"role": "assistant", "content": out.text}, False) if plan is None else parse_reply(plan, out.text)
+        )
+        choices.append(
+            {
+                "index": i,
+                "message": message,
+                "logprobs": chat_logprobs(out, 0),
+                "finish_reason": chat_finish_reason(out, calls_made),
+                "matched_stop": out.finish_reason.matched if out.finish_reason else None,
+            }
+        )
     return SafeJSONResponse(
         {
             "id": rid,
             "object": "chat.completion",
             "created": created,
             "model": name,
-            "choices": [
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": out.text},
-                    "logprobs": chat_logprobs(out, 0),
-                    "finish_reason": finish_reason(out),
-                    "matched_stop": out.finish_reason.matched if out.finish_reason else None,
-                }
-                for i, out in enumerate(outs)
-            ],
+            "choices": choices,
             "usage": usage(outs, body.n),
         }
+    )
+
+
+async def _generate_all(request: Request, reqs: list[SingleReq], constraint: Constraint | None) -> list[GenerateOutput]:
+    """Final outputs of non-streamed `reqs` (engine.generate_all, aborted if the client
+    leaves); the engine's refusal of the grammar names the request field it came from."""
+    try:
+        return await until_disconnect(request, engine_of(request).generate_all(reqs))
+    except InvalidRequestError as exc:
+        raise rename_param(exc, constraint) from None
+
+
+async def _stream(
+    request: Request, req: SingleReq, encode: StreamEncoder, constraint: Constraint | None
+) -> StreamResponse:
+    """native.stream_response, with the engine's refusal of the grammar (raised, or the
+    final output of a failed request) naming the request field it came from."""
+    if constraint is None:
+        return await stream_response(request, req, encode)
+    engine = engine_of(request)
+    hub = stream_hub_of(request)
+    if req.sampling_params.n > 1:
+        return outputs_response(hub, encode, renamed_outputs(engine.generate(req), constraint))
+    tm = engine.tokenizer_manager
+    try:
+        treq = await tm.tokenize(req)
+        tm.check_can_start(req)
+    except InvalidRequestError as exc:
+        raise rename_param(exc, constraint) from None
+    return StreamResponse(
+        hub,
+        encode,
+        lambda stream: tm.start_stream(req, treq, lambda out: stream.push(renamed_output(out, constraint))),
+        lambda: tm.abort_request(req.rid),
     )
 
 
@@ -95,13 +150,14 @@ async def completions(request: Request) -> Response | StreamResponse:
     body.check_supported()
     engine = engine_of(request)
     name = model_name(engine, body.model)
+    constraint = body.constraint()
     base_rid = body.rid or new_rid()
     prompts = body.prompts()
     reqs = [
         SingleReq(
             text=text,
             input_ids=ids,
-            sampling_params=body.sampling_params(body.max_tokens),
+            sampling_params=body.sampling_params(body.max_tokens, constraint),
             stream=body.stream,
             logprob=body.logprob_params(),
             add_special_tokens=body.add_special_tokens,
@@ -117,8 +173,8 @@ async def completions(request: Request) -> Response | StreamResponse:
         if body.echo:  # a prompt is echoed only once it was found valid
             await engine.tokenizer_manager.tokenize(reqs[0])
         echo = await _echo(engine, reqs[0], body)
-        return await stream_response(request, reqs[0], CompletionStreamEncoder(body, rid, created, name, echo))
-    outs = await until_disconnect(request, engine.generate_all(reqs))
+        return await _stream(request, reqs[0], CompletionStreamEncoder(body, rid, created, name, echo), constraint)
+    outs = await _generate_all(request, reqs, constraint)
     echoes = [await _echo(engine, r, body) for r in reqs]
     choices = []
     for i, o in enumerate(outs):

@@ -2,7 +2,9 @@
 
 Chat: first a role delta per choice, then content deltas (with the logprobs of the tokens they
 add), a chunk with the finish reason when a choice finishes, and after the last output the
-usage chunk when `stream_options.include_usage` asks. Completions: the echoed prompt per
+usage chunk when `stream_options.include_usage` asks. With a ReplyPlan (tools, a reasoning
+parser) each choice's text goes through its ReplyParser, whose deltas (reasoning_content,
+content, tool_calls) become one chunk each. Completions: the echoed prompt per
 choice first (with `echo`), then text deltas, the last carrying the finish reason, then usage.
 With `continuous_usage_stats` every chunk carries the usage so far (the prompt counted once).
 
@@ -19,6 +21,7 @@ import abc
 from typing import Any
 
 from pyserve.io_struct import GenerateOutput
+from pyserve.server.openai.chat_reply import ReplyParser, ReplyPlan, chat_finish_reason
 from pyserve.server.openai.logprobs import chat_logprobs, completion_logprobs, text_end
 from pyserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pyserve.server.render import json_bytes, sse_event, string_body
@@ -121,11 +124,18 @@ class _OpenAIStreamEncoder(abc.ABC):
 
 
 class ChatStreamEncoder(_OpenAIStreamEncoder):
-    """`chat.completion.chunk` events of one streamed chat completion."""
+    """`chat.completion.chunk` events of one streamed chat completion; `plan`: the parsers
+    of its replies (None: the text is all content)."""
 
-    def __init__(self, body: ChatCompletionRequest, rid: str, created: int, model: str) -> None:
+    def __init__(
+        self, body: ChatCompletionRequest, rid: str, created: int, model: str, plan: ReplyPlan | None = None
+    ) -> None:
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
         super().__init__(body, base, b'"delta":{"content":"', b'"}')
+        self.plan = plan
+        self.parsers: dict[int, ReplyParser] = {}  # per choice
+        if plan is not None:
+            self._fast = None  # every output goes through its choice's parser
 
     def _chunk(self, index: int, delta: dict[str, Any], reason: str | None, logprobs: Any = None) -> bytes:
         return self.chunk({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason})
@@ -134,6 +144,8 @@ class ChatStreamEncoder(_OpenAIStreamEncoder):
         return b"".join(self._chunk(i, {"role": "assistant", "content": ""}, None) for i in range(self.body.n))
 
     def encode(self, out: GenerateOutput) -> bytes:
+        if self.plan is not None:
+            return self._encode_parsed(out, self.plan)
         i, sent = self.update(out)
         data = b""
         # a chunk carries the logprobs of the tokens it adds (even with no text yet)
@@ -143,6 +155,25 @@ class ChatStreamEncoder(_OpenAIStreamEncoder):
             data = self._chunk(i, {"content": out.text_delta}, None, logprobs)
         if out.finish_reason is not None:
             data += self._chunk(i, {}, finish_reason(out))
+        return data
+
+    def _encode_parsed(self, out: GenerateOutput, plan: ReplyPlan) -> bytes:
+        """The chunks of `out` through its choice's parser: one per delta, the first with
+        the logprobs of the tokens `out` adds, then the finish chunk (`tool_calls` when the
+        choice made calls and stopped by itself)."""
+        i, sent = self.update(out)
+        parser = self.parsers.get(i)
+        if parser is None:
+            parser = self.parsers[i] = plan.parser()
+        deltas = parser.feed(out.text_delta) if out.text_delta else []
+        if out.finish_reason is not None and not parser.finished:
+            deltas += parser.finish()
+        logprobs = chat_logprobs(out, sent) if out.logprobs is not None and out.num_logprobs_delta > 0 else None
+        if logprobs is not None and not deltas:
+            deltas = [{"content": ""}]  # the tokens' text is held back: their logprobs go now
+        data = b"".join(self._chunk(i, d, None, logprobs if k == 0 else None) for k, d in enumerate(deltas))
+        if out.finish_reason is not None:
+            data += self._chunk(i, {}, chat_finish_reason(out, parser.calls_made))
         return data
 
 

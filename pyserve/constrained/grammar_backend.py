@@ -1,0 +1,149 @@
+"""`GrammarBackend`: compiles a request's grammar (json_schema, regex, ebnf, structural_tag) with
+the xgrammar library on executor threads, never on the loop, and caches the result by
+(kind, text), failures included, so a repeated schema or a repeated bad one costs nothing.
+
+The compiled grammar (`xgrammar.CompiledGrammar`, host data) travels to the worker in the
+request's sampling row; the worker makes the request's matcher from it (DESIGN.md section 1).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import re
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import xgrammar as xgr
+from transformers import PreTrainedTokenizerBase
+
+# SGLang's marker for "any JSON value" in json_schema
+ANY_JSON = "$$ANY$$"
+# compiled grammars (and failures) kept; the oldest is dropped past this many
+CACHE_ENTRIES = 1024
+# xgrammar prefixes its messages with "[hh:mm:ss] /path/file.cc:line: "; the reason follows
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] [^:]+:\d+: ")
+# ... and its assertion failures with "Check failed: (cond) is false: "
+_CHECK_PREFIX = re.compile(r"^Check failed: \(.*?\) is false: ")
+
+
+class GrammarError(ValueError):
+    """A grammar xgrammar refused. `kind` is the request field it came from (json_schema,
+    regex, ebnf or structural_tag); the message quotes the compiler's reason."""
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(f"{kind}: invalid {_NOUNS[kind]}: {reason}")
+        self.kind = kind
+
+
+_NOUNS = {
+    "json_schema": "JSON schema",
+    "regex": "regular expression",
+    "ebnf": "grammar",
+    "structural_tag": "structural tag",
+}
+
+
+class GrammarBackend:
+    """Compiles grammars for one tokenizer's vocabulary.
+
+    tokenizer: the served model's HF tokenizer; vocab_size: the model's logits width (at least
+    the tokenizer's; the extra ids are never allowed); stop_token_ids: the model's EOS ids (a
+    finished grammar allows only these). any_whitespace: JSON schemas allow any whitespace
+    between tokens (False: compact JSON, `--constrained-json-disable-any-whitespace`).
+    max_workers: executor threads (xgrammar compiles in C++ without the GIL).
+
+    `compile(kind, text)` is called on the loop thread and returns at once; `cache_hits` counts
+    the compiles answered from the cache (tests read it).
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        any_whitespace: bool = True,
+        max_workers: int | None = None,
+    ) -> None:
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        self.vocab_size = vocab_size
+        self.stop_token_ids = list(stop_token_ids)
+        # our cache keeps failures too and bounds its size; xgrammar's own would keep neither
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self._any_whitespace = any_whitespace
+        workers = max_workers or max(1, min(4, (os.cpu_count() or 1) // 2))
+        self._executor = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="pyserve-grammar")
+        self._cache: OrderedDict[tuple[str, str], concurrent.futures.Future[xgr.CompiledGrammar]] = OrderedDict()
+        self._lock = threading.Lock()  # (the cache is touched on the loop only; the lock is cheap insurance)
+        self.cache_hits = 0
+
+    def compile(self, kind: str, text: str) -> concurrent.futures.Future[xgr.CompiledGrammar]:
+        """A future of the compiled grammar of `text` (kind: json_schema, regex, ebnf or
+        structural_tag); it fails with GrammarError for a grammar xgrammar refuses. Returns at
+        once: a new grammar compiles on an executor thread. Loop thread."""
+        key = (kind, text)
+        with self._lock:
+            cached = self._cache.get(key)
+            if cached is not None:
+                self._cache.move_to_end(key)
+                self.cache_hits += 1
+                return cached
+            future = self._executor.submit(self._compile, kind, text)
+            self._cache[key] = future
+            if len(self._cache) > CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+        return future
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _compile(self, kind: str, text: str) -> xgr.CompiledGrammar:
+        """Executor thread. Raises GrammarError."""
+        compiler = self._compiler
+        try:
+            if kind == "json_schema":
+                if text == ANY_JSON:
+                    return compiler.compile_builtin_json_grammar()
+                return compiler.compile_json_schema(text, any_whitespace=self._any_whitespace)
+            if kind == "regex":
+                return compiler.compile_regex(text)
+            if kind == "ebnf":
+                return compiler.compile_grammar(text, root_rule_name="root")
+            if kind == "structural_tag":
+                return self._compile_structural_tag(text)
+        except GrammarError:
+            raise
+        except Exception as exc:  # xgrammar raises RuntimeError, ValueError and its own types
+            raise GrammarError(kind, reason_of(exc)) from None
+        raise GrammarError(kind, f"unknown grammar kind {kind!r}")
+
+    def _compile_structural_tag(self, text: str) -> xgr.CompiledGrammar:
+        """SGLang's form ({"structures": [{"begin", "schema", "end"}], "triggers": [...]}) or
+        xgrammar's own ({"type": "structural_tag", "format": {...}})."""
+        try:
+            spec: Any = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise GrammarError("structural_tag", f"not JSON: {exc}") from None
+        if isinstance(spec, dict) and "structures" in spec:
+            try:
+                tags = [
+                    xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+                    for s in spec["structures"]
+                ]
+                triggers = list(spec["triggers"])
+            except (KeyError, TypeError) as exc:
+                raise GrammarError(
+                    "structural_tag", f"each structure needs begin, schema and end, and triggers a list ({exc!r})"
+                ) from None
+            return self._compiler.compile_structural_tag(tags, triggers)
+        return self._compiler.compile_structural_tag(text)
+
+
+def reason_of(exc: BaseException) -> str:
+    """xgrammar's message without its log prefix (time, source file and line)."""
+    text = str(exc).strip()
+    if not text:
+        return type(exc).__name__
+    return _CHECK_PREFIX.sub("", _LOG_PREFIX.sub("", text.splitlines()[0]))

@@ -1,0 +1,104 @@
+"""`GrammarQueue`: the scheduler's queue of requests whose grammar (structured output) is still
+compiling (DESIGN.md sections 1 and 3).
+
+A request with a grammar enters here instead of the waiting queue. Its grammar compiles on the
+backend's executor threads; when the compiled grammar (or the compiler's refusal) arrives, a
+loop callback admits the request to the waiting queue (or fails it with a 400 naming the
+field). Nothing else waits: other requests keep being admitted and decoded meanwhile, and no
+one polls. A grammar not ready within `timeout_s` fails its request; an abort or a client
+disconnect takes the request out (`remove`). Loop thread only (the compile-done callback hops
+to the loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Callable
+from typing import Any
+
+from pyserve.constrained import GrammarBackend
+from pyserve.engine.schedule_batch import Req
+from pyserve.forward_batch_info import FinishReason
+
+
+class GrammarQueue:
+    """Requests waiting for their grammar, by rid.
+
+    backend: compiles grammars (None: the server takes none, `--grammar-backend none`; the
+    tokenizer manager refuses such requests before they get here). admit(req): the request's
+    grammar is in req.grammar, it may be scheduled. fail(req, reason): it ends with `reason`
+    (an abort with status 400 and `param` naming the grammar field).
+    """
+
+    def __init__(
+        self,
+        backend: GrammarBackend | None,
+        timeout_s: float,
+        admit: Callable[[Req], None],
+        fail: Callable[[Req, FinishReason], None],
+    ) -> None:
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self._admit = admit
+        self._fail = fail
+        self._reqs: dict[str, tuple[Req, asyncio.TimerHandle]] = {}
+
+    def __len__(self) -> int:
+        return len(self._reqs)
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._reqs
+
+    def add(self, req: Req, kind: str, text: str) -> None:
+        """Compile the request's grammar (kind: a SamplingParams grammar field) and admit or
+        fail it when done: at once when the grammar (or its failure) is cached."""
+        assert self.backend is not None  # refused upstream without a backend
+        future = self.backend.compile(kind, text)
+        if future.done():
+            self._settle(req, kind, future)
+            return
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(self.timeout_s, self._time_out, req, kind)
+        self._reqs[req.rid] = (req, timer)
+        future.add_done_callback(lambda f: loop.call_soon_threadsafe(self._compiled, req, kind, f))
+
+    def remove(self, rid: str) -> Req | None:
+        """Take a request out (aborted, client gone); None when it is not here."""
+        entry = self._reqs.pop(rid, None)
+        if entry is None:
+            return None
+        entry[1].cancel()
+        return entry[0]
+
+    def take_all(self) -> list[Req]:
+        """Every queued request, taken out (shutdown)."""
+        reqs = [self.remove(rid) for rid in list(self._reqs)]
+        return [r for r in reqs if r is not None]
+
+    def _compiled(self, req: Req, kind: str, future: concurrent.futures.Future[Any]) -> None:
+        entry = self._reqs.get(req.rid)
+        if entry is None or entry[0] is not req:  # aborted or timed out meanwhile
+            return
+        self.remove(req.rid)
+        self._settle(req, kind, future)
+
+    def _settle(self, req: Req, kind: str, future: concurrent.futures.Future[Any]) -> None:
+        if future.cancelled():  # the backend shut down
+            self._fail(req, FinishReason.abort("server shutting down"))
+            return
+        exc = future.exception()
+        if exc is not None:
+            self._fail(req, FinishReason.abort(str(exc), status_code=400, param=kind))
+            return
+        req.grammar = future.result()
+        self._admit(req)
+
+    def _time_out(self, req: Req, kind: str) -> None:
+        if self.remove(req.rid) is None:
+            return
+        message = (
+            f"{kind}: the grammar did not compile within {self.timeout_s:g} s (--grammar-compile-timeout-s); "
+            "simplify it or ask the operator to raise the limit"
+        )
+        self._fail(req, FinishReason.abort(message, status_code=400, param=kind))
