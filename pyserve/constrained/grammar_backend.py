@@ -19,6 +19,8 @@ from typing import Any
 import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
+from pyserve.constrained.schema_check import unenforced_keyword
+
 # SGLang's marker for "any JSON value" in json_schema
 ANY_JSON = "$$ANY$$"
 # compiled grammars (and failures) kept; the oldest is dropped past this many
@@ -106,6 +108,7 @@ class GrammarBackend:
             if kind == "json_schema":
                 if text == ANY_JSON:
                     return compiler.compile_builtin_json_grammar()
+                _check_enforceable(text)
                 return compiler.compile_json_schema(text, any_whitespace=self._any_whitespace)
             if kind == "regex":
                 return compiler.compile_regex(text)
@@ -139,6 +142,18 @@ class GrammarBackend:
                 ) from None
             return self._compiler.compile_structural_tag(tags, triggers)
         return self._compiler.compile_structural_tag(text)
+
+
+def _check_enforceable(text: str) -> None:
+    """Raise GrammarError for a schema using a keyword xgrammar would silently ignore (text
+    that is not JSON is left to xgrammar's own message)."""
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError:
+        return
+    found = unenforced_keyword(schema)
+    if found is not None:
+        raise GrammarError("json_schema", f"xgrammar cannot enforce {found}")
 
 
 def reason_of(exc: BaseException) -> str:

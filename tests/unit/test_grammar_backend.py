@@ -99,3 +99,34 @@ def test_compiles_on_an_executor_thread(backend, monkeypatch):
     monkeypatch.setattr(backend, "_compile", spy)
     backend.compile("regex", "z{2,5}").result(timeout=30)
     assert len(seen) == 1 and seen[0].startswith("pyserve-grammar")
+
+
+@pytest.mark.parametrize(
+    ("schema", "violation", "reason"),
+    [
+        ({"not": {"type": "string"}}, '"x"', "`not` (at #)"),
+        ({"type": "number", "multipleOf": 0.5}, "0.3", "`multipleOf` on a number that is not an integer (at #)"),
+        (
+            {"type": "object", "properties": {"s": {"type": "string", "pattern": "^[a-z]+$", "minLength": 6}}},
+            '{"s": "abc"}',
+            "`pattern` together with `minLength`/`maxLength` (at #/properties/s)",
+        ),
+        ({"allOf": [{"type": "integer"}, {"minimum": 5}]}, "3", "`allOf` of 2 schemas (at #)"),
+    ],
+)
+def test_keywords_xgrammar_would_ignore_are_refused(backend, schema, violation, reason):
+    """Each keyword is one xgrammar ignores (its matcher accepts a violating value), so pyserve
+    refuses the schema instead of serving it unenforced."""
+    compiled = backend._compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
+    assert _accepts(compiled, violation)  # xgrammar alone lets the violation through
+    with pytest.raises(GrammarError) as info:
+        backend.compile("json_schema", json.dumps(schema)).result(timeout=30)
+    assert str(info.value).startswith(f"json_schema: invalid JSON schema: xgrammar cannot enforce {reason}")
+
+
+def test_integer_multiple_of_and_a_single_all_of_are_served(backend):
+    compiled = backend.compile("json_schema", json.dumps({"type": "integer", "multipleOf": 3})).result(timeout=30)
+    assert _accepts(compiled, "9") and not _accepts(compiled, "4")
+    ref = {"allOf": [{"type": "integer", "minimum": 5}], "description": "a not-keyword in prose: not"}
+    compiled = backend.compile("json_schema", json.dumps(ref)).result(timeout=30)
+    assert _accepts(compiled, "7") and not _accepts(compiled, "3")
