@@ -254,7 +254,7 @@ def main() -> int:
     report = Report()
     with tempfile.TemporaryDirectory() as tmp:
         for label, path, is_gguf, dtypes in models:
-            tokenizer = gguf_tokenizer_folder(path, os.path.join(tmp, label)) if is_gguf else None
+            tokenizer = gguf_tokenizer_folder(path, os.path.join(tmp, label + "-tokenizer")) if is_gguf else None
             for dtype in dtypes:
                 check(report, label, path, tokenizer, dtype, args.device, reference, others, notes)
     title = f"check_greedy on {args.device}: {NEW_TOKENS} greedy tokens x 9 sequences vs {reference.name}"

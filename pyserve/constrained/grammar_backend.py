@@ -14,6 +14,7 @@ import os
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import Any
 
 import xgrammar as xgr
@@ -162,3 +163,11 @@ def reason_of(exc: BaseException) -> str:
     if not text:
         return type(exc).__name__
     return _CHECK_PREFIX.sub("", _LOG_PREFIX.sub("", text.splitlines()[0]))
+
+
+def grammar_stop_ids(eos_token_ids: Iterable[int], tokenizer: Any) -> list[int]:
+    """The ids that end a grammar: the model config's EOS ids, else the tokenizer's EOS id,
+    else none (then grammars cannot end and the server takes none)."""
+    ids = sorted(int(t) for t in eos_token_ids)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return ids if ids or eos is None else [int(eos)]

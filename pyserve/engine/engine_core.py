@@ -19,7 +19,7 @@ from typing import Any, cast
 import torch
 
 from pyserve.config import ServerArgs
-from pyserve.constrained import GrammarBackend
+from pyserve.constrained import GrammarBackend, grammar_stop_ids
 from pyserve.engine import parallel_sampling, server_info
 from pyserve.engine.detokenizer import token_deltas
 from pyserve.engine.scheduler import Scheduler
@@ -137,10 +137,15 @@ class EngineCore:
         if args.grammar_backend == "none":
             return None
         mc = self.model_runner.model_config
+        stop_ids = grammar_stop_ids(mc.eos_token_ids, self.tokenizer)
+        if not stop_ids:
+            # a grammar ends only by allowing EOS: with none, every grammar request is refused
+            logger.warning("the model names no EOS token: structured output is off")
+            return None
         return GrammarBackend(
             self.tokenizer,
             mc.vocab_size,
-            sorted(mc.eos_token_ids),
+            stop_ids,
             any_whitespace=not args.constrained_json_disable_any_whitespace,
         )
 

@@ -153,7 +153,8 @@ class StepPipeline:
                     req,
                     FinishReason.abort(
                         "the sampling parameters leave no token to sample at output token "
-                        f"{len(req.output_ids)} (every logit banned, or a bias or penalty overflowed)",
+                        f"{len(req.output_ids)} (every logit banned or masked by its grammar, or a bias or "
+                        "penalty overflowed)",
                         status_code=400,
                     ),
                 )

@@ -239,7 +239,9 @@ class TokenizerManager:
             if not self.scheduler.accepts_grammars:
                 kind = sp.grammar_key[0]
                 raise InvalidRequestError(
-                    f"{kind}: structured output is off on this server (--grammar-backend none)", param=kind
+                    f"{kind}: structured output is off on this server (--grammar-backend none, or a "
+                    "model without an EOS token)",
+                    param=kind,
                 )
             if req.grammar_start_text:
                 grammar_start_ids = tuple(int(t) for t in await self.encode(req.grammar_start_text, False))

@@ -135,6 +135,8 @@ class ModelWorker:
         stream = None
         if runner.device.startswith("cuda"):
             device = torch.device(runner.device)
+            if device.index is None:  # set_device refuses a bare "cuda": name the current one
+                device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(device)
             stream = torch.cuda.Stream(device=device)
             # the pool, tables and graph buffers were made on the default stream: finish

@@ -154,7 +154,7 @@ def sample_checked(logits: torch.Tensor, sampling_info: SamplingBatchInfo) -> tu
         if gen is not None and not greedy_host[i]:
             # A generator draws only on its own device; a CPU generator with CUDA logits
             # samples that row on the host (seeded requests stay reproducible either way).
-            row = sorted_probs[i] if gen.device == logits.device else sorted_probs[i].cpu()
+            row = sorted_probs[i] if gen.device.type == logits.device.type else sorted_probs[i].cpu()
             choice[i] = torch.multinomial(row, 1, generator=gen)[0].to(logits.device)
     sampled = sorted_ids.gather(1, choice[:, None]).squeeze(1)
     return torch.where(greedy, greedy_ids, sampled), bad

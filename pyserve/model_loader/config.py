@@ -44,8 +44,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device) -> torch
 
 
 def is_gguf_path(model_path: str) -> bool:
-    """True if `model_path` names a .gguf file."""
-    return model_path.lower().endswith(".gguf")
+    """True if `model_path` names a .gguf file (a folder whose name ends in .gguf is a folder)."""
+    return model_path.lower().endswith(".gguf") and not os.path.isdir(model_path)
 
 
 def rope_parameters(hf_config: Any) -> dict[str, Any]:

@@ -753,7 +753,7 @@ def test_http2_probe_is_refused_in_http2_terms(server):
     assert httpx.get(server.base_url + "/health").status_code == 200
 
 
-def test_parameters_that_leave_nothing_to_sample_fail_only_their_request(server):
+def test_parameters_that_leave_nothing_to_sample_fail_only_their_request(server, tok):
     """A request whose own bias / penalties / bans leave no token to draw gets a 400 (an SSE
     error event once streaming), and the requests batched with it are untouched."""
     r = post(server, "/generate", {"text": "a", "sampling_params": {"logit_bias": {"1": 1e300}}})
@@ -769,18 +769,19 @@ def test_parameters_that_leave_nothing_to_sample_fail_only_their_request(server)
         server, "/generate", {"text": "a", "sampling_params": {"min_new_tokens": 2, "stop_token_ids": list(range(512))}}
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "min_new_tokens"
-    # greedy, every other token banned, each of the 32 allowed ones penalized to -inf once
-    # generated (-2e38 x 2 overflows): output token 32 has nothing left
+    # greedy, a grammar of 32 digits then "x", and every token holding an "x" biased to -inf
+    # (-1e300 is -inf in float32): output token 32 has nothing left. Penalties come before the
+    # bias (SGLang's order), so a penalty cannot push a biased logit over the edge.
+    x_ids = [i for i in range(tok.vocab_size) if "x" in tok.decode([i])]
+    assert x_ids
     bad = {
         "input_ids": [1],
         "stream": True,
         "sampling_params": {
             "temperature": 0,
             "max_new_tokens": 60,
-            "min_new_tokens": 59,
-            "repetition_penalty": 2.0,
-            "stop_token_ids": list(range(480)),
-            "logit_bias": {str(t): -2e38 for t in range(480, 512)},
+            "regex": "[0-9]{32}x",
+            "logit_bias": {str(t): -1e300 for t in x_ids},
         },
     }
     good = {

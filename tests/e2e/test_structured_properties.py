@@ -284,7 +284,8 @@ def instances(schema: dict) -> st.SearchStrategy:
         return st.lists(
             instances(schema["items"]), min_size=schema.get("minItems", 0), max_size=schema.get("maxItems", 3)
         )
-    return from_schema(schema)
+    # hypothesis-jsonschema draws a format it does not know ("uuid") as any text
+    return from_schema(schema, custom_formats={"uuid": st.uuids().map(str)})
 
 
 def json_cases() -> st.SearchStrategy:

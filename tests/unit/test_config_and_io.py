@@ -107,3 +107,13 @@ def test_request_ids_are_random_uuid4_hex_also_across_batches_and_forks():
 def test_generate_req_rejects(body):
     with pytest.raises(ValidationError):
         GenerateReqInput.model_validate(body)
+
+
+def test_a_folder_named_like_a_gguf_file_is_a_folder(tmp_path):
+    from pyserve.model_loader.config import is_gguf_path
+
+    (tmp_path / "m.Q4_1.gguf").mkdir()
+    (tmp_path / "f.GGUF").write_bytes(b"GGUF")
+    assert not is_gguf_path(str(tmp_path / "m.Q4_1.gguf"))
+    assert is_gguf_path(str(tmp_path / "f.GGUF"))
+    assert not is_gguf_path(str(tmp_path))

@@ -10,7 +10,7 @@ import pytest
 import xgrammar as xgr
 from transformers import AutoTokenizer
 
-from pyserve.constrained import GrammarBackend, GrammarError
+from pyserve.constrained import GrammarBackend, GrammarError, grammar_stop_ids
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +130,14 @@ def test_integer_multiple_of_and_a_single_all_of_are_served(backend):
     ref = {"allOf": [{"type": "integer", "minimum": 5}], "description": "a not-keyword in prose: not"}
     compiled = backend.compile("json_schema", json.dumps(ref)).result(timeout=30)
     assert _accepts(compiled, "7") and not _accepts(compiled, "3")
+
+
+class _Tok:
+    def __init__(self, eos_token_id):
+        self.eos_token_id = eos_token_id
+
+
+def test_grammar_stop_ids_prefer_the_config_then_the_tokenizer():
+    assert grammar_stop_ids({7, 3}, _Tok(2)) == [3, 7]
+    assert grammar_stop_ids(set(), _Tok(2)) == [2]
+    assert grammar_stop_ids(set(), _Tok(None)) == []
