@@ -176,6 +176,25 @@ def test_two_calls_in_one_reply_arrive_whole_at_stream_interval_16(tools_server)
         check_calls(p, set(PARAMS))
 
 
+def test_forced_calls_cut_by_max_tokens_leave_no_content(tools_server):
+    """max_tokens that end the array early: finish_reason length, no content (the array's
+    text is not an answer), the calls whose name was complete, streamed as not."""
+    base = {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "temperature": 0}
+    bodies = [{**base, "max_tokens": n} for n in (1, 4, 8, 16, 32, 48)]
+    plain = run_all(tools_server, bodies)
+    streamed = run_all(tools_server, [{**b, "stream": True} for b in bodies])
+    cut = []
+    for p, s in zip(plain, streamed):
+        assert calls_of(s) == calls_of(p)
+        for reply in (p, s):
+            choice = reply["choices"][0]
+            assert choice["message"]["content"] is None, choice
+        if p["choices"][0]["finish_reason"] == "length":
+            assert s["choices"][0]["finish_reason"] == "length"
+            cut.append(len(calls_of(p)))
+    assert cut[0] == 0 and max(cut) >= 1, cut  # cut before a call's name, and inside a call
+
+
 def test_auto_without_calls_keeps_the_text_as_content(tools_server):
     """stories260k writes no <tool_call>: the reply is the model's text, every character, as
     completions give it for the templated prompt, with its finish_reason and no tool_calls."""

@@ -172,6 +172,21 @@ def test_a_call_cut_by_length_stays_length():
     assert chat_finish_reason(cut, True) == "length"
 
 
+@pytest.mark.parametrize("text", ['[{"name"', "[", '[{"name": "now", "parameters": {}}, {"na'])
+def test_a_forced_reply_cut_short_leaves_no_content(text):
+    """The forced array's text is never content: cut before a call's name, the message has no
+    content and only the calls whose name was complete."""
+    plan = ReplyPlan(None, FORCED)
+    message, calls_made = parse_reply(plan, text)
+    assert message["content"] is None
+    assert [c["function"]["name"] for c in message.get("tool_calls", [])] == (["now"] if "now" in text else [])
+    assert calls_made == ("now" in text)
+    encoder = ChatStreamEncoder(body(), "chatcmpl-r", 1, "m", plan)
+    streamed, reason = streamed_message(chunks(encoder, outputs(text, 2, FinishReason.length_limit(9))))
+    assert reason == "length" and streamed["content"] is None
+    assert [c["function"] for c in streamed["tool_calls"]] == [c["function"] for c in message.get("tool_calls", [])]
+
+
 def test_finish_reason_rule():
     stop = GenerateOutput("r", "", "", [1], [], 4, 0, FinishReason.stop(2))
     running = GenerateOutput("r", "", "", [1], [], 4, 0)

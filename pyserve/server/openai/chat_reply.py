@@ -116,7 +116,10 @@ class ReplyParser:
         limit = self.plan.max_calls
         for ev in events:
             if isinstance(ev, TextPiece):
-                out.text("content", ev.text)
+                # a forced reply is the grammar's array and nothing else: its text is never
+                # content, also when max_tokens cuts it before a call's name
+                if self.plan.tool_parser != FORCED:
+                    out.text("content", ev.text)
             elif limit is not None and ev.index >= limit:
                 continue  # parallel_tool_calls false: the first call only
             elif isinstance(ev, CallStart):
