@@ -196,3 +196,33 @@ def make_stories_engine(
         page_size=page_size,
         **kwargs,
     )
+
+
+@pytest.fixture(scope="session")
+def client_python() -> Path:
+    """The interpreter of the client venv (`make client-venv`: SGLang's clients, lm-eval, the
+    openai client, instructor, langchain); skips without it, fails when PYSERVE_REQUIRE_CLIENTS
+    is set (make test sets it)."""
+    venv = Path(os.environ.get("PYSERVE_CLIENT_VENV", Path.home() / ".cache" / "pyserve-client-venv"))
+    if not (venv / ".deps-stamp").exists():
+        message = f"no client venv at {venv}: run `make client-venv`"
+        if os.environ.get("PYSERVE_REQUIRE_CLIENTS"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return venv / "bin" / "python"
+
+
+def run_client(python: Path, args: list[str], cwd: Path, timeout_s: float = 900) -> subprocess.CompletedProcess[str]:
+    """Run `python args...` in `cwd` (also its HOME: clients cache datasets under ~/.cache),
+    offline, without this process's PYTHONPATH; asserts it exits 0."""
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HOME": str(cwd),
+    }
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run([str(python), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    assert proc.returncode == 0, f"{args[:3]} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return proc

@@ -22,19 +22,11 @@ class JsonArrayParser(ToolCallParser):
     def __init__(self, marker: str | None = None) -> None:
         super().__init__()
         self.marker = marker
-        self._buf = ""
         self._state = _CONTENT if marker is not None else _OPEN
         self._bracketed = True  # the calls are in an array (Mistral may write one bare object)
         self._call: ScannedCall | None = None
         self._consumed = ""  # the array's text so far, while it has no call
         self._array_calls = 0  # calls started in the array (0 or 1: whether any)
-
-    def feed(self, text: str) -> list[ToolEvent]:
-        out: list[ToolEvent] = []
-        self._buf += text
-        while self._buf and self._step(out):
-            pass
-        return out
 
     def _step(self, out: list[ToolEvent]) -> bool:
         """Consume what the buffer allows in the current state; False when it must wait."""

@@ -26,17 +26,9 @@ class Llama3Parser(ToolCallParser):
 
     def __init__(self) -> None:
         super().__init__()
-        self._buf = ""
         self._state = _START
         self._call: ScannedCall | None = None
         self._consumed = ""  # the text since the tag (or `;`), until a call comes of it
-
-    def feed(self, text: str) -> list[ToolEvent]:
-        out: list[ToolEvent] = []
-        self._buf += text
-        while self._buf and self._step(out):
-            pass
-        return out
 
     def _step(self, out: list[ToolEvent]) -> bool:
         """Consume what the buffer allows in the current state; False when it must wait."""

@@ -112,16 +112,8 @@ class PythonicParser(ToolCallParser):
 
     def __init__(self) -> None:
         super().__init__()
-        self._buf = ""  # content not yet consumed, or the candidate list from its `[`
         self._scanner: _ListScanner | None = None  # set while `_buf` is a candidate
         self._scanned = 0  # characters of the candidate the scanner has seen
-
-    def feed(self, text: str) -> list[ToolEvent]:
-        out: list[ToolEvent] = []
-        self._buf += text
-        while self._buf and self._step(out):
-            pass
-        return out
 
     def _step(self, out: list[ToolEvent]) -> bool:
         """Consume what the buffer allows; False when it must wait for more text."""

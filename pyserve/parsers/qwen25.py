@@ -27,17 +27,9 @@ class Qwen25Parser(ToolCallParser):
 
     def __init__(self) -> None:
         super().__init__()
-        self._buf = ""  # text not yet consumed
         self._call: ScannedCall | None = None  # inside a block: its call
         self._block = ""  # the block's text after START, kept in case it is not a call
         self._tail = False  # after the block's object, looking for END
-
-    def feed(self, text: str) -> list[ToolEvent]:
-        out: list[ToolEvent] = []
-        self._buf += text
-        while self._buf and self._step(out):
-            pass
-        return out
 
     def _step(self, out: list[ToolEvent]) -> bool:
         """Consume what the buffer allows in the current state; False when it must wait."""

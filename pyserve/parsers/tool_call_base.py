@@ -113,10 +113,20 @@ class ToolCallParser(abc.ABC):
     def __init__(self) -> None:
         self.content = ContentText()
         self.num_calls = 0
+        self._buf = ""  # text fed and not yet consumed by `_step`
 
-    @abc.abstractmethod
     def feed(self, text: str) -> list[ToolEvent]:
         """Events completed by `text` (appended to the reply so far)."""
+        out: list[ToolEvent] = []
+        self._buf += text
+        while self._buf and self._step(out):
+            pass
+        return out
+
+    @abc.abstractmethod
+    def _step(self, out: list[ToolEvent]) -> bool:
+        """Consume what the buffer allows in the parser's current state, appending events to
+        `out`; False when it must wait for more text."""
 
     @abc.abstractmethod
     def finish(self) -> list[ToolEvent]:

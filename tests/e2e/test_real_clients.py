@@ -9,28 +9,15 @@ from __future__ import annotations
 
 import glob
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.conftest import REPO, stories_chat_server
+from tests.conftest import REPO, run_client, stories_chat_server
 
 POOL = 8192
 LM_EVAL_DATA = REPO / "tests" / "data" / "lm_eval"
-
-
-@pytest.fixture(scope="module")
-def client_python() -> Path:
-    venv = Path(os.environ.get("PYSERVE_CLIENT_VENV", Path.home() / ".cache" / "pyserve-client-venv"))
-    if not (venv / ".deps-stamp").exists():
-        message = f"no client venv at {venv}: run `make client-venv`"
-        if os.environ.get("PYSERVE_REQUIRE_CLIENTS"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return venv / "bin" / "python"
 
 
 @pytest.fixture(scope="module")
@@ -38,20 +25,6 @@ def server(tmp_path_factory, stories_path):
     yield from stories_chat_server(
         tmp_path_factory, stories_path, "stories-clients", POOL, ["--max-running-requests", "64"]
     )
-
-
-def run_client(python: Path, args: list[str], cwd: Path, timeout_s: float = 300) -> str:
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "HOME": str(cwd),
-    }  # bench_serving caches its generated datasets under ~/.cache
-    env.pop("PYTHONPATH", None)
-    proc = subprocess.run([str(python), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
-    assert proc.returncode == 0, f"{args[:3]} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    return proc.stdout + proc.stderr
 
 
 DATASETS = {
@@ -88,7 +61,7 @@ DATASETS = {
 @pytest.mark.parametrize("backend", ["sglang", "sglang-oai", "sglang-oai-chat"])
 def test_sglang_bench_serving(server, client_python, stories_path, tmp_path, backend, dataset):
     out_file = tmp_path / "result.jsonl"
-    log = run_client(
+    proc = run_client(
         client_python,
         [
             "-m",
@@ -107,7 +80,9 @@ def test_sglang_bench_serving(server, client_python, stories_path, tmp_path, bac
             "--disable-tqdm",
         ],
         tmp_path,
+        timeout_s=300,
     )
+    log = proc.stdout + proc.stderr
     result = json.loads(out_file.read_text().splitlines()[-1])
     num = 24 if dataset == "random-ids" else 18
     assert result["completed"] == num, log

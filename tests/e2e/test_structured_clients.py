@@ -12,17 +12,14 @@ and holds no KV, sampling or grammar row."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-from pathlib import Path
 
 import httpx
 import jsonschema
 import pytest
 from pydantic import BaseModel
 
-from tests.conftest import REPO, start_server, wait_idle
+from tests.conftest import REPO, run_client, start_server, wait_idle
 
 POOL = 16384
 MAX_TOKENS = 160
@@ -70,25 +67,6 @@ def client(server):
     import openai
 
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def client_python() -> Path:
-    venv = Path(os.environ.get("PYSERVE_CLIENT_VENV", Path.home() / ".cache" / "pyserve-client-venv"))
-    if not (venv / ".deps-stamp").exists():
-        message = f"no client venv at {venv}: run `make client-venv`"
-        if os.environ.get("PYSERVE_REQUIRE_CLIENTS"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return venv / "bin" / "python"
-
-
-def run_client(python: Path, args: list[str], cwd: Path) -> str:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HOME": str(cwd)}
-    env.pop("PYTHONPATH", None)
-    proc = subprocess.run([str(python), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"{args[:2]} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    return proc.stdout
 
 
 def assert_city(value: dict) -> None:
@@ -192,7 +170,7 @@ def client_results(server, client_python, tmp_path_factory) -> dict[str, dict]:
         client_python,
         [str(REPO / "tests" / "clients" / "structured_clients.py"), server.base_url],
         tmp_path_factory.mktemp("structured-clients"),
-    )
+    ).stdout
     results = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     return {r["case"]: r for r in results}
 

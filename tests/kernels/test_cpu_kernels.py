@@ -12,14 +12,6 @@ import pyserve_kernels as K
 from pyserve_kernels import _native, reference
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def num_threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def test_native_module_is_built_and_runs_on_torchs_openmp_team() -> None:
     assert _native.native_available()
     # Linux x86 torch wheels run on libgomp; the kernels then share its thread team.

@@ -102,14 +102,6 @@ def cpu_has_avx2() -> bool | None:
         return None
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def num_threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 @pytest.fixture
 def triton_op() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]:
     module = pytest.importorskip("pyserve_kernels.triton_ops.token_bitmask")
