@@ -20,7 +20,6 @@ import httpx
 import pytest
 
 from tests.conftest import REPO, free_port, start_server
-from tests.e2e.test_real_clients import client_python  # noqa: F401  (fixture)
 from tests.e2e.text_exact import _sse
 
 POOL = 4096
