@@ -22,12 +22,14 @@ import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
+from unittest import mock
 
 import httpx
 import jsonschema
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from hypothesis.internal.conjecture import providers
 from hypothesis_jsonschema import from_schema
 
 from tests.conftest import stories_chat_server, wait_idle
@@ -77,7 +79,11 @@ def draw(strategy: st.SearchStrategy, n: int, key=json.dumps) -> list:
         if len(found) < n:
             found.setdefault(key(value), value)
 
-    collect()
+    # Hypothesis also draws constants it finds in the modules loaded so far, so the same seed
+    # gives other values once more modules are loaded (alone, or after other tests): drawn
+    # without them, the cases are the same in any process.
+    with mock.patch.object(providers, "_get_local_constants", providers.Constants):
+        collect()
     assert len(found) == n, f"hypothesis gave {len(found)} distinct values, not {n}"
     return list(found.values())
 
