@@ -4,9 +4,16 @@ Public API: `Engine` (in-process generation), `ServerArgs` (configuration), `Sam
 `create_app` (the ASGI app) and the exceptions in `pyserve.errors`.
 """
 
+from importlib import metadata as _metadata
+
 from pyserve.config import ServerArgs, ServerArgsError
 from pyserve.errors import InvalidRequestError, ModelStepError, QueueFullError
 from pyserve.sampling_params import SamplingParams
+
+try:
+    __version__ = _metadata.version("pyserve")
+except _metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
+    __version__ = "0+unknown"
 
 
 def __getattr__(name: str):  # lazy: importing pyserve must not import torch
@@ -22,6 +29,7 @@ def __getattr__(name: str):  # lazy: importing pyserve must not import torch
 
 
 __all__ = [
+    "__version__",
     "Engine",
     "ServerArgs",
     "ServerArgsError",

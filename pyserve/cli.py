@@ -6,11 +6,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pyserve import __version__
 from pyserve.config import ServerArgs, ServerArgsError
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pyserve", description="pyserve: an LLM inference server")
+    parser.add_argument("--version", action="version", version=f"pyserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model over HTTP (native and OpenAI APIs)")
     ServerArgs.add_cli_args(serve)
@@ -23,6 +25,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    """The parser of `command` (argparse keeps subparsers in its subcommand action)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[command]
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "bench":
@@ -30,15 +40,22 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(argv[1:], prog="pyserve bench")
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns, unknown = parser.parse_known_args(argv)
+    if unknown:  # reported with the usage of the command they were given to
+        sub = _subparser(parser, ns.command)
+        sub.error(f"unrecognized arguments: {' '.join(unknown)}")
     if ns.command == "serve":
         try:
             args = ServerArgs.from_cli_args(ns)
         except ServerArgsError as exc:
             parser.error(str(exc))
-        from pyserve.server.launch import launch_server
+        from pyserve.server.launch import StartupError, launch_server
 
-        launch_server(args)
+        try:
+            launch_server(args)
+        except StartupError as exc:  # a bad --model-path or a busy port: before anything loads
+            print(f"pyserve: error: {exc}", file=sys.stderr)
+            return 2
     return 0
 
 

@@ -152,14 +152,14 @@ class EngineCore:
     def _load(self) -> None:
         from pyserve.model_executor.model_runner import ModelRunner
         from pyserve.model_loader.default_model import default_model_path
+        from pyserve.model_loader.model_path import check_model_path
         from pyserve.model_loader.tokenizer import get_tokenizer
 
         args = self.server_args
         if args.random_seed is not None:
             torch.manual_seed(args.random_seed)
         self.model_path_arg = args.model_path or default_model_path()
-        if not os.path.exists(self.model_path_arg):
-            raise FileNotFoundError(f"--model-path {self.model_path_arg!r} does not exist")
+        check_model_path(self.model_path_arg)
         # absolute, so that clients on this machine (sglang-router loads the tokenizer from
         # the model_path a worker reports) find it from any working directory
         self.model_path = os.path.abspath(self.model_path_arg)

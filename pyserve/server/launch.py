@@ -1,24 +1,59 @@
-"""`launch_server(server_args)`: run the app with uvicorn on a uvloop event loop."""
+"""`launch_server(server_args)`: check the model path, bind the port, then run the app with
+uvicorn on a uvloop event loop."""
 
 from __future__ import annotations
 
 import logging
+import socket
 
 import uvicorn
 
 from pyserve.config import ServerArgs, setup_logging
-from pyserve.server.app import create_app
+from pyserve.model_loader.default_model import ModelNotFoundError, default_model_path
+from pyserve.model_loader.model_path import check_model_path
 from pyserve.server.http1 import HTTP1Protocol
 
 logger = logging.getLogger(__name__)
 
 
+class StartupError(Exception):
+    """The server cannot start: a bad --model-path or a port it cannot listen on. Raised
+    before the model loads; the message is one line."""
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port), SO_REUSEADDR set, not yet listening (uvicorn
+    listens once the app has started). Raises StartupError when the address is taken or
+    cannot be bound."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise StartupError(f"--host {host}: {exc.strerror or exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise StartupError(f"--host {host} --port {port}: cannot bind ({exc.strerror or exc})") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def launch_server(server_args: ServerArgs) -> None:
-    """Serve until interrupted. Blocks the calling thread."""
+    """Serve until interrupted. Blocks the calling thread. Raises StartupError (before torch
+    or the model loads) for a bad --model-path or a port taken."""
     setup_logging(server_args.log_level)
+    try:
+        check_model_path(server_args.model_path or default_model_path())
+    except ModelNotFoundError as exc:
+        raise StartupError(str(exc)) from None
+    sock = bind_socket(server_args.host, server_args.port)
+    from pyserve.server.app import create_app  # torch and the engine: after the checks
+
     app = create_app(server_args)
     logger.info("starting pyserve on http://%s:%d", server_args.host, server_args.port)
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=server_args.host,
         port=server_args.port,
@@ -28,3 +63,4 @@ def launch_server(server_args: ServerArgs) -> None:
         access_log=server_args.log_level == "debug",
         timeout_graceful_shutdown=5,
     )
+    uvicorn.Server(config).run(sockets=[sock])
