@@ -48,11 +48,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             args = ServerArgs.from_cli_args(ns)
         except ServerArgsError as exc:
-            parser.error(str(exc))
+            _subparser(parser, "serve").error(str(exc))
         from pyserve.server.launch import StartupError, launch_server
 
         try:
-            launch_server(args)
+            return launch_server(args)
         except StartupError as exc:  # a bad --model-path or a busy port: before anything loads
             print(f"pyserve: error: {exc}", file=sys.stderr)
             return 2

@@ -3,6 +3,7 @@
 * `PyserveError`: base of the errors raised by pyserve's Python code.
   * `InvalidRequestError`: the client sent a request pyserve cannot serve (HTTP 400).
     * `QueueFullError`: the waiting queue is full (`--max-queued-requests`; HTTP 503).
+    * `ModelLoadingError`: the server is up but its model is still loading (HTTP 503).
   * `ModelStepError`: a model step failed while the request ran (HTTP 500 or an SSE error
     event); the server and the other requests carry on.
 * `CoreError` (from the Rust core, `pyserve._rs`): a caller broke a contract of the KV
@@ -55,6 +56,14 @@ class QueueFullError(InvalidRequestError):
         super().__init__(message, code="queue_full", status=503)
 
 
+class ModelLoadingError(InvalidRequestError):
+    """The server answers while its model loads (`pyserve serve`): a request that needs the
+    model is refused (HTTP 503, code "model_loading"); retrying later succeeds."""
+
+    def __init__(self) -> None:
+        super().__init__("the model is still loading; retry shortly", code="model_loading", status=503)
+
+
 class ModelStepError(PyserveError, RuntimeError):
     """A model step failed (a pyserve or device fault, not the client's) while the request
     ran; the request was ended and its KV freed."""
@@ -64,6 +73,7 @@ __all__ = [
     "PyserveError",
     "InvalidRequestError",
     "QueueFullError",
+    "ModelLoadingError",
     "ModelStepError",
     "CoreError",
     "UnknownRequestError",

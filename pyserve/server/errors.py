@@ -105,7 +105,10 @@ def exception_response(exc: InvalidRequestError | ModelStepError) -> JSONRespons
     own fault (its status) or a failed model step (500)."""
     if isinstance(exc, InvalidRequestError):
         type_ = "server_error" if exc.status >= 500 else "invalid_request_error"
-        return error_response(exc.status, str(exc), type_=type_, param=exc.param, code=exc.code)
+        response = error_response(exc.status, str(exc), type_=type_, param=exc.param, code=exc.code)
+        if exc.status == 503:  # queue full, model loading: worth a retry (RFC 9110 10.2.3)
+            response.headers["Retry-After"] = "1"
+        return response
     # the worker has logged the failed step with its traceback
     return error_response(500, str(exc), type_="internal_server_error", code=500)
 

@@ -1,5 +1,5 @@
 """`launch_server(server_args)`: check the model path, bind the port, then run the app with
-uvicorn on a uvloop event loop."""
+uvicorn on a uvloop event loop while the model loads."""
 
 from __future__ import annotations
 
@@ -40,9 +40,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def launch_server(server_args: ServerArgs) -> None:
-    """Serve until interrupted. Blocks the calling thread. Raises StartupError (before torch
-    or the model loads) for a bad --model-path or a port taken."""
+def launch_server(server_args: ServerArgs) -> int:
+    """Serve until interrupted; blocks the calling thread. The port answers while the model
+    loads (`/health` 503 until then). Returns the exit status: 0, or 1 when the model failed
+    to load (logged with its traceback). Raises StartupError, before torch or the model
+    loads, for a bad --model-path or a port taken."""
     setup_logging(server_args.log_level)
     try:
         check_model_path(server_args.model_path or default_model_path())
@@ -51,7 +53,13 @@ def launch_server(server_args: ServerArgs) -> None:
     sock = bind_socket(server_args.host, server_args.port)
     from pyserve.server.app import create_app  # torch and the engine: after the checks
 
-    app = create_app(server_args)
+    failed: list[BaseException] = []
+
+    def load_failed(exc: BaseException) -> None:
+        failed.append(exc)
+        server.should_exit = True
+
+    app = create_app(server_args, load_in_background=True, on_load_error=load_failed)
     logger.info("starting pyserve on http://%s:%d", server_args.host, server_args.port)
     config = uvicorn.Config(
         app,
@@ -63,4 +71,6 @@ def launch_server(server_args: ServerArgs) -> None:
         access_log=server_args.log_level == "debug",
         timeout_graceful_shutdown=5,
     )
-    uvicorn.Server(config).run(sockets=[sock])
+    server = uvicorn.Server(config)
+    server.run(sockets=[sock])
+    return 1 if failed else 0

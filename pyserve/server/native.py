@@ -9,7 +9,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from pyserve.engine.engine_core import EngineCore
-from pyserve.errors import InvalidRequestError
+from pyserve.errors import InvalidRequestError, ModelLoadingError
 from pyserve.io_struct import GenerateReqInput, SingleReq
 from pyserve.server.errors import parse_json
 from pyserve.server.render import NativeStreamEncoder, SafeJSONResponse
@@ -27,7 +27,11 @@ def stream_hub_of(request: Request) -> StreamHub:
 
 
 def engine_of(request: Request) -> EngineCore:
-    return request.app.state.engine
+    """The app's EngineCore. Raises ModelLoadingError (503) while the model loads."""
+    engine = getattr(request.app.state, "engine", None)
+    if engine is None:
+        raise ModelLoadingError()
+    return engine
 
 
 async def stream_response(request: Request, req: SingleReq, encode: StreamEncoder) -> StreamResponse:
@@ -61,6 +65,9 @@ async def generate(request: Request) -> Response | StreamResponse:
 
 
 async def health(request: Request) -> Response:
+    """200 with an empty body once the model is loaded; 503 {"status": "loading"} before."""
+    if getattr(request.app.state, "engine", None) is None:
+        return SafeJSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "1"})
     return Response(status_code=200)
 
 
