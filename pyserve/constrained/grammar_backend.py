@@ -14,7 +14,7 @@ import os
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import xgrammar as xgr
@@ -81,6 +81,7 @@ class GrammarBackend:
         self._cache: OrderedDict[tuple[str, str], concurrent.futures.Future[xgr.CompiledGrammar]] = OrderedDict()
         self._lock = threading.Lock()  # (the cache is touched on the loop only; the lock is cheap insurance)
         self.cache_hits = 0
+        self._started: set[tuple[str, str]] = set()  # compiles running now (executor threads)
 
     def compile(self, kind: str, text: str) -> concurrent.futures.Future[xgr.CompiledGrammar]:
         """A future of the compiled grammar of `text` (kind: json_schema, regex, ebnf or
@@ -93,11 +94,35 @@ class GrammarBackend:
                 self._cache.move_to_end(key)
                 self.cache_hits += 1
                 return cached
-            future = self._executor.submit(self._compile, kind, text)
+            future = self._executor.submit(self._compile_started, key)
             self._cache[key] = future
             if len(self._cache) > CACHE_ENTRIES:
                 self._cache.popitem(last=False)
         return future
+
+    def started(self, kind: str, text: str) -> bool:
+        """Whether the compile of (kind, text) has begun on a thread, or ended (False while it
+        waits behind others). Loop thread."""
+        key = (kind, text)
+        future = self._cache.get(key)
+        return key in self._started or (future is not None and future.done())
+
+    def release(self, kind: str, text: str) -> None:
+        """No request waits for (kind, text) any more: a compile that has not begun is dropped
+        (cancelled, and forgotten by the cache), so abandoned grammars do not hold up the
+        next ones. Loop thread."""
+        key = (kind, text)
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None and future.cancel():
+                del self._cache[key]
+
+    def _compile_started(self, key: tuple[str, str]) -> xgr.CompiledGrammar:
+        self._started.add(key)
+        try:
+            return self._compile(*key)
+        finally:
+            self._started.discard(key)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -130,6 +155,10 @@ class GrammarBackend:
             spec: Any = json.loads(text)
         except json.JSONDecodeError as exc:
             raise GrammarError("structural_tag", f"not JSON: {exc}") from None
+        for schema in _tag_schemas(spec):
+            found = unenforced_keyword(schema)
+            if found is not None:
+                raise GrammarError("structural_tag", f"xgrammar cannot enforce {found}")
         if isinstance(spec, dict) and "structures" in spec:
             try:
                 tags = [
@@ -143,6 +172,23 @@ class GrammarBackend:
                 ) from None
             return self._compiler.compile_structural_tag(tags, triggers)
         return self._compiler.compile_structural_tag(text)
+
+
+def _tag_schemas(node: Any) -> Iterator[Any]:
+    """The JSON schemas inside a structural tag: each SGLang structure's `schema`, and in
+    xgrammar's form every `{"type": "json_schema", "json_schema": ...}` format, however deep."""
+    if isinstance(node, dict):
+        if node.get("type") == "json_schema" and "json_schema" in node:
+            yield node["json_schema"]
+        structures = node.get("structures")
+        if isinstance(structures, list):
+            yield from (s["schema"] for s in structures if isinstance(s, dict) and "schema" in s)
+        for key, value in node.items():
+            if key not in ("json_schema", "structures"):
+                yield from _tag_schemas(value)
+    elif isinstance(node, list):
+        for item in node:
+            yield from _tag_schemas(item)
 
 
 def _check_enforceable(text: str) -> None:

@@ -42,7 +42,8 @@ class GrammarQueue:
         self.timeout_s = timeout_s
         self._admit = admit
         self._fail = fail
-        self._reqs: dict[str, tuple[Req, asyncio.TimerHandle]] = {}
+        # rid -> (request, its grammar's (kind, text), its timeout timer)
+        self._reqs: dict[str, tuple[Req, tuple[str, str], asyncio.TimerHandle]] = {}
 
     def __len__(self) -> int:
         return len(self._reqs)
@@ -59,16 +60,24 @@ class GrammarQueue:
             self._settle(req, kind, future)
             return
         loop = asyncio.get_running_loop()
-        timer = loop.call_later(self.timeout_s, self._time_out, req, kind)
-        self._reqs[req.rid] = (req, timer)
+        timer = loop.call_later(self.timeout_s, self._time_out, req, kind, text)
+        self._reqs[req.rid] = (req, (kind, text), timer)
         future.add_done_callback(lambda f: loop.call_soon_threadsafe(self._compiled, req, kind, f))
 
     def remove(self, rid: str) -> Req | None:
-        """Take a request out (aborted, client gone); None when it is not here."""
+        """Take a request out (aborted, client gone); None when it is not here. A grammar no
+        other queued request waits for stops compiling if it has not begun."""
+        entry = self._reqs.get(rid)
+        req = self._take(rid)
+        if entry is not None and self.backend is not None and all(e[1] != entry[1] for e in self._reqs.values()):
+            self.backend.release(*entry[1])
+        return req
+
+    def _take(self, rid: str) -> Req | None:
         entry = self._reqs.pop(rid, None)
         if entry is None:
             return None
-        entry[1].cancel()
+        entry[2].cancel()
         return entry[0]
 
     def take_all(self) -> list[Req]:
@@ -80,7 +89,7 @@ class GrammarQueue:
         entry = self._reqs.get(req.rid)
         if entry is None or entry[0] is not req:  # aborted or timed out meanwhile
             return
-        self.remove(req.rid)
+        self._take(req.rid)
         self._settle(req, kind, future)
 
     def _settle(self, req: Req, kind: str, future: concurrent.futures.Future[Any]) -> None:
@@ -94,9 +103,18 @@ class GrammarQueue:
         req.grammar = future.result()
         self._admit(req)
 
-    def _time_out(self, req: Req, kind: str) -> None:
-        if self.remove(req.rid) is None:
+    def _time_out(self, req: Req, kind: str, text: str) -> None:
+        entry = self._reqs.get(req.rid)
+        if entry is None or entry[0] is not req:
             return
+        assert self.backend is not None
+        if not self.backend.started(kind, text):
+            # still behind other grammars on the compile threads: the limit is for this
+            # grammar's own compile, which has not begun
+            loop = asyncio.get_running_loop()
+            self._reqs[req.rid] = (req, entry[1], loop.call_later(self.timeout_s, self._time_out, req, kind, text))
+            return
+        self._take(req.rid)
         message = (
             f"{kind}: the grammar did not compile within {self.timeout_s:g} s (--grammar-compile-timeout-s); "
             "simplify it or ask the operator to raise the limit"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 import xgrammar as xgr
@@ -93,7 +94,8 @@ def test_compiles_on_an_executor_thread(backend, monkeypatch):
     real = backend._compile
 
     def spy(kind, text):
-        seen.append(threading.current_thread().name)
+        if text == "z{2,5}":  # (an earlier test's compile may still be running)
+            seen.append(threading.current_thread().name)
         return real(kind, text)
 
     monkeypatch.setattr(backend, "_compile", spy)
@@ -112,6 +114,37 @@ def test_compiles_on_an_executor_thread(backend, monkeypatch):
             "`pattern` together with `minLength`/`maxLength` (at #/properties/s)",
         ),
         ({"allOf": [{"type": "integer"}, {"minimum": 5}]}, "3", "`allOf` of 2 schemas (at #)"),
+        (
+            {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+                "anyOf": [{"required": ["a"]}, {"required": ["b"]}],
+            },
+            "true",
+            "`anyOf` beside `properties`, `type` (at #)",
+        ),
+        ({"if": {}, "then": {"type": "integer"}}, "true", "`if` (at #)"),
+        ({"$ref": "http://example.com/int.json"}, "true", "`$ref` to 'http://example.com/int.json' (at #)"),
+        ({"type": "integer", "enum": [1, 5], "maximum": 2}, "5", "`enum` beside `maximum` (at #)"),
+        (
+            {"type": "string", "format": "date", "pattern": "^1999-"},
+            '"4524-07-30"',
+            "`format` together with `pattern`/`minLength`/`maxLength` (at #)",
+        ),
+        ({"type": "array", "contains": {"type": "integer"}}, "[]", "`contains` (at #)"),
+        (
+            {"type": "array", "items": {"enum": [1, 2]}, "uniqueItems": True, "minItems": 2, "maxItems": 2},
+            "[2, 2]",
+            "`uniqueItems` (at #)",
+        ),
+        (  # a property named like a keyword is a name; its schema is still checked
+            {
+                "type": "object",
+                "properties": {"description": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 2}},
+            },
+            '{"description": "abcde"}',
+            "`pattern` together with `minLength`/`maxLength` (at #/properties/description)",
+        ),
     ],
 )
 def test_keywords_xgrammar_would_ignore_are_refused(backend, schema, violation, reason):
@@ -132,6 +165,38 @@ def test_integer_multiple_of_and_a_single_all_of_are_served(backend):
     assert _accepts(compiled, "7") and not _accepts(compiled, "3")
 
 
+def test_property_names_that_look_like_keywords_are_served(backend):
+    schema = {
+        "type": "object",
+        "properties": {"not": {"type": "boolean"}, "pattern": {"type": "string"}, "allOf": {"type": "integer"}},
+        "required": ["not", "pattern", "allOf"],
+        "additionalProperties": False,
+    }
+    compiled = backend.compile("json_schema", json.dumps(schema)).result(timeout=30)
+    assert _accepts(compiled, '{"not": true, "pattern": "x", "allOf": 3}')
+    assert not _accepts(compiled, '{"not": 1, "pattern": "x", "allOf": 3}')
+    union = {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None, "title": "Maybe"}  # pydantic's Optional
+    compiled = backend.compile("json_schema", json.dumps(union)).result(timeout=30)
+    assert _accepts(compiled, "null") and not _accepts(compiled, "3")
+
+
+def test_deep_schemas_and_structural_tags_are_checked(backend):
+    deep: dict = {"type": "integer"}
+    for _ in range(70):
+        deep = {"type": "object", "properties": {"a": deep}}
+    with pytest.raises(GrammarError, match=r"nested more than 64 levels deep \(at #/properties/a/"):
+        backend.compile("json_schema", json.dumps(deep)).result(timeout=30)
+    bad = {"type": "object", "properties": {"x": {"not": {"type": "string"}}}}
+    sglang_form = {"structures": [{"begin": "<f>", "schema": bad, "end": "</f>"}], "triggers": ["<f>"]}
+    xgrammar_form = {"type": "structural_tag", "format": {"type": "json_schema", "json_schema": bad}}
+    for tag in (sglang_form, xgrammar_form):
+        with pytest.raises(GrammarError) as info:
+            backend.compile("structural_tag", json.dumps(tag)).result(timeout=30)
+        assert str(info.value).startswith(
+            "structural_tag: invalid structural tag: xgrammar cannot enforce `not` (at #/properties/x)"
+        )
+
+
 class _Tok:
     def __init__(self, eos_token_id):
         self.eos_token_id = eos_token_id
@@ -141,3 +206,32 @@ def test_grammar_stop_ids_prefer_the_config_then_the_tokenizer():
     assert grammar_stop_ids({7, 3}, _Tok(2)) == [3, 7]
     assert grammar_stop_ids(set(), _Tok(2)) == [2]
     assert grammar_stop_ids(set(), _Tok(None)) == []
+
+
+def test_a_released_compile_that_has_not_begun_is_dropped(stories_path):
+    tokenizer = AutoTokenizer.from_pretrained(stories_path)
+    backend = GrammarBackend(tokenizer, 512, [2], max_workers=1)
+    gate = threading.Event()
+    real = backend._compile
+
+    def gated(kind, text):
+        if text == "a+":
+            gate.wait(timeout=30)
+        return real(kind, text)
+
+    backend._compile = gated  # type: ignore[method-assign]
+    try:
+        first = backend.compile("regex", "a+")  # holds the one compile thread
+        queued = backend.compile("regex", "b+")
+        while not backend.started("regex", "a+"):
+            time.sleep(0.01)
+        assert not backend.started("regex", "b+")
+        backend.release("regex", "b+")
+        assert queued.cancelled()
+        backend.release("regex", "a+")  # running: it goes on
+        gate.set()
+        assert first.result(timeout=30) is not None and backend.started("regex", "a+")
+        again = backend.compile("regex", "b+")  # compiled afresh, not the cancelled one
+        assert again is not queued and again.result(timeout=30) is not None
+    finally:
+        backend.shutdown()

@@ -78,6 +78,12 @@ def refused(body_or_make, param: str) -> str:
             '{"type": "structural_tag"}',
             "structural_tag",
         ),
+        (  # Together's and Fireworks' form: json_object with the object's schema
+            {"response_format": {"type": "json_object", "schema": SCHEMA}},
+            "json_schema",
+            json.dumps(SCHEMA),
+            "response_format",
+        ),
         (
             {"response_format": {"type": "structural_tag", "structures": [], "triggers": []}},
             "structural_tag",
@@ -127,6 +133,23 @@ def test_malformed_response_format_is_refused_by_name():
     assert "schema is required" in refused(
         completion(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format"
     )
+
+
+def test_fields_a_response_format_type_does_not_take_are_refused():
+    """A field that would change nothing is refused by name, not ignored."""
+    message = refused(
+        chat(response_format={"type": "text", "json_schema": {"schema": SCHEMA}}), "response_format.json_schema"
+    )
+    assert message == "response_format of type text takes no field 'json_schema'"
+    refused(
+        completion(response_format={"type": "json_object", "json_schema": {"schema": SCHEMA}}),
+        "response_format.json_schema",
+    )
+    refused(
+        chat(response_format={"type": "json_schema", "json_schema": {"schema": SCHEMA}, "schema": {}}),
+        "response_format.schema",
+    )
+    refused(chat(response_format={"type": "json_object", "schema": "{}"}), "response_format.schema")
 
 
 def test_still_unsupported_fields_are_refused():

@@ -32,6 +32,8 @@ GRAMMAR_FIELDS = (
 )
 # response_format types
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema", "structural_tag")
+# the fields each type takes (structural_tag: its own, checked by the compiler)
+_RESPONSE_FORMAT_FIELDS = {"text": {"type"}, "json_object": {"type", "schema"}, "json_schema": {"type", "json_schema"}}
 
 
 @dataclass(frozen=True)
@@ -67,10 +69,24 @@ def response_format_constraint(response_format: dict[str, Any] | None) -> Constr
             f"response_format.type must be one of {', '.join(RESPONSE_FORMAT_TYPES)}, got {kind!r}",
             param="response_format",
         )
+    if kind != "structural_tag":  # a field the type does not take would change nothing: refused
+        extra = sorted(set(response_format) - _RESPONSE_FORMAT_FIELDS[kind])
+        if extra:
+            raise InvalidRequestError(
+                f"response_format of type {kind} takes no field {extra[0]!r}", param=f"response_format.{extra[0]}"
+            )
     if kind == "text":
         return None
     if kind == "json_object":
-        return Constraint("json_schema", '{"type": "object"}', "response_format")
+        # Together's and Fireworks' form names the object's schema here
+        schema = response_format.get("schema")
+        if schema is None:
+            return Constraint("json_schema", '{"type": "object"}', "response_format")
+        if not isinstance(schema, dict):
+            raise InvalidRequestError(
+                "response_format.schema must be a JSON Schema object", param="response_format.schema"
+            )
+        return Constraint("json_schema", json_text(schema, "response_format"), "response_format")
     if kind == "structural_tag":  # SGLang's: {"type": "structural_tag", "structures": [...], "triggers": [...]}
         return Constraint("structural_tag", json_text(response_format, "response_format"), "response_format")
     spec = response_format.get("json_schema")
