@@ -33,14 +33,26 @@ def error_response(
 def validation_message(exc: ValidationError) -> tuple[str, str | None]:
     """A one-line message and the dotted path of the first invalid field."""
     err = exc.errors()[0]
-    loc = [str(p) for p in err.get("loc", ()) if not str(p).startswith(("function-", "list["))]
-    # drop pydantic's union branch names (e.g. 'str', 'list[str]') from the path
-    loc = [p for p in loc if p not in ("str", "int", "float", "bool", "SamplingParams")]
+    loc = [str(p) for p in err.get("loc", ()) if not _is_branch_name(p)]
     param = ".".join(loc) or None
     if err.get("type") == "extra_forbidden":  # the OpenAI API's wording for unknown fields
         return f"Unrecognized request argument supplied: {param}", param
     msg = err.get("msg", "invalid value").removeprefix("Value error, ")
     return (f"{param}: {msg}" if param else msg), param
+
+
+def _is_branch_name(part: object) -> bool:
+    """Whether a `loc` part is pydantic's name of a union branch or validator ('str',
+    "literal['none','auto']", 'function-after[...]', 'NamedToolChoice'), not a field, key or
+    index of the request."""
+    if not isinstance(part, str):
+        return False
+    return (
+        part in ("str", "int", "float", "bool", "none")
+        or "[" in part
+        or part.startswith(("function-", "json-or-python"))
+        or part[:1].isupper()
+    )
 
 
 def _reject_constant(name: str) -> Any:

@@ -227,3 +227,23 @@ def test_tool_messages_through_the_chat_template(stories_path):
     )
     assert "tools" not in chat(tools=TOOLS, tool_choice="none").template_kwargs()
     assert "tools" not in chat().template_kwargs()
+
+
+def test_a_malformed_tool_choice_names_the_field_not_a_union_branch():
+    from pydantic import ValidationError
+
+    from pyserve.server.errors import validation_message
+    from pyserve.server.openai.protocol import ChatCompletionRequest
+
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "x"}],
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "tool_choice": {"type": "x", "function": {"name": "f"}},
+    }
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest.model_validate(body)
+    assert validation_message(info.value) == (
+        "tool_choice: Input should be 'none', 'auto' or 'required'",
+        "tool_choice",
+    )
