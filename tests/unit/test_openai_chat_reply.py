@@ -187,6 +187,28 @@ def test_a_forced_reply_cut_short_leaves_no_content(text):
     assert [c["function"] for c in streamed["tool_calls"]] == [c["function"] for c in message.get("tool_calls", [])]
 
 
+@pytest.mark.parametrize("interval", [1, 3, 1000])
+def test_calls_to_tools_the_request_did_not_offer_are_dropped(interval):
+    """A model's invented function is dropped (as SGLang does); the kept calls are numbered
+    from 0, streamed as not."""
+    plan = ReplyPlan(None, "qwen25", tool_names=frozenset({"now"}))
+    text = (
+        '<tool_call>\n{"name": "nope", "arguments": {"a": 1}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "now", "arguments": {"tz": "UTC"}}\n</tool_call>'
+    )
+    message, calls_made = parse_reply(plan, text)
+    assert calls_made and [c["function"] for c in message["tool_calls"]] == [
+        {"name": "now", "arguments": '{"tz": "UTC"}'}
+    ]
+    encoder = ChatStreamEncoder(body(), "chatcmpl-r", 1, "m", plan)
+    streamed, reason = streamed_message(chunks(encoder, outputs(text, interval, FinishReason.stop(2))))
+    assert reason == "tool_calls"
+    assert [c["function"] for c in streamed["tool_calls"]] == [c["function"] for c in message["tool_calls"]]
+    assert streamed["content"] == message["content"]
+    only_invented, calls_made = parse_reply(plan, text.split("\n<tool_call>")[0])
+    assert not calls_made and "tool_calls" not in only_invented
+
+
 def test_finish_reason_rule():
     stop = GenerateOutput("r", "", "", [1], [], 4, 0, FinishReason.stop(2))
     running = GenerateOutput("r", "", "", [1], [], 4, 0)

@@ -131,10 +131,14 @@ def test_tool_choice_checks():
 def test_reply_plan():
     assert reply_plan(chat(), None, None) is None
     assert reply_plan(chat(tools=TOOLS, tool_choice="none"), "qwen25", None) is None
-    assert reply_plan(chat(tools=TOOLS), "qwen25", None) == ReplyPlan(None, "qwen25")
-    assert reply_plan(chat(tools=TOOLS, tool_choice="required"), None, None) == ReplyPlan(None, FORCED)
+    names = frozenset({"get_weather", "now"})
+    assert {t["function"]["name"] for t in TOOLS} == names
+    assert reply_plan(chat(tools=TOOLS), "qwen25", None) == ReplyPlan(None, "qwen25", tool_names=names)
+    assert reply_plan(chat(tools=TOOLS, tool_choice="required"), None, None) == ReplyPlan(
+        None, FORCED, tool_names=names
+    )
     assert reply_plan(chat(tools=TOOLS, tool_choice="required", parallel_tool_calls=False), None, None) == ReplyPlan(
-        None, FORCED, max_calls=1
+        None, FORCED, max_calls=1, tool_names=names
     )
     with pytest.raises(InvalidRequestError) as info:
         reply_plan(chat(tools=TOOLS), None, "qwen3")

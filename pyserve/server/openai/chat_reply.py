@@ -40,12 +40,14 @@ class ReplyPlan:
     reasoning_parser: a --reasoning-parser name, or None (no split). tool_parser: a
     --tool-call-parser name, FORCED, or None (no tool calls). max_calls: calls kept at most
     (parallel_tool_calls false: 1), None for all. stream_reasoning: stream the reasoning as it
-    comes (False: in one delta once it ends)."""
+    comes (False: in one delta once it ends). tool_names: the functions the request offers; a
+    call to another name (a model's invention) is dropped, as SGLang does; None keeps all."""
 
     reasoning_parser: str | None
     tool_parser: str | None
     max_calls: int | None = None
     stream_reasoning: bool = True
+    tool_names: frozenset[str] | None = None  # the request's tools; calls to others are dropped
 
     def parser(self) -> ReplyParser:
         """A fresh ReplyParser (one per choice)."""
@@ -76,6 +78,7 @@ class ReplyParser:
         elif plan.tool_parser is not None:
             self.tools = make_tool_call_parser(plan.tool_parser)
         self.call_ids: list[str] = []
+        self._call_index: dict[int, int | None] = {}  # the parser's call index -> the reply's (None: dropped)
         self._held_reasoning = ""  # stream_reasoning false: the reasoning so far
         self.finished = False
 
@@ -113,20 +116,23 @@ class ReplyParser:
         events = self.tools.feed(content) if content else []
         if final:
             events += self.tools.finish()
-        limit = self.plan.max_calls
+        limit, names = self.plan.max_calls, self.plan.tool_names
         for ev in events:
             if isinstance(ev, TextPiece):
                 # a forced reply is the grammar's array and nothing else: its text is never
                 # content, also when max_tokens cuts it before a call's name
                 if self.plan.tool_parser != FORCED:
                     out.text("content", ev.text)
-            elif limit is not None and ev.index >= limit:
-                continue  # parallel_tool_calls false: the first call only
             elif isinstance(ev, CallStart):
-                self.call_ids.append(new_call_id())
-                out.call_start(ev.index, self.call_ids[ev.index], ev.name)
+                kept = (names is None or ev.name in names) and (limit is None or len(self.call_ids) < limit)
+                self._call_index[ev.index] = len(self.call_ids) if kept else None
+                if kept:  # (parallel_tool_calls false: the first call only)
+                    self.call_ids.append(new_call_id())
+                    out.call_start(len(self.call_ids) - 1, self.call_ids[-1], ev.name)
             elif isinstance(ev, CallArgs) and ev.text:
-                out.call_args(ev.index, ev.text)
+                index = self._call_index.get(ev.index)
+                if index is not None:
+                    out.call_args(index, ev.text)
         return out.items
 
 
@@ -231,7 +237,8 @@ def reply_plan(
         tools = tool_call_parser
     if reasoning is None and tools is None:
         return None
-    return ReplyPlan(reasoning, tools, body.max_calls, body.stream_reasoning)
+    names = frozenset(t.function.name for t in body.tools) if tools is not None and body.tools else None
+    return ReplyPlan(reasoning, tools, body.max_calls, body.stream_reasoning, names)
 
 
 def grammar_start_text(body: ChatCompletionRequest, reasoning_parser: str | None, has_grammar: bool) -> str | None:
