@@ -34,6 +34,9 @@ class ServerArgs:
     served_model_name: str | None = None
     host: str = "127.0.0.1"
     port: int = 30000
+    # every route but /health* and OPTIONS needs `Authorization: Bearer <api_key>` (None: open;
+    # PYSERVE_API_KEY is read when unset); never printed or reported
+    api_key: str | None = dataclasses.field(default=None, repr=False)
     dtype: str = "auto"
     load_format: str = "auto"
     attention_backend: str = "auto"
@@ -201,6 +204,13 @@ class ServerArgs:
         a("--served-model-name", type=str, default=None, help="model id shown by /v1/models")
         a("--host", type=str, default=d["host"].default)
         a("--port", type=int, default=d["port"].default)
+        a(
+            "--api-key",
+            type=str,
+            default=None,
+            help="require `Authorization: Bearer <key>` on every route but /health and OPTIONS "
+            "(default: the PYSERVE_API_KEY environment variable, else none)",
+        )
         a("--dtype", type=str, default="auto", choices=DTYPES, help="auto: float32 on CPU, bfloat16 on CUDA")
         a(
             "--load-format",

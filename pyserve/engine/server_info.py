@@ -36,6 +36,7 @@ def server_info(core: EngineCore) -> dict[str, Any]:
     kv = core.kv_cache
     sched = core.scheduler
     info: dict[str, Any] = dict(vars(core.server_args))
+    info.pop("api_key")  # a secret: never reported
     info.update(
         {
             "model_path": core.model_path,

@@ -6,14 +6,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator, Callable
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 
 from pyserve.config import ServerArgs
 from pyserve.engine.engine_core import EngineCore
 from pyserve.model_executor.runner_protocol import Runner
 from pyserve.server import native
+from pyserve.server.auth import ApiKeyMiddleware
 from pyserve.server.errors import EXCEPTION_HANDLERS
 from pyserve.server.openai import serving
 from pyserve.server.stream_hub import StreamHub
@@ -38,7 +41,10 @@ def create_app(
     so the server answers meanwhile: `/health` 503 {"status": "loading"}, every route that
     needs the model 503 (ModelLoadingError); a failed load is logged and passed to
     `on_load_error` (`pyserve serve` then exits 1). False (the default, for embedding): the
-    start returns once the model is loaded, and a failed load fails the start."""
+    start returns once the model is loaded, and a failed load fails the start.
+
+    With `server_args.api_key` (or PYSERVE_API_KEY) every route but /health* and OPTIONS
+    answers 401 without `Authorization: Bearer <key>` (pyserve.server.auth)."""
     args = server_args or ServerArgs()
 
     @contextlib.asynccontextmanager
@@ -73,4 +79,11 @@ def create_app(
             if app.state.engine is not None:
                 await engine.shutdown()
 
-    return Starlette(routes=native.ROUTES + serving.ROUTES, lifespan=lifespan, exception_handlers=EXCEPTION_HANDLERS)
+    api_key = args.api_key or os.environ.get("PYSERVE_API_KEY") or None
+    middleware = [Middleware(ApiKeyMiddleware, api_key=api_key)] if api_key else []
+    return Starlette(
+        routes=native.ROUTES + serving.ROUTES,
+        lifespan=lifespan,
+        exception_handlers=EXCEPTION_HANDLERS,
+        middleware=middleware,
+    )
