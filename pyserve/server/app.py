@@ -15,7 +15,7 @@ from starlette.middleware import Middleware
 from pyserve.config import ServerArgs
 from pyserve.engine.engine_core import EngineCore
 from pyserve.model_executor.runner_protocol import Runner
-from pyserve.server import native
+from pyserve.server import native, tokenize
 from pyserve.server.auth import ApiKeyMiddleware
 from pyserve.server.errors import EXCEPTION_HANDLERS
 from pyserve.server.openai import serving
@@ -82,7 +82,7 @@ def create_app(
     api_key = args.api_key or os.environ.get("PYSERVE_API_KEY") or None
     middleware = [Middleware(ApiKeyMiddleware, api_key=api_key)] if api_key else []
     return Starlette(
-        routes=native.ROUTES + serving.ROUTES,
+        routes=native.ROUTES + serving.ROUTES + tokenize.ROUTES,
         lifespan=lifespan,
         exception_handlers=EXCEPTION_HANDLERS,
         middleware=middleware,

@@ -8,7 +8,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from pyserve.config import ServerArgs
-from pyserve.server import native
+from pyserve.server import native, tokenize
 from pyserve.server.app import create_app
 from pyserve.server.openai import serving
 from tests.conftest import CHAT_TEMPLATE, ServerProcess
@@ -20,6 +20,10 @@ BODIES = {
     "/abort_request": {"abort_all": True},
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
     "/v1/completions": {"prompt": "Once", "max_tokens": 2},
+    "/v1/tokenize": {"prompt": "Once"},
+    "/tokenize": {"prompt": "Once"},
+    "/v1/detokenize": {"tokens": [1, 2]},
+    "/detokenize": {"tokens": [1, 2]},
 }
 UNAUTHORIZED = {
     "error": {
@@ -34,7 +38,7 @@ UNAUTHORIZED = {
 def route_calls() -> list[tuple[str, str]]:
     """(method, path) of every route in the route table (path parameters filled in)."""
     out = []
-    for route in native.ROUTES + serving.ROUTES:
+    for route in native.ROUTES + serving.ROUTES + tokenize.ROUTES:
         path = route.path.replace("{model_id:path}", "default")
         for method in sorted(route.methods or ()):
             if method != "HEAD":

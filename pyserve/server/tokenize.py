@@ -1,0 +1,98 @@
+"""`/v1/tokenize` and `/v1/detokenize` (also `/tokenize`, `/detokenize`), in SGLang's shapes:
+the served tokenizer's ids of a prompt (or of chat messages, as the chat route renders them)
+and the text of ids."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, cast
+
+from pydantic import BaseModel, Field
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from pyserve.errors import InvalidRequestError
+from pyserve.server.errors import parse_json
+from pyserve.server.native import engine_of
+from pyserve.server.openai.protocol import STRICT, ChatMessage
+from pyserve.server.render import SafeJSONResponse
+
+
+class TokenizeRequest(BaseModel):
+    """`prompt` (a string or a list of them) or chat `messages`, one of the two.
+    add_special_tokens: default true for a prompt (as /v1/completions), false for messages
+    (as /v1/chat/completions: the template writes them)."""
+
+    model_config = STRICT
+    model: str | None = None
+    prompt: str | list[str] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    """`tokens`: one id list or a list of them."""
+
+    model_config = STRICT
+    model: str | None = None
+    tokens: list[int] | list[list[int]]
+    skip_special_tokens: bool = False
+
+
+async def tokenize(request: Request) -> Response:
+    """{"tokens": ids, "count": len(ids), "max_model_len": context length}; for a list of
+    prompts, a list of id lists and of counts."""
+    body = TokenizeRequest.model_validate(await parse_json(request))
+    engine = engine_of(request)
+    engine.resolve_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise InvalidRequestError("give either prompt or messages", param="prompt")
+    tm = engine.tokenizer_manager
+    if body.messages is not None:
+        kwargs = {**(body.chat_template_kwargs or {}), "add_generation_prompt": body.add_generation_prompt}
+        text = await engine.apply_chat_template([m.to_template() for m in body.messages], **kwargs)
+        special = bool(body.add_special_tokens)
+        ids: list[int] | list[list[int]] = (await tm.encode(text, special)).tolist()
+        count: int | list[int] = len(ids)
+    else:
+        special = body.add_special_tokens is not False
+        if isinstance(body.prompt, list):
+            each: list[list[int]] = [(await tm.encode(p, special)).tolist() for p in body.prompt]
+            ids, count = each, [len(i) for i in each]
+        else:
+            ids = (await tm.encode(body.prompt or "", special)).tolist()
+            count = len(ids)
+    return SafeJSONResponse({"tokens": ids, "count": count, "max_model_len": engine.context_len})
+
+
+async def detokenize(request: Request) -> Response:
+    """{"text": the ids' text} (a list of texts for a list of id lists). Raises
+    InvalidRequestError (param "tokens") for an id outside the tokenizer's vocabulary."""
+    body = DetokenizeRequest.model_validate(await parse_json(request))
+    engine = engine_of(request)
+    engine.resolve_model(body.model)
+    tokenizer = engine.tokenizer
+    batch = body.tokens and isinstance(body.tokens[0], list)
+    seqs = cast(list[list[int]], body.tokens if batch else [body.tokens])
+    size = len(tokenizer)
+    for i, seq in enumerate(seqs):
+        bad = next((t for t in seq if not 0 <= t < size), None)
+        if bad is not None:
+            where = f"tokens.{i}" if batch else "tokens"
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary (0..{size - 1})", param=where)
+    texts = await asyncio.get_running_loop().run_in_executor(
+        engine.tokenizer_manager.executor,
+        lambda: [cast(str, tokenizer.decode(s, skip_special_tokens=body.skip_special_tokens)) for s in seqs],
+    )
+    return SafeJSONResponse({"text": texts if batch else texts[0]})
+
+
+ROUTES = [
+    Route("/v1/tokenize", tokenize, methods=["POST"]),
+    Route("/tokenize", tokenize, methods=["POST"]),
+    Route("/v1/detokenize", detokenize, methods=["POST"]),
+    Route("/detokenize", detokenize, methods=["POST"]),
+]
