@@ -37,6 +37,8 @@ class ServerArgs:
     # every route but /health* and OPTIONS needs `Authorization: Bearer <api_key>` (None: open;
     # PYSERVE_API_KEY is read when unset); never printed or reported
     api_key: str | None = dataclasses.field(default=None, repr=False)
+    # SIGTERM / SIGINT: how long running requests may go on before they are ended
+    shutdown_timeout_s: float = 30.0
     dtype: str = "auto"
     load_format: str = "auto"
     attention_backend: str = "auto"
@@ -204,6 +206,13 @@ class ServerArgs:
         a("--served-model-name", type=str, default=None, help="model id shown by /v1/models")
         a("--host", type=str, default=d["host"].default)
         a("--port", type=int, default=d["port"].default)
+        a(
+            "--shutdown-timeout-s",
+            type=float,
+            default=d["shutdown_timeout_s"].default,
+            help="on SIGTERM or SIGINT, new requests get 503 and running ones may finish for this many "
+            "seconds; then they end with finish reason abort (default: %(default)s; a second signal exits at once)",
+        )
         a(
             "--api-key",
             type=str,

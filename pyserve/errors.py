@@ -4,6 +4,7 @@
   * `InvalidRequestError`: the client sent a request pyserve cannot serve (HTTP 400).
     * `QueueFullError`: the waiting queue is full (`--max-queued-requests`; HTTP 503).
     * `ModelLoadingError`: the server is up but its model is still loading (HTTP 503).
+    * `ServerDrainingError`: the server is shutting down and takes no new request (HTTP 503).
   * `ModelStepError`: a model step failed while the request ran (HTTP 500 or an SSE error
     event); the server and the other requests carry on.
 * `CoreError` (from the Rust core, `pyserve._rs`): a caller broke a contract of the KV
@@ -64,6 +65,14 @@ class ModelLoadingError(InvalidRequestError):
         super().__init__("the model is still loading; retry shortly", code="model_loading", status=503)
 
 
+class ServerDrainingError(InvalidRequestError):
+    """The server is draining (SIGTERM / SIGINT): a new request is refused (HTTP 503, code
+    "server_shutting_down"); another replica may take it."""
+
+    def __init__(self) -> None:
+        super().__init__("the server is shutting down", code="server_shutting_down", status=503)
+
+
 class ModelStepError(PyserveError, RuntimeError):
     """A model step failed (a pyserve or device fault, not the client's) while the request
     ran; the request was ended and its KV freed."""
@@ -74,6 +83,7 @@ __all__ = [
     "InvalidRequestError",
     "QueueFullError",
     "ModelLoadingError",
+    "ServerDrainingError",
     "ModelStepError",
     "CoreError",
     "UnknownRequestError",

@@ -41,10 +41,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def launch_server(server_args: ServerArgs) -> int:
-    """Serve until interrupted; blocks the calling thread. The port answers while the model
-    loads (`/health` 503 until then). Returns the exit status: 0, or 1 when the model failed
-    to load (logged with its traceback). Raises StartupError, before torch or the model
-    loads, for a bad --model-path or a port taken."""
+    """Serve until SIGTERM / SIGINT, then drain (pyserve.server.drain); blocks the calling
+    thread. The port answers while the model loads (`/health` 503 until then). Returns the
+    exit status: 0, or 1 when the model failed to load (logged with its traceback). Raises
+    StartupError, before torch or the model loads, for a bad --model-path or a port taken."""
     setup_logging(server_args.log_level)
     try:
         check_model_path(server_args.model_path or default_model_path())
@@ -52,6 +52,7 @@ def launch_server(server_args: ServerArgs) -> int:
         raise StartupError(str(exc)) from None
     sock = bind_socket(server_args.host, server_args.port)
     from pyserve.server.app import create_app  # torch and the engine: after the checks
+    from pyserve.server.drain import DrainingServer
 
     failed: list[BaseException] = []
 
@@ -71,6 +72,6 @@ def launch_server(server_args: ServerArgs) -> int:
         access_log=server_args.log_level == "debug",
         timeout_graceful_shutdown=5,
     )
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, app, server_args.shutdown_timeout_s)
     server.run(sockets=[sock])
     return 1 if failed else 0

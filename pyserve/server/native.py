@@ -9,7 +9,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from pyserve.engine.engine_core import EngineCore
-from pyserve.errors import InvalidRequestError, ModelLoadingError
+from pyserve.errors import InvalidRequestError, ModelLoadingError, ServerDrainingError
 from pyserve.io_struct import GenerateReqInput, SingleReq
 from pyserve.server.errors import parse_json
 from pyserve.server.render import NativeStreamEncoder, SafeJSONResponse
@@ -27,8 +27,12 @@ def stream_hub_of(request: Request) -> StreamHub:
 
 
 def engine_of(request: Request) -> EngineCore:
-    """The app's EngineCore. Raises ModelLoadingError (503) while the model loads."""
-    engine = getattr(request.app.state, "engine", None)
+    """The app's EngineCore. Raises ModelLoadingError (503) while the model loads and
+    ServerDrainingError (503) once the server drains."""
+    state = request.app.state
+    if getattr(state, "draining", False):
+        raise ServerDrainingError()
+    engine = getattr(state, "engine", None)
     if engine is None:
         raise ModelLoadingError()
     return engine
@@ -65,7 +69,10 @@ async def generate(request: Request) -> Response | StreamResponse:
 
 
 async def health(request: Request) -> Response:
-    """200 with an empty body once the model is loaded; 503 {"status": "loading"} before."""
+    """200 with an empty body once the model is loaded; 503 {"status": "loading"} before,
+    {"status": "draining"} once the server shuts down."""
+    if getattr(request.app.state, "draining", False):
+        return SafeJSONResponse({"status": "draining"}, status_code=503)
     if getattr(request.app.state, "engine", None) is None:
         return SafeJSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "1"})
     return Response(status_code=200)

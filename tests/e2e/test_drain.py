@@ -1,0 +1,68 @@
+"""Graceful drain, end to end on SmolLM2: SIGTERM during 16 streams. Requests sent after the
+signal get 503; the streams that finish within --shutdown-timeout-s end as usual, the others
+with finish reason abort; every stream ends with `data: [DONE]`; no traceback in the log; the
+server exits with status 0."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+
+from tests.conftest import ServerProcess
+
+SHORT, LONG = 4, 2000  # max_new_tokens: done within the timeout, cut by it
+
+
+def _stream(url: str, max_new_tokens: int, lines: list[str]) -> None:
+    body = {
+        "text": "Once upon a time",
+        "stream": True,
+        "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+    }
+    with httpx.stream("POST", url + "/generate", json=body, timeout=300) as r:
+        for line in r.iter_lines():
+            if line:
+                lines.append(line)
+
+
+def test_sigterm_drains_16_streams(tmp_path):
+    server = ServerProcess(["--shutdown-timeout-s", "3", "--max-running-requests", "16"], tmp_path / "server.log")
+    try:
+        server.wait_ready()
+        streams: list[list[str]] = [[] for _ in range(16)]
+        threads = [
+            threading.Thread(target=_stream, args=(server.base_url, SHORT if i % 2 else LONG, streams[i]))
+            for i in range(16)
+        ]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 120
+        while not all(len(s) >= 2 for s in streams[::2]):  # the long ones are decoding
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)  # (the drain starts on the server's next 0.1 s tick)
+        r = httpx.post(server.base_url + "/generate", json={"text": "a"}, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down"
+        r = httpx.get(server.base_url + "/health", timeout=30)
+        assert (r.status_code, r.json()) == (503, {"status": "draining"})
+        for t in threads:
+            t.join(timeout=120)
+        assert server.proc.wait(timeout=60) == 0
+    finally:
+        server.stop()
+    for i, lines in enumerate(streams):
+        assert lines[-1] == "data: [DONE]", (i, lines[-3:])
+        last = json.loads(lines[-2].removeprefix("data: "))
+        reason = last["meta_info"]["finish_reason"]
+        if i % 2:
+            assert reason == {"type": "length", "length": SHORT}, (i, reason)
+        else:
+            assert reason["type"] == "abort" and reason["message"] == "server shutting down", (i, reason)
+            assert 1 <= last["meta_info"]["completion_tokens"] < LONG
+    log = server.log_path.read_text()
+    assert "Traceback" not in log and "drain: 8 requests still running after 3 s end with finish reason abort" in log
