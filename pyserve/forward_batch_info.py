@@ -35,7 +35,8 @@ class FinishReason:
     aborted (ABORT). status_code: for aborts the server or the request caused, the HTTP
     status the consumer reports (400: the request's own parameters, 500: a failed model
     step); None for a plain abort (client gone, /abort_request, shutdown). param: the
-    request field a 400 is about (e.g. "json_schema"), when known.
+    request field a 400 is about (e.g. "json_schema"), when known. code: the error code a
+    503 reports ("server_shutting_down"; None: a full queue's "queue_full").
     """
 
     kind: FinishKind
@@ -44,6 +45,7 @@ class FinishReason:
     message: str | None = None
     status_code: int | None = None
     param: str | None = None
+    code: str | None = None
 
     @classmethod
     def stop(cls, matched: int | str) -> FinishReason:
@@ -54,8 +56,10 @@ class FinishReason:
         return cls(FinishKind.LENGTH, length=length)
 
     @classmethod
-    def abort(cls, message: str, status_code: int | None = None, param: str | None = None) -> FinishReason:
-        return cls(FinishKind.ABORT, message=message, status_code=status_code, param=param)
+    def abort(
+        cls, message: str, status_code: int | None = None, param: str | None = None, code: str | None = None
+    ) -> FinishReason:
+        return cls(FinishKind.ABORT, message=message, status_code=status_code, param=param, code=code)
 
     @property
     def is_abort(self) -> bool:

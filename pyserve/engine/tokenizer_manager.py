@@ -18,7 +18,7 @@ import numpy as np
 
 from pyserve.engine.detokenizer import Detokenizer
 from pyserve.engine.scheduler import Scheduler
-from pyserve.errors import InvalidRequestError, ModelStepError, QueueFullError
+from pyserve.errors import InvalidRequestError, ModelStepError, QueueFullError, ServerDrainingError
 from pyserve.forward_batch_info import FinishReason
 from pyserve.io_struct import GenerateOutput, SingleReq, TokenizedGenerateReq
 
@@ -362,13 +362,24 @@ class TokenizerManager:
         self.detokenizer.forget(rid)
         self.scheduler.finish_request(rid, FinishReason.abort("aborted by the client"))
 
-    def end_request(self, rid: str, message: str) -> bool:
+    def end_request(self, rid: str, message: str, reason: FinishReason | None = None) -> bool:
         """Stop a running request and free what it holds; its consumer receives a last
-        output with finish reason abort (`message`). False for an unknown rid."""
+        output with finish reason `reason` (default: a plain abort with `message`). False for
+        an unknown rid."""
         if rid not in self.states:
             return False
-        self.scheduler.finish_request(rid, FinishReason.abort(message))
+        self.scheduler.finish_request(rid, reason or FinishReason.abort(message))
         return True
+
+    def end_all_for_shutdown(self, message: str) -> int:
+        """End every request (a drain's timeout): a stream's consumer gets a plain abort (its
+        last chunk, then [DONE]); a whole-response consumer a 503 ServerDrainingError.
+        Returns how many were ended."""
+        refused = FinishReason.abort(message, status_code=503, code="server_shutting_down")
+        return sum(
+            self.end_request(rid, message, None if state.sink is not None else refused)
+            for rid, state in list(self.states.items())
+        )
 
     def _deliver(self, out: GenerateOutput) -> None:
         state = self.states.get(out.rid)
@@ -388,6 +399,8 @@ def failure_of(out: GenerateOutput) -> InvalidRequestError | ModelStepError | No
     finish reason) or the request's own parameters failing it mid-way (400)."""
     reason = out.finish_reason
     status = (reason.status_code if reason is not None else None) or 0
+    if status == 503 and reason.code == "server_shutting_down":  # type: ignore[union-attr]
+        return ServerDrainingError()
     if status == 503:  # let go from a full queue for a more urgent request
         return QueueFullError(reason.message or "the request queue is full")  # type: ignore[union-attr]
     if status >= 500:

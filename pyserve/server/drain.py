@@ -1,7 +1,7 @@
 """Graceful drain on SIGTERM / SIGINT (`pyserve serve`): new requests get 503, running ones may
-finish for `--shutdown-timeout-s`, then the rest end with finish reason abort (a stream's last
-chunk says so, then `data: [DONE]`), and the server exits with status 0. A second signal exits
-at once."""
+finish for `--shutdown-timeout-s`, then the rest end: a stream with finish reason abort (its
+last chunk says so, then `data: [DONE]`), a whole response with a 503 error object; the server
+exits with status 0. A second signal exits at once."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ _SETTLE_S = 5.0  # how long ended requests get to hand their last outputs to the
 async def drain(app: Starlette, timeout_s: float) -> None:
     """Stop taking requests (the routes answer 503 ServerDrainingError, /health 503
     {"status": "draining"}), wait up to `timeout_s` for the running ones, then end the rest
-    with an abort and wait (up to _SETTLE_S) until their consumers have their last output.
+    (TokenizerManager.end_all_for_shutdown) and wait (up to _SETTLE_S) until their consumers
+    have their last output.
     Loop thread."""
     app.state.draining = True
     engine = getattr(app.state, "engine", None)
@@ -34,8 +35,8 @@ async def drain(app: Starlette, timeout_s: float) -> None:
     while states and loop.time() < deadline:
         await asyncio.sleep(0.05)
     if states:
-        ended = engine.abort_request(abort_all=True, message=SHUTDOWN_MESSAGE)
-        logger.info("drain: %d requests still running after %g s end with finish reason abort", ended, timeout_s)
+        ended = engine.tokenizer_manager.end_all_for_shutdown(SHUTDOWN_MESSAGE)
+        logger.info("drain: %d requests still running after %g s are ended", ended, timeout_s)
         deadline = loop.time() + _SETTLE_S
         while states and loop.time() < deadline:
             await asyncio.sleep(0.05)

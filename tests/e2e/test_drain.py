@@ -1,7 +1,7 @@
-"""Graceful drain, end to end on SmolLM2: SIGTERM during 16 streams. Requests sent after the
-signal get 503; the streams that finish within --shutdown-timeout-s end as usual, the others
-with finish reason abort; every stream ends with `data: [DONE]`; no traceback in the log; the
-server exits with status 0."""
+"""Graceful drain, end to end on SmolLM2: SIGTERM during 16 streams and a whole response.
+Requests sent after the signal get 503; the streams that finish within --shutdown-timeout-s end
+as usual, the others with finish reason abort; every stream ends with `data: [DONE]`; the cut
+whole response gets a 503 error object; no traceback in the log; the server exits with 0."""
 
 from __future__ import annotations
 
@@ -29,8 +29,13 @@ def _stream(url: str, max_new_tokens: int, lines: list[str]) -> None:
                 lines.append(line)
 
 
+def _whole(url: str) -> httpx.Response:
+    body = {"text": "Once", "sampling_params": {"temperature": 0, "max_new_tokens": LONG, "ignore_eos": True}}
+    return httpx.post(url + "/generate", json=body, timeout=300)
+
+
 def test_sigterm_drains_16_streams(tmp_path):
-    server = ServerProcess(["--shutdown-timeout-s", "3", "--max-running-requests", "16"], tmp_path / "server.log")
+    server = ServerProcess(["--shutdown-timeout-s", "3", "--max-running-requests", "17"], tmp_path / "server.log")
     try:
         server.wait_ready()
         streams: list[list[str]] = [[] for _ in range(16)]
@@ -38,6 +43,8 @@ def test_sigterm_drains_16_streams(tmp_path):
             threading.Thread(target=_stream, args=(server.base_url, SHORT if i % 2 else LONG, streams[i]))
             for i in range(16)
         ]
+        whole: list[httpx.Response] = []
+        threads.append(threading.Thread(target=lambda: whole.append(_whole(server.base_url))))
         for t in threads:
             t.start()
         deadline = time.monotonic() + 120
@@ -64,5 +71,12 @@ def test_sigterm_drains_16_streams(tmp_path):
         else:
             assert reason["type"] == "abort" and reason["message"] == "server shutting down", (i, reason)
             assert 1 <= last["meta_info"]["completion_tokens"] < LONG
+    (r,) = whole  # a whole response cut by the drain: a 503 error object
+    assert r.status_code == 503 and r.json()["error"] == {
+        "message": "the server is shutting down",
+        "type": "server_error",
+        "param": None,
+        "code": "server_shutting_down",
+    }
     log = server.log_path.read_text()
-    assert "Traceback" not in log and "drain: 8 requests still running after 3 s end with finish reason abort" in log
+    assert "Traceback" not in log and "drain: 9 requests still running after 3 s are ended" in log
