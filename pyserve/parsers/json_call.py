@@ -65,37 +65,9 @@ class CallObjectScanner:
                     continue  # a scalar ended at c: read c again after the value
             elif state == _KEY:
                 self._string_char(c)
-            elif c in WHITESPACE:
-                pass
-            elif state == _START:
-                if c != "{":
-                    self.failed = True
-                    break
-                self._state = _KEY_OR_END
-            elif state == _KEY_OR_END:
-                if c == '"':
-                    self._state, self._token = _KEY, []
-                elif c == "}":
-                    self._end_object()
-                else:
-                    self.failed = True
-                    break
-            elif state == _COLON:
-                if c != ":":
-                    self.failed = True
-                    break
-                self._state = _VALUE_START
-            elif state == _VALUE_START:
-                self._begin_value(c, args)
+            elif c not in WHITESPACE:  # (whitespace between tokens changes nothing)
+                self._structural_char(state, c, args)
                 if self.failed:
-                    break
-            elif state == _AFTER_VALUE:
-                if c == ",":
-                    self._state = _KEY_OR_END
-                elif c == "}":
-                    self._end_object()
-                else:
-                    self.failed = True
                     break
             i += 1
         if args:
@@ -140,6 +112,36 @@ class CallObjectScanner:
             self._kind = _SCALAR
         else:
             self.failed = True
+
+    def _structural_char(self, state: int, c: str, args: list[str]) -> None:
+        """Outside keys and values: `{`, a key's quote, `:`, `,`, `}` or a value's first
+        character, by state; anything else sets `failed`."""
+        if state == _START:
+            if c == "{":
+                self._state = _KEY_OR_END
+            else:
+                self.failed = True
+        elif state == _KEY_OR_END:
+            if c == '"':
+                self._state, self._token = _KEY, []
+            elif c == "}":
+                self._end_object()
+            else:
+                self.failed = True
+        elif state == _COLON:
+            if c == ":":
+                self._state = _VALUE_START
+            else:
+                self.failed = True
+        elif state == _VALUE_START:
+            self._begin_value(c, args)
+        elif state == _AFTER_VALUE:
+            if c == ",":
+                self._state = _KEY_OR_END
+            elif c == "}":
+                self._end_object()
+            else:
+                self.failed = True
 
     def _value_char(self, c: str, args: list[str]) -> bool:
         """A character of a value (state _VALUE); False when a scalar ended before `c`."""

@@ -37,8 +37,8 @@ class _ListScanner:
         state = self.state
         if state == _ARGS:
             self._args_char(c)
-        elif state in (_OPEN, _AFTER_CALL) and c in _WS:
-            pass
+        elif c in _WS and state in (_OPEN, _AFTER_CALL):
+            return  # whitespace around a call: nothing changes
         elif state == _OPEN:
             self.state = _NAME if c.isidentifier() else _REJECTED
         elif state == _NAME:

@@ -47,8 +47,9 @@ class ReasoningParser:
         self._buf += text
         reasoning: list[str] = []
         content: list[str] = []
-        while self._buf and self._step(reasoning, content):
-            pass
+        while self._buf:
+            if not self._step(reasoning, content):
+                break
         return "".join(reasoning), "".join(content)
 
     def _step(self, reasoning: list[str], content: list[str]) -> bool:

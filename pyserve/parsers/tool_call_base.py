@@ -119,8 +119,9 @@ class ToolCallParser(abc.ABC):
         """Events completed by `text` (appended to the reply so far)."""
         out: list[ToolEvent] = []
         self._buf += text
-        while self._buf and self._step(out):
-            pass
+        while self._buf:
+            if not self._step(out):
+                break
         return out
 
     @abc.abstractmethod
