@@ -81,7 +81,6 @@ class GrammarBackend:
         self._cache: OrderedDict[tuple[str, str], concurrent.futures.Future[xgr.CompiledGrammar]] = OrderedDict()
         self._lock = threading.Lock()  # (the cache is touched on the loop only; the lock is cheap insurance)
         self.cache_hits = 0
-        self._started: set[tuple[str, str]] = set()  # compiles running now (executor threads)
 
     def compile(self, kind: str, text: str) -> concurrent.futures.Future[xgr.CompiledGrammar]:
         """A future of the compiled grammar of `text` (kind: json_schema, regex, ebnf or
@@ -94,7 +93,7 @@ class GrammarBackend:
                 self._cache.move_to_end(key)
                 self.cache_hits += 1
                 return cached
-            future = self._executor.submit(self._compile_started, key)
+            future = self._executor.submit(self._compile, kind, text)
             self._cache[key] = future
             if len(self._cache) > CACHE_ENTRIES:
                 self._cache.popitem(last=False)
@@ -103,9 +102,8 @@ class GrammarBackend:
     def started(self, kind: str, text: str) -> bool:
         """Whether the compile of (kind, text) has begun on a thread, or ended (False while it
         waits behind others). Loop thread."""
-        key = (kind, text)
-        future = self._cache.get(key)
-        return key in self._started or (future is not None and future.done())
+        future = self._cache.get((kind, text))
+        return future is not None and (future.running() or future.done())
 
     def release(self, kind: str, text: str) -> None:
         """No request waits for (kind, text) any more: a compile that has not begun is dropped
@@ -116,13 +114,6 @@ class GrammarBackend:
             future = self._cache.get(key)
             if future is not None and future.cancel():
                 del self._cache[key]
-
-    def _compile_started(self, key: tuple[str, str]) -> xgr.CompiledGrammar:
-        self._started.add(key)
-        try:
-            return self._compile(*key)
-        finally:
-            self._started.discard(key)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -370,18 +370,17 @@ class EngineCore:
         )
 
     # ---- control -------------------------------------------------------------------------------
-    def abort_request(
-        self, rid: str | None = None, abort_all: bool = False, message: str = "aborted by /abort_request"
-    ) -> int:
+    def abort_request(self, rid: str | None = None, abort_all: bool = False) -> int:
         """End running requests: the one named `rid` and those the server derived from it
         (the prompts of a batch, the samples of n > 1 and their prefill), or every one with
-        `abort_all`. Each consumer gets a last output with finish reason abort (`message`) and
-        its KV is freed. Returns how many requests were ended."""
+        `abort_all`. Each consumer gets a last output with finish reason abort and its KV is
+        freed. Returns how many requests were ended."""
         tm = self.tokenizer_manager
         if abort_all:
             rids = list(tm.states)
         else:
             rids = [r for r in [rid, *sorted(self._derived.get(rid or "", ()))] if r in tm.states]
+        message = "aborted by /abort_request"
         return sum(tm.end_request(r, message) for r in rids)
 
     def flush_cache(self) -> bool:

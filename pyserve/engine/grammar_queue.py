@@ -15,11 +15,17 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from pyserve.constrained import GrammarBackend
 from pyserve.engine.schedule_batch import Req
 from pyserve.forward_batch_info import FinishReason
+
+
+class _Queued(NamedTuple):
+    req: Req
+    grammar: tuple[str, str]  # (kind, text)
+    timer: asyncio.TimerHandle  # its timeout
 
 
 class GrammarQueue:
@@ -42,8 +48,7 @@ class GrammarQueue:
         self.timeout_s = timeout_s
         self._admit = admit
         self._fail = fail
-        # rid -> (request, its grammar's (kind, text), its timeout timer)
-        self._reqs: dict[str, tuple[Req, tuple[str, str], asyncio.TimerHandle]] = {}
+        self._reqs: dict[str, _Queued] = {}
 
     def __len__(self) -> int:
         return len(self._reqs)
@@ -61,7 +66,7 @@ class GrammarQueue:
             return
         loop = asyncio.get_running_loop()
         timer = loop.call_later(self.timeout_s, self._time_out, req, kind, text)
-        self._reqs[req.rid] = (req, (kind, text), timer)
+        self._reqs[req.rid] = _Queued(req, (kind, text), timer)
         future.add_done_callback(lambda f: loop.call_soon_threadsafe(self._compiled, req, kind, f))
 
     def remove(self, rid: str) -> Req | None:
@@ -69,16 +74,17 @@ class GrammarQueue:
         other queued request waits for stops compiling if it has not begun."""
         entry = self._reqs.get(rid)
         req = self._take(rid)
-        if entry is not None and self.backend is not None and all(e[1] != entry[1] for e in self._reqs.values()):
-            self.backend.release(*entry[1])
+        if entry is not None and self.backend is not None:
+            if all(e.grammar != entry.grammar for e in self._reqs.values()):
+                self.backend.release(*entry.grammar)
         return req
 
     def _take(self, rid: str) -> Req | None:
         entry = self._reqs.pop(rid, None)
         if entry is None:
             return None
-        entry[2].cancel()
-        return entry[0]
+        entry.timer.cancel()
+        return entry.req
 
     def take_all(self) -> list[Req]:
         """Every queued request, taken out (shutdown)."""
@@ -87,7 +93,7 @@ class GrammarQueue:
 
     def _compiled(self, req: Req, kind: str, future: concurrent.futures.Future[Any]) -> None:
         entry = self._reqs.get(req.rid)
-        if entry is None or entry[0] is not req:  # aborted or timed out meanwhile
+        if entry is None or entry.req is not req:  # aborted or timed out meanwhile
             return
         self._take(req.rid)
         self._settle(req, kind, future)
@@ -105,14 +111,14 @@ class GrammarQueue:
 
     def _time_out(self, req: Req, kind: str, text: str) -> None:
         entry = self._reqs.get(req.rid)
-        if entry is None or entry[0] is not req:
+        if entry is None or entry.req is not req:
             return
         assert self.backend is not None
         if not self.backend.started(kind, text):
             # still behind other grammars on the compile threads: the limit is for this
             # grammar's own compile, which has not begun
             loop = asyncio.get_running_loop()
-            self._reqs[req.rid] = (req, entry[1], loop.call_later(self.timeout_s, self._time_out, req, kind, text))
+            self._reqs[req.rid] = entry._replace(timer=loop.call_later(self.timeout_s, self._time_out, req, kind, text))
             return
         self._take(req.rid)
         message = (
