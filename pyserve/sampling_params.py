@@ -12,6 +12,8 @@ GREEDY_TEMPERATURE = 1e-5
 # Parallel samples per prompt at most (OpenAI's limit for n is 128).
 MAX_N = 128
 
+# the largest int64 (the dtype of the worker's integer sampling rows)
+INT64_MAX = 2**63 - 1
 # the largest finite float32 (the dtype of the worker's sampling rows)
 FLOAT32_MAX = 3.4028234663852886e38
 
@@ -67,7 +69,7 @@ class SamplingParams(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
     logit_bias: dict[str, float] | None = None
-    min_new_tokens: int = Field(default=0, ge=0)
+    min_new_tokens: int = Field(default=0, ge=0, le=INT64_MAX)  # (the worker's rows are int64)
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool = False

@@ -24,17 +24,23 @@ MAX_ERROR_PARAM_CHARS = 200
 
 
 def json_bytes(obj: Any) -> bytes:
-    """`obj` as compact UTF-8 JSON, encoded by orjson (the hot path: every SSE chunk). Strings
-    with lone surrogates (which orjson refuses) go through the standard library instead and
-    are written with JSON escapes: a raw surrogate can only stand inside a JSON string, where
-    its six-character backslash-u form is a valid escape that parses back to the same
-    character. NaN and infinities become null (orjson's rule; logprobs are made finite before).
-    Raises TypeError for non-JSON types."""
+    """`obj` as compact UTF-8 JSON, encoded by orjson (the hot path: every SSE chunk). What
+    orjson refuses but a request may hold goes through the standard library instead: strings
+    with lone surrogates, written with JSON escapes (a raw surrogate can only stand inside a
+    JSON string, where its six-character backslash-u form is a valid escape that parses back
+    to the same character), and integers beyond 64 bits (valid JSON; /v1/responses echoes
+    the request's `metadata`). NaN and infinities become null (orjson's rule; logprobs are
+    made finite before). Raises TypeError for non-JSON types."""
     try:
         return orjson.dumps(obj, option=_ORJSON_OPTIONS)
     except orjson.JSONEncodeError as exc:
-        if not isinstance(exc.__cause__, UnicodeError) and "str is not valid UTF-8" not in str(exc):
-            raise TypeError(str(exc)) from exc
+        message = str(exc)
+        if not (
+            isinstance(exc.__cause__, UnicodeError)
+            or "str is not valid UTF-8" in message
+            or "Integer exceeds 64-bit range" in message
+        ):
+            raise TypeError(message) from exc
     text = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
     return text.encode("utf-8", "backslashreplace")
 
@@ -84,6 +90,7 @@ class NativeStreamEncoder:
     outputs in order; loop thread only."""
 
     __slots__ = ("_text", "_text_len", "_ids", "_num_ids", "_meta_head")
+    cumulative = True  # each event supersedes the ones before (StreamHub may drop those unsent)
 
     def __init__(self) -> None:
         self._text = bytearray()  # the text so far as a JSON string body (no quotes)

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pyserve.errors import InvalidRequestError
 from pyserve.io_struct import LogprobParams, is_unset
-from pyserve.sampling_params import MAX_N, SamplingParams
+from pyserve.sampling_params import INT64_MAX, MAX_N, SamplingParams
 from pyserve.server.openai.structured import (
     GRAMMAR_FIELDS,
     Constraint,
@@ -148,7 +148,7 @@ class _Common(BaseModel):
     top_k: int = -1
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
-    min_tokens: int = Field(default=0, ge=0)
+    min_tokens: int = Field(default=0, ge=0, le=INT64_MAX)
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     skip_special_tokens: bool = True
