@@ -8,7 +8,13 @@ step's task first suspends, `_check` runs (scheduled right behind it, so nothing
 between), finds the stream the task waits on and leaves that task to finish that stream's
 write and then its queued chunks (all its chunks not written yet queue behind it, joined into
 one body message each time), and puts the rest of the step's items back ahead of those
-queued since, for the next task. Loop thread only.
+queued since, for the next task.
+
+A client that stops reading must not cost the server memory without bound: the chunks queued
+behind its write are capped at `max_buffer_bytes` (`--max-stream-buffer-bytes`); past it the
+stream fails (its request is aborted and its KV freed). A cumulative stream (native
+/generate: each chunk carries everything so far) keeps only its latest chunk queued, so a slow
+reader gets the newest state and holds one chunk. Loop thread only.
 """
 
 from __future__ import annotations
@@ -21,16 +27,18 @@ from pyserve.server.stream_writer import StreamWriter, WrittenStream
 logger = logging.getLogger(__name__)
 
 Item = tuple[WrittenStream, bytes, bool]
+DEFAULT_MAX_BUFFER_BYTES = 2**20  # ServerArgs.max_stream_buffer_bytes' default
 
 
 class _Queued:
     """A stream's chunks waiting behind its own write (`task`: the task writing it while its
-    client is slow, else None)."""
+    client is slow, else None), `size` their bytes."""
 
-    __slots__ = ("chunks", "final", "task")
+    __slots__ = ("chunks", "size", "final", "task")
 
     def __init__(self) -> None:
         self.chunks: list[bytes] = []
+        self.size = 0
         self.final = False
         self.task: asyncio.Task | None = None
 
@@ -53,8 +61,10 @@ class _Run:
 class AsgiWriter(StreamWriter):
     """Writes streams with `stream.send` (the ASGI send their response was called with)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_buffer_bytes: int = DEFAULT_MAX_BUFFER_BYTES) -> None:
         self._items: list[Item] = []
+        self.max_buffer_bytes = max_buffer_bytes
+        self.overflowed = 0  # streams failed for a client that did not read
 
     def attach(self, stream: WrittenStream) -> bool:
         stream.writer_state = _Queued()
@@ -64,12 +74,15 @@ class AsgiWriter(StreamWriter):
     def write(self, stream: WrittenStream, data: bytes, final: bool) -> None:
         queued: _Queued = stream.writer_state
         if queued.task is not None:  # a slow reader: behind its write under way
-            _queue(queued, data, final)
+            self._queue(stream, queued, data, final)
             return
         items = self._items
         items.append((stream, data, final))
         if len(items) == 1:  # the step's first: write once the step's outputs are all in
             asyncio.get_running_loop().call_soon(self._flush)
+
+    def behind(self, stream: WrittenStream) -> bool:
+        return stream.writer_state.task is not None
 
     def _flush(self) -> None:
         items, self._items = self._items, []
@@ -90,7 +103,7 @@ class AsgiWriter(StreamWriter):
         # the stream's chunks not written yet (the rest of this run's, then those queued since)
         # wait behind its task from now on, in order; the others' go back ahead of those queued
         # since (all newer), for the next task
-        rest = [item for item in run.items[run.at :] + self._items if not _take(item, stream, queued)]
+        rest = [item for item in run.items[run.at :] + self._items if not self._take(item, stream, queued)]
         run.items = []
         was_empty = not self._items
         self._items = rest
@@ -103,7 +116,7 @@ class AsgiWriter(StreamWriter):
             run.at += 1
             queued: _Queued = stream.writer_state
             if queued.task is not None:  # it went slow earlier: behind its write
-                _queue(queued, data, final)
+                self._queue(stream, queued, data, final)
                 continue
             if data:
                 run.current, run.current_final = stream, final
@@ -124,16 +137,18 @@ class AsgiWriter(StreamWriter):
             if final:
                 stream.written()
 
-    @staticmethod
-    async def _catch_up(stream: WrittenStream, queued: _Queued, final: bool) -> None:
+    async def _catch_up(self, stream: WrittenStream, queued: _Queued, final: bool) -> None:
         """Write a slow stream's queued chunks after its write under way (`final`: that was
         its last), then let its later chunks go with the steps' tasks again."""
         try:
             while not final:
+                held = stream.take_held()
+                if held:
+                    self._queue(stream, queued, held, False)
                 if not queued.chunks and not queued.final:
                     return
                 chunks, final = queued.chunks, queued.final
-                queued.chunks = []
+                queued.chunks, queued.size = [], 0
                 body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
                 if body:
                     await stream.send({"type": "http.response.body", "body": body, "more_body": True})
@@ -148,17 +163,35 @@ class AsgiWriter(StreamWriter):
         if isinstance(queued, _Queued) and queued.task is not None:
             queued.task.cancel()  # its client is gone: a write waiting to drain never will
 
+    def _take(self, item: Item, stream: WrittenStream, queued: _Queued) -> bool:
+        """Queue `item` behind `stream`'s write if it is one of its chunks."""
+        if item[0] is not stream:
+            return False
+        self._queue(stream, queued, item[1], item[2])
+        return True
 
-def _take(item: Item, stream: WrittenStream, queued: _Queued) -> bool:
-    """Queue `item` behind `stream`'s write if it is one of its chunks."""
-    if item[0] is not stream:
-        return False
-    _queue(queued, item[1], item[2])
-    return True
-
-
-def _queue(queued: _Queued, data: bytes, final: bool) -> None:
-    if data:
-        queued.chunks.append(data)
-    if final:
-        queued.final = True
+    def _queue(self, stream: WrittenStream, queued: _Queued, data: bytes, final: bool) -> None:
+        """Queue a chunk behind a slow reader's write: it replaces the queued ones of a
+        cumulative stream; past `max_buffer_bytes` queued the stream fails."""
+        if final:
+            queued.final = True
+        if not data:
+            return
+        if stream.coalesce:
+            queued.chunks, queued.size = [data], len(data)
+        else:
+            queued.chunks.append(data)
+            queued.size += len(data)
+        if queued.size > self.max_buffer_bytes and queued.task is not None:
+            # (a task writes it whenever chunks queue behind it: the check is for the types)
+            self.overflowed += 1
+            logger.warning(
+                "a streaming client stopped reading: %d bytes queued for it, over --max-stream-buffer-bytes "
+                "(%d); its request is aborted",
+                queued.size,
+                self.max_buffer_bytes,
+            )
+            queued.chunks, queued.size = [], 0
+            task, queued.task = queued.task, None
+            stream.fail(BufferError("the client does not read its stream"))
+            task.cancel()

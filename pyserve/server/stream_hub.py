@@ -28,7 +28,7 @@ from starlette.types import Receive, Scope, Send
 from pyserve.engine.tokenizer_manager import failure_of
 from pyserve.errors import InvalidRequestError, ModelStepError
 from pyserve.io_struct import GenerateOutput
-from pyserve.server.asgi_writer import AsgiWriter
+from pyserve.server.asgi_writer import DEFAULT_MAX_BUFFER_BYTES, AsgiWriter
 from pyserve.server.errors import error_response, exception_response
 from pyserve.server.socket_writer import SocketWriter
 from pyserve.server.sse import DONE_EVENT, SSE_HEADERS, error_event
@@ -65,6 +65,9 @@ class Stream:
         "done",
         "closed",
         "failed",
+        "coalesce",
+        "held",
+        "done_event",
     )
 
     def __init__(self, encode: StreamEncoder, receive: Receive, send: Send) -> None:
@@ -79,14 +82,22 @@ class Stream:
         self.done: asyncio.Future = loop.create_future()  # the last event is on the wire
         self.closed = False  # nothing more is written (the last event was queued, or it failed)
         self.failed = False  # a write failed: the client is gone
+        # a cumulative encoder's chunks each carry everything so far (WrittenStream.coalesce)
+        self.coalesce: bool = getattr(encode, "cumulative", False)
+        self.held: GenerateOutput | None = None  # (WrittenStream.take_held)
+        # what ends the stream after the encoder's last events (the encoder may say: b"" for none)
+        self.done_event: bytes = getattr(encode, "done_event", DONE_EVENT)
 
     def push(self, out: GenerateOutput) -> None:
         """The output sink of a single request: the last output (finished) ends the stream."""
         if out.finish_reason is None and self.writer is not None and not self.closed:
+            if self.coalesce and self.writer.behind(self):
+                self.held = out  # its client is slow: only the newest is ever encoded
+                return
             try:  # a running stream's chunk: `_add` without its checks
                 data = self.encode(out)
             except Exception as exc:  # a pyserve bug: say so in the stream, keep the server sane
-                self._emit(error_event(exc) + DONE_EVENT, final=True)
+                self._emit(error_event(exc) + self.done_event, final=True)
                 return
             if data:
                 self.writer.write(self, data, False)
@@ -100,9 +111,9 @@ class Stream:
     def end(self) -> None:
         """The stream's outputs are all in (pushed by `push_part`)."""
         try:
-            data = self.encode.end() + DONE_EVENT
+            data = self.encode.end() + self.done_event
         except Exception as exc:
-            data = error_event(exc) + DONE_EVENT
+            data = error_event(exc) + self.done_event
         self._emit(data, final=True)
 
     def fail_request(self, exc: Exception) -> None:
@@ -111,9 +122,10 @@ class Stream:
             self.closed = True
             self.first.set_result(exc)
             return
-        self._emit(error_event(exc) + DONE_EVENT, final=True)
+        self._emit(error_event(exc) + self.done_event, final=True)
 
     def _add(self, out: GenerateOutput, last: bool) -> None:
+        self.held = None  # (this output comes after it: a cumulative one holds it)
         failure = failure_of(out) if out.finish_reason is not None else None
         if failure is not None:
             self.fail_request(failure)
@@ -121,9 +133,9 @@ class Stream:
         try:
             data = self.encode(out)
             if last:
-                data += self.encode.end() + DONE_EVENT
+                data += self.encode.end() + self.done_event
         except Exception as exc:
-            data, last = error_event(exc) + DONE_EVENT, True
+            data, last = error_event(exc) + self.done_event, True
         self._emit(data, last)
 
     def _emit(self, data: bytes, final: bool) -> None:
@@ -151,13 +163,21 @@ class Stream:
         self.closed = self.failed = True
         self.written()
 
+    def take_held(self) -> bytes:
+        out, self.held = self.held, None
+        if out is None or self.closed:
+            return b""
+        return self.encode(out)  # (a pyserve bug raising here fails the stream: the writer's except)
+
 
 class StreamHub:
     """The writers of every stream of an app: `SocketWriter` where it can take a stream
-    (`socket_writes=False`: never), else `AsgiWriter`."""
+    (`socket_writes=False`: never), else `AsgiWriter`. max_buffer_bytes: what a stream whose
+    client stops reading may have queued before it fails (`--max-stream-buffer-bytes`; see
+    asgi_writer.py: a full socket hands its stream to the AsgiWriter)."""
 
-    def __init__(self, socket_writes: bool = True) -> None:
-        self.asgi_writer = AsgiWriter()
+    def __init__(self, socket_writes: bool = True, max_buffer_bytes: int = DEFAULT_MAX_BUFFER_BYTES) -> None:
+        self.asgi_writer = AsgiWriter(max_buffer_bytes)
         self.socket_writer = SocketWriter(fallback=self.asgi_writer) if socket_writes else None
 
     def attach(self, stream: Stream) -> None:
@@ -240,6 +260,7 @@ def outputs_response(hub: StreamHub, encode: StreamEncoder, outputs: AsyncIterat
 
     def start(stream: Stream) -> None:
         nonlocal task
+        stream.coalesce = False  # several samples' chunks interleave: none replaces another
         task = asyncio.ensure_future(pump(stream))
 
     def abort() -> None:

@@ -21,18 +21,25 @@ class WrittenStream(Protocol):
 
     send, receive: the ASGI callables its response was called with (send as the route's
     response got it, through any middleware). writer: the writer writing it now (a writer that
-    hands the stream to another sets this). writer_state: the writer's per-stream state."""
+    hands the stream to another sets this). writer_state: the writer's per-stream state.
+    coalesce: each chunk holds everything before it (a native cumulative stream), so a
+    writer may keep only the latest of those waiting."""
 
     send: Send
     receive: Receive
     writer: StreamWriter | None
     writer_state: Any
+    coalesce: bool
 
     def written(self) -> None:
         """Its last chunk is on the wire (the response may end)."""
 
     def fail(self, exc: BaseException) -> None:
         """A write failed (the client is gone): the stream ends, its request is aborted."""
+
+    def take_held(self) -> bytes:
+        """The bytes of the newest output a coalescing stream held back, unencoded, while its
+        writer was `behind` (b"" for none)."""
 
 
 class StreamWriter(ABC):
@@ -54,6 +61,12 @@ class StreamWriter(ABC):
     def release(self, stream: WrittenStream) -> None:
         """The response of `stream` ended (written, failed, or its client left): let go of
         what is held for it."""
+
+    def behind(self, stream: WrittenStream) -> bool:
+        """Whether `stream`'s chunks now wait behind a write its client is slow to take (a
+        coalescing stream then holds its outputs back unencoded; the writer takes the newest
+        with `take_held` when it catches up)."""
+        return False
 
     def close(self) -> None:  # noqa: B027 - most writers hold nothing to stop
         """The server is stopping (streams still attached must still be written)."""

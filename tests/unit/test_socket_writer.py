@@ -1,8 +1,10 @@
 """The SocketWriter on a real uvicorn server (httptools, uvloop) and real sockets: streams it
 writes are byte for byte what the ASGI path writes; a reader too slow for the socket buffer
 still gets every byte in order (the stream goes back to the ASGI send); a client that leaves
-mid-stream aborts its request; a TLS connection is never written to directly; streams still
-going when the writer closes (shutdown) finish from the loop; every duplicated fd is closed."""
+mid-stream aborts its request; one that stops reading is cut at the stream buffer bound, or,
+for a cumulative stream, keeps only its latest chunk queued; a TLS connection is never
+written to directly; streams still going when the writer closes (shutdown) finish from the
+loop; every duplicated fd is closed."""
 
 from __future__ import annotations
 
@@ -32,9 +34,12 @@ def event(k: int, size: int) -> bytes:
 
 class StreamServer:
     """uvicorn serving GET /?n=N&size=S: a stream of N outputs of S bytes each through one
-    StreamHub, produced as fast as the loop runs (the last one finished)."""
+    StreamHub, produced as fast as the loop runs (the last one finished); &cumulative=1: its
+    encoder says each chunk holds all before it. max_buffer_bytes: the hub's bound (large by
+    default: these tests read everything, late)."""
 
-    def __init__(self, direct_writes: bool, **tls: str) -> None:
+    def __init__(self, direct_writes: bool, max_buffer_bytes: int = 2**30, **tls: str) -> None:
+        self.max_buffer_bytes = max_buffer_bytes
         self.aborted = threading.Event()
         self.hub: StreamHub | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -64,15 +69,16 @@ class StreamServer:
 
     async def app(self, scope, receive, send) -> None:
         if self.hub is None:
-            self.hub = StreamHub(socket_writes=self.direct_writes)
+            self.hub = StreamHub(socket_writes=self.direct_writes, max_buffer_bytes=self.max_buffer_bytes)
             self.loop = asyncio.get_running_loop()
         query = dict(p.split("=") for p in scope["query_string"].decode().split("&"))
         n, size, pause = int(query["n"]), int(query["size"]), float(query.get("pause", 0))
-        count = iter(range(n))
 
         class Encoder:
+            cumulative = query.get("cumulative") == "1"
+
             def __call__(self, out: GenerateOutput) -> bytes:
-                return event(next(count), size)
+                return event(int(out.text), size)  # (the output's number)
 
             def end(self) -> bytes:
                 return b""
@@ -83,7 +89,7 @@ class StreamServer:
                     stream.push(
                         GenerateOutput(
                             rid="r",
-                            text="",
+                            text=str(k),
                             text_delta="",
                             output_ids=[],
                             ids_delta=[],
@@ -152,6 +158,39 @@ def test_a_reader_slower_than_the_socket_gets_every_byte_in_order(server):
         assert server.hub.socket_writer.diverted == 1
     wait_for(lambda: fds_closed(server))
     assert not server.aborted.is_set()
+
+
+@pytest.fixture(params=[True, False], ids=["direct", "asgi"])
+def bounded_server(request):
+    srv = StreamServer(direct_writes=request.param, max_buffer_bytes=2**20)
+    yield srv
+    srv.stop()
+
+
+def test_a_client_that_stops_reading_is_cut_at_the_buffer_bound(bounded_server):
+    n, size = 400, 64 * 1024  # 26 MB: the socket buffers fill, then the bound is passed
+    with socket.create_connection(("127.0.0.1", bounded_server.port)) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        sock.sendall(f"GET /?n={n}&size={size} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        assert bounded_server.aborted.wait(10)  # never read: its request is aborted
+    assert bounded_server.hub.asgi_writer.overflowed == 1
+    wait_for(lambda: fds_closed(bounded_server))
+
+
+def test_a_cumulative_stream_keeps_only_its_latest_chunk(bounded_server):
+    n, size = 400, 64 * 1024
+    with httpx.Client(timeout=60) as client:
+        with client.stream("GET", bounded_server.url + f"?n={n}&size={size}&cumulative=1") as r:
+            time.sleep(1.0)  # not reading while all 400 are produced
+            body = r.read()
+    events = body.split(b"\n\n")[:-1]
+    numbers = [int(e.split(b":")[1]) for e in events[:-1]]
+    assert events[-1] + b"\n\n" == DONE_EVENT and numbers[-1] == n - 1
+    assert numbers == sorted(numbers) and len(numbers) < n  # the ones queued behind were dropped
+    for k, e in zip(numbers, events):
+        assert e + b"\n\n" == event(k, size)
+    assert not bounded_server.aborted.is_set() and bounded_server.hub.asgi_writer.overflowed == 0
+    wait_for(lambda: fds_closed(bounded_server))
 
 
 def test_a_client_that_leaves_mid_stream_aborts_its_request(server):

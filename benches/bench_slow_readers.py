@@ -1,0 +1,180 @@
+"""Clients that stop reading their streams: what they cost the server and the other clients.
+
+One `pyserve serve` process (stories260k by default). Two phases in one run, the same load
+both times:
+  * baseline: `--clients` streaming /generate requests that read every chunk; the median
+    inter-token latency (ITL: the gap between consecutive chunks, one token each) and the
+    server's resident memory (VmRSS) are recorded;
+  * slow readers: `--slow` raw connections send a streamed /generate request with
+    `return_logprob` and `top_logprobs_num` 20 and never read a byte (a small receive
+    buffer, so their sockets fill at once); after `--settle-s` the same reading load runs
+    again. The server's peak RSS over the phase is sampled every 50 ms.
+Printed: both medians and their ratio (the issue's goal: at most 1.5x), the RSS growth over
+the baseline (goal: under 100 MB), and how many slow requests the server ended (past
+`--max-stream-buffer-bytes`) or still runs.
+
+Usage: python benches/bench_slow_readers.py [--model-path PATH] [--clients 8] [--slow 30]
+                                            [--max-new-tokens 400] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import aiohttp
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = Path(os.environ.get("PYSERVE_SHARED", REPO.parent / "shared"))
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+async def one_stream(session: aiohttp.ClientSession, url: str, prompt: str, max_new: int) -> list[float]:
+    """A reading client: the gaps (s) between its chunks after the first."""
+    body = {"text": prompt, "stream": True, "sampling_params": {"max_new_tokens": max_new, "ignore_eos": True}}
+    stamps: list[float] = []
+    async with session.post(url + "/generate", json=body) as r:
+        assert r.status == 200, await r.text()
+        async for line in r.content:
+            if line.startswith(b"data: {"):
+                stamps.append(time.perf_counter())
+    return [b - a for a, b in zip(stamps, stamps[1:])]
+
+
+async def reading_load(url: str, clients: int, max_new: int) -> list[float]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        gaps = await asyncio.gather(
+            *(one_stream(session, url, f"Once upon a time {i}", max_new) for i in range(clients))
+        )
+    return [g for each in gaps for g in each]
+
+
+def slow_reader(port: int, max_new: int) -> socket.socket:
+    """A connection that asks for a long streamed request with 20 top logprobs per token and
+    never reads (its receive buffer as small as the kernel allows)."""
+    body = json.dumps(
+        {
+            "text": "The little dog",
+            "stream": True,
+            "return_logprob": True,
+            "top_logprobs_num": 20,
+            "sampling_params": {"max_new_tokens": max_new, "ignore_eos": True},
+        }
+    ).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(
+        b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    return sock
+
+
+def run_phase(url: str, args: argparse.Namespace, pid: int, slow: int) -> dict:
+    socks = [slow_reader(args.port, args.slow_max_new_tokens) for _ in range(slow)]
+    peak = [rss_mb(pid)]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak.append(rss_mb(pid))
+            time.sleep(0.05)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    if slow:
+        time.sleep(args.settle_s)
+    info = httpx.get(url + "/get_server_info").json()
+    running_before = info["num_running_reqs"]
+    gaps = asyncio.run(reading_load(url, args.clients, args.max_new_tokens))
+    info = httpx.get(url + "/get_server_info").json()
+    stop.set()
+    sampler.join()
+    for s in socks:
+        s.close()
+    return {
+        "median_itl_ms": 1e3 * statistics.median(gaps),
+        "peak_rss_mb": max(peak),
+        "slow_running_at_start": running_before,
+        "slow_running_at_end": info["num_running_reqs"],
+    }
+
+
+def wait_idle(url: str) -> None:
+    deadline = time.monotonic() + 120
+    while httpx.get(url + "/get_server_info").json()["num_running_reqs"]:
+        assert time.monotonic() < deadline, "the server did not go idle"
+        time.sleep(0.1)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", default=str(SHARED / "models" / "stories260k"))
+    p.add_argument("--port", type=int, default=30123)
+    p.add_argument("--clients", type=int, default=8, help="reading clients (default: %(default)s)")
+    p.add_argument("--slow", type=int, default=30, help="clients that never read (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="per reading request (default: %(default)s)")
+    p.add_argument("--slow-max-new-tokens", type=int, default=400, help="per slow request (default: %(default)s)")
+    p.add_argument("--settle-s", type=float, default=3.0, help="slow readers run alone first (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=2, help="baseline / slow phases, alternated (default: %(default)s)")
+    p.add_argument("--server-args", default="", help="extra `pyserve serve` flags")
+    args = p.parse_args()
+    cmd = [sys.executable, "-m", "pyserve", "serve", "--model-path", args.model_path, "--port", str(args.port)]
+    cmd += ["--log-level", "warning", *args.server_args.split()]
+    server = subprocess.Popen(cmd)
+    url = f"http://127.0.0.1:{args.port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and server.poll() is None, "the server did not start"
+            time.sleep(0.2)
+        asyncio.run(reading_load(url, args.clients, 8))  # warm up
+        rows = []
+        for _ in range(args.rounds):
+            for slow in (0, args.slow):
+                wait_idle(url)
+                base_rss = rss_mb(server.pid)
+                row = run_phase(url, args, server.pid, slow) | {"slow": slow, "rss_before_mb": base_rss}
+                rows.append(row)
+                print(
+                    f"slow={slow:>3}  median ITL {row['median_itl_ms']:7.2f} ms  RSS {base_rss:7.1f} -> peak "
+                    f"{row['peak_rss_mb']:7.1f} MB  slow requests running: {row['slow_running_at_start']} at "
+                    f"start, {row['slow_running_at_end']} at end",
+                    flush=True,
+                )
+        base = statistics.median(r["median_itl_ms"] for r in rows if r["slow"] == 0)
+        loaded = statistics.median(r["median_itl_ms"] for r in rows if r["slow"])
+        growth = max(r["peak_rss_mb"] - r["rss_before_mb"] for r in rows if r["slow"])
+        print(
+            f"\nmedian ITL: {base:.2f} ms alone, {loaded:.2f} ms beside {args.slow} slow readers: {loaded / base:.2f}x"
+        )
+        print(f"RSS growth with slow readers: {growth:.1f} MB (at most, over the phase's start)")
+    finally:
+        server.terminate()
+        server.wait(60)
+
+
+if __name__ == "__main__":
+    main()
