@@ -305,6 +305,9 @@ class TokenizedGenerateReq:
     priority: int = 0  # higher runs first (lower with --schedule-low-priority-values-first)
     # the token ids of SingleReq.grammar_start_text (None: the grammar applies from the start)
     grammar_start_ids: tuple[int, ...] | None = None
+    # time.perf_counter() when the tokenizer manager received it (None: when the scheduler
+    # does): where its time to first token and end-to-end latency count from (/metrics)
+    arrival_time: float | None = None
 
 
 class IdsPrefix(Sequence[int]):

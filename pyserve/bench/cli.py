@@ -203,7 +203,7 @@ def check_args(args: argparse.Namespace) -> str | None:
             try:
                 import matplotlib  # noqa: F401
             except ImportError:
-                return "--plot needs matplotlib: pip install 'pyserve[bench]'"
+                return "--plot needs matplotlib: pip install matplotlib"
     return None
 
 

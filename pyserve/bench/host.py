@@ -94,6 +94,13 @@ def add_host_args(p: argparse.ArgumentParser) -> None:
         help="overlap scheduling on and/or off (--disable-overlap-schedule) (default: %(default)s)",
     )
     a(
+        "--metrics",
+        choices=["on", "off", "both"],
+        default="on",
+        help="the engine's /metrics recording on and/or off (--disable-metrics), to measure its cost on "
+        "the loop (default: %(default)s)",
+    )
+    a(
         "--client-cpus",
         default=None,
         metavar="LIST",
@@ -203,18 +210,32 @@ class HostServer:
         """Overlap scheduling on or off from the next scheduler tick (between cases only)."""
         self.app.state.engine.scheduler.overlap = overlap
 
+    def set_metrics(self, on: bool) -> None:
+        """The engine's request metrics recorded or not (between cases only)."""
+        from pyserve.metrics import RequestMetrics
+
+        self.app.state.engine.scheduler.state.metrics = RequestMetrics() if on else None
+
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
 
 
 def run_case(
-    server: HostServer, clients: int, stream: bool, decode_ms: float, overlap: bool, args: Any, backend: str = "pyserve"
+    server: HostServer,
+    clients: int,
+    stream: bool,
+    decode_ms: float,
+    overlap: bool,
+    args: Any,
+    backend: str = "pyserve",
+    metrics_on: bool = True,
 ) -> dict[str, Any]:
-    """One case: the runner's timing and the scheduler's overlap set, the cache flushed,
-    `bench serve` run against it."""
+    """One case: the runner's timing, the scheduler's overlap and the metrics recording set,
+    the cache flushed, `bench serve` run against it."""
     runner = server.runner
     server.set_overlap(overlap)
+    server.set_metrics(metrics_on)
     runner.decode_base_ms, runner.decode_us_per_req = decode_ms, args.decode_us_per_req
     runner.extend_us_per_token = args.extend_us_per_token
     httpx.post(server.base_url + "/flush_cache", timeout=30).raise_for_status()
@@ -280,6 +301,7 @@ def run_case(
         "device_steps": runner.num_steps,
         "duration_s": metrics["duration_s"],
         "overlap": overlap,
+        "metrics": metrics_on,
     }
 
 
@@ -305,21 +327,23 @@ def run_host(args: Any) -> list[dict[str, Any]]:
     )
     rows = []
     overlaps = {"on": [True], "off": [False], "both": [True, False]}[args.overlap]
+    metrics = {"on": [True], "off": [False], "both": [True, False]}[getattr(args, "metrics", "on")]
     header = (
-        f"{'backend':>11} {'overlap':>7} {'clients':>7} {'stream':>6} {'step ms':>7} {'out tok/s':>10} "
+        f"{'backend':>11} {'overlap':>7} {'metrics':>7} {'clients':>7} {'stream':>6} {'step ms':>7} {'out tok/s':>10} "
         f"{'busy':>6} {'loop us/tok':>11} {'writer us/tok':>13} {'done/fail':>9}"
     )
     print(header)
     print("-" * len(header))
     try:
-        for decode_ms, stream, clients, overlap, backend in itertools.product(
-            args.decode_step_ms, streams, args.clients, overlaps, args.backend
+        for decode_ms, stream, clients, overlap, backend, metrics_on in itertools.product(
+            args.decode_step_ms, streams, args.clients, overlaps, args.backend, metrics
         ):
-            row = run_case(server, clients, stream, decode_ms, overlap, args, backend)
+            row = run_case(server, clients, stream, decode_ms, overlap, args, backend, metrics_on)
             rows.append(row)
             busy = row["device_busy_fraction"]
+            on_off = {True: "on", False: "off"}
             print(
-                f"{backend:>11} {'on' if overlap else 'off':>7} {clients:>7} {'on' if stream else 'off':>6} "
+                f"{backend:>11} {on_off[overlap]:>7} {on_off[metrics_on]:>7} {clients:>7} {on_off[stream]:>6} "
                 f"{decode_ms:>7.1f} {row['output_tok_s']:>10.0f} {busy:>6.3f} "
                 f"{row['loop_cpu_us_per_token']:>11.1f} {row['writer_cpu_us_per_token']:>13.1f} "
                 f"{row['completed']:>4}/{row['failed']:<4}",

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -21,6 +22,7 @@ import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
 from pyserve.constrained.schema_check import unenforced_keyword
+from pyserve.metrics import GRAMMAR_BUCKETS, Histogram
 
 # SGLang's marker for "any JSON value" in json_schema
 ANY_JSON = "$$ANY$$"
@@ -59,7 +61,8 @@ class GrammarBackend:
     max_workers: executor threads (xgrammar compiles in C++ without the GIL).
 
     `compile(kind, text)` is called on the loop thread and returns at once; `cache_hits` counts
-    the compiles answered from the cache (tests read it).
+    the compiles answered from the cache (tests read it); `compile_time` is a Histogram of
+    each compile's seconds (read it under no lock: a scrape may be one compile behind).
     """
 
     def __init__(
@@ -81,6 +84,9 @@ class GrammarBackend:
         self._cache: OrderedDict[tuple[str, str], concurrent.futures.Future[xgr.CompiledGrammar]] = OrderedDict()
         self._lock = threading.Lock()  # (the cache is touched on the loop only; the lock is cheap insurance)
         self.cache_hits = 0
+        # seconds each compile took on its thread (/metrics); written under _time_lock
+        self.compile_time = Histogram(GRAMMAR_BUCKETS)
+        self._time_lock = threading.Lock()
 
     def compile(self, kind: str, text: str) -> concurrent.futures.Future[xgr.CompiledGrammar]:
         """A future of the compiled grammar of `text` (kind: json_schema, regex, ebnf or
@@ -120,6 +126,14 @@ class GrammarBackend:
 
     def _compile(self, kind: str, text: str) -> xgr.CompiledGrammar:
         """Executor thread. Raises GrammarError."""
+        start = time.perf_counter()
+        try:
+            return self._compile_now(kind, text)
+        finally:
+            with self._time_lock:
+                self.compile_time.observe(time.perf_counter() - start)
+
+    def _compile_now(self, kind: str, text: str) -> xgr.CompiledGrammar:
         compiler = self._compiler
         try:
             if kind == "json_schema":

@@ -62,6 +62,8 @@ class Retractor:
         self.enable_priority_scheduling = enable_priority_scheduling
         self.low_priority_values_first = low_priority_values_first
         self.preemption_threshold = preemption_threshold
+        # retractions since start (the scheduler's stats line sums them up per interval)
+        self.num_retracted = 0
 
     def retract(self) -> None:
         """The pool is full even after eviction: send a request back to the waiting queue,
@@ -74,7 +76,8 @@ class Retractor:
             # a prompt being prefilled in chunks has no output yet (the first pick of
             # SGLang's rule) and holds its chunks: it goes back, they stay cached
             self.send_back(chunked)
-            logger.warning(
+            self.num_retracted += 1
+            logger.debug(
                 "KV pool full: retracted the prefill of request %s (%d tokens so far)",
                 chunked.rid,
                 len(chunked.origin_input_ids),
@@ -95,7 +98,8 @@ class Retractor:
         if total_max:
             decoded = sum(len(r.output_ids) for r in rest)
             self.new_token_ratio.value = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(rest)) / total_max)
-        logger.warning("KV pool full: retracted request %s (%d tokens so far)", req.rid, req.seq_len)
+        self.num_retracted += 1
+        logger.debug("KV pool full: retracted request %s (%d tokens so far)", req.rid, req.seq_len)
 
     def send_back(self, req: Req) -> None:
         """Retract a running request, or the one whose prompt is being prefilled in chunks

@@ -8,6 +8,7 @@ stored-token count (`kv_len`), so nothing here recomputes it. A decode plan is O
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any
@@ -107,6 +108,13 @@ class Req:
         self.grammar: Any = None
         self.grammar_start_ids: tuple[int, ...] | None = None
         self.generator: torch.Generator | None = None
+        # perf_counter seconds, for /metrics (pyserve/metrics.py): arrival at the tokenizer
+        # manager, entry into the waiting queue, the last output token's processing (None
+        # before the first), the end (None while running); queued: no prefill launched yet
+        self.arrival_time = self.queue_start = time.perf_counter()
+        self.last_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.queued = True
         if sampling_params.seed is not None:
             self.generator = torch.Generator(device=generator_device).manual_seed(sampling_params.seed)
 

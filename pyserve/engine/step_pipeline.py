@@ -17,6 +17,7 @@ it costs no extra step.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -97,6 +98,13 @@ class StepPipeline:
         if batch.forward_mode is ForwardMode.EXTEND:  # its prefills join (decode rows are in)
             prefills = batch.reqs[: len(batch.reqs) - batch.plan.num_decode_rows]
             self.state.running.extend(r for r in prefills if r is not batch.partial)
+            metrics = self.state.metrics
+            if metrics is not None:
+                now = time.perf_counter()
+                for req in prefills:
+                    if req.queued:
+                        req.queued = False
+                        metrics.first_prefill(req, now)
         if batch.partial is not None:
             batch.partial.num_planned -= 1  # a prompt chunk plans no output token
         self.num_steps += 1
@@ -141,6 +149,13 @@ class StepPipeline:
         ids = result.next_token_ids.tolist()
         with_logprobs = result.output_logprobs is not None or result.input_logprobs is not None
         generated = 0
+        now = time.perf_counter()
+        metrics = self.state.metrics
+        # the loop below runs per output token: it only groups the inter-token gaps by the
+        # time of each request's previous token (most share one: the previous step's), and
+        # the histograms take each group once, after it
+        gaps: dict[float, int] | None = {} if metrics is not None else None
+        firsts: list[Req] = []
         for i, (req, token) in enumerate(zip(batch.reqs, ids)):
             req.num_inflight -= 1
             if req is batch.partial:  # a prompt chunk: its token is not an output
@@ -170,9 +185,17 @@ class StepPipeline:
             output_ids = req.output_ids
             output_ids.append(token)
             generated += 1
+            if gaps is not None:
+                last = req.last_token_time
+                req.last_token_time = now
+                if last is None:
+                    firsts.append(req)
+                else:
+                    gaps[last] = gaps.get(last, 0) + 1
             if token in req.stop_token_ids or len(output_ids) >= req.max_new_tokens:
                 req.check_finished()  # (only these two can end it: see its docstring)
             if req.finish_reason is not None:
+                req.finish_time = now
                 self._to_release.append(req)
             elif req.quiet:
                 continue  # its tokens go to the detokenizer once, when it ends
@@ -183,6 +206,8 @@ class StepPipeline:
                 self._add_input_logprobs(out, req, result, i)
             outs.append(out)
         self.num_generated_tokens += generated
+        if metrics is not None and gaps is not None:
+            metrics.tokens_out(now, gaps, firsts)
         if outs:
             self.emit(outs)
 
@@ -197,6 +222,7 @@ class StepPipeline:
     def end(self, req: Req, reason: FinishReason) -> None:
         """An admitted request ends: it is released once no step in flight holds it."""
         req.finish_reason = reason
+        req.finish_time = time.perf_counter()
         self._to_release.append(req)
 
     def release_finished(self) -> None:
