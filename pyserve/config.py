@@ -39,13 +39,28 @@ class ServerArgs:
     api_key: str | None = dataclasses.field(default=None, repr=False)
     # SIGTERM / SIGINT: how long running requests may go on before they are ended
     shutdown_timeout_s: float = 30.0
+    # GET /metrics (Prometheus); on unless disabled
+    enable_metrics: bool = True
+    # CORS (vLLM's flags): no CORS headers unless origins are given, so a web page in a
+    # browser cannot read a local server's answers without the operator's say
+    allowed_origins: list[str] | None = None
+    allowed_methods: list[str] = dataclasses.field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = dataclasses.field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+    # request limits: a body larger than this is refused (413) while it is read; prompts in
+    # one request (a list of prompts, of token-id lists, of texts to tokenize)
+    max_request_body_bytes: int = 32 * 2**20
+    max_prompts_per_request: int = 1024
+    # bytes of a stream's events queued for a client that does not read; past it the
+    # request is aborted (its KV freed)
+    max_stream_buffer_bytes: int = 2**20
     dtype: str = "auto"
     load_format: str = "auto"
     attention_backend: str = "auto"
     device: str = "auto"
     context_length: int | None = None
     max_total_tokens: int | None = None
-    mem_fraction_static: float = 0.85
+    mem_fraction_static: float | None = None  # None: 0.85 on CUDA, 0.25 on CPU
     max_running_requests: int = 64
     max_prefill_tokens: int = 8192
     chunked_prefill_size: int | None = None
@@ -100,7 +115,7 @@ class ServerArgs:
             raise bad("log_level", f"got {self.log_level!r}; choose one of {', '.join(LOG_LEVELS)}")
         if not 0 < self.port < 65536:
             raise bad("port", f"got {self.port}; must be in 1..65535")
-        if not 0.0 < self.mem_fraction_static <= 1.0:
+        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static <= 1.0:
             raise bad("mem_fraction_static", f"got {self.mem_fraction_static}; must be in (0, 1]")
         for name in ("context_length", "max_total_tokens"):
             value = getattr(self, name)
@@ -132,6 +147,9 @@ class ServerArgs:
                 "chunked_prefill_size",
                 f"got {self.chunked_prefill_size}; must be -1 (off) or at least one page ({self.page_size} tokens)",
             )
+        for name in ("max_request_body_bytes", "max_prompts_per_request", "max_stream_buffer_bytes"):
+            if getattr(self, name) <= 0:
+                raise bad(name, f"got {getattr(self, name)}; must be >= 1")
         if self.stats_interval_s <= 0:
             raise bad("stats_interval_s", f"got {self.stats_interval_s}; must be > 0 seconds")
         if self.stream_interval <= 0:
@@ -220,6 +238,43 @@ class ServerArgs:
             help="require `Authorization: Bearer <key>` on every route but /health and OPTIONS "
             "(default: the PYSERVE_API_KEY environment variable, else none)",
         )
+        a(
+            "--enable-metrics",
+            action="store_true",
+            default=True,
+            help="serve Prometheus metrics at /metrics (the default; accepted for SGLang command lines)",
+        )
+        a("--disable-metrics", dest="enable_metrics", action="store_false", help="no /metrics (404)")
+        a(
+            "--allowed-origins",
+            type=str,
+            nargs="+",
+            default=None,
+            help="CORS: origins whose web pages may call the server ('*': any); default: none "
+            "(no CORS headers: unlike vLLM and SGLang, a browser page cannot read a local server)",
+        )
+        a("--allowed-methods", type=str, nargs="+", default=["*"], help="CORS: allowed methods (default: *)")
+        a("--allowed-headers", type=str, nargs="+", default=["*"], help="CORS: allowed headers (default: *)")
+        a("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies, Authorization)")
+        a(
+            "--max-request-body-bytes",
+            type=int,
+            default=d["max_request_body_bytes"].default,
+            help="a request body larger than this gets 413, counted while it arrives (default: 32 MiB)",
+        )
+        a(
+            "--max-prompts-per-request",
+            type=int,
+            default=d["max_prompts_per_request"].default,
+            help="most prompts in one request's list (default: %(default)s)",
+        )
+        a(
+            "--max-stream-buffer-bytes",
+            type=int,
+            default=d["max_stream_buffer_bytes"].default,
+            help="a streaming client that stops reading may have this many bytes queued; past it its "
+            "request is aborted and its KV freed (default: 1 MiB)",
+        )
         a("--dtype", type=str, default="auto", choices=DTYPES, help="auto: float32 on CPU, bfloat16 on CUDA")
         a(
             "--load-format",
@@ -243,13 +298,15 @@ class ServerArgs:
             "--max-total-tokens",
             type=int,
             default=None,
-            help="KV pool size in tokens; default: derived from free memory and --mem-fraction-static",
+            help="KV pool size in tokens; default: derived from free memory and --mem-fraction-static "
+            "(on CPU: a quarter of free memory, at most --max-running-requests x the context length)",
         )
         a(
             "--mem-fraction-static",
             type=float,
-            default=d["mem_fraction_static"].default,
-            help="fraction of free memory for weights + KV pool",
+            default=None,
+            help="fraction of free memory for the weights and the KV pool (default: 0.85 on CUDA; 0.25 on "
+            "CPU, where other processes share the memory, and at most --max-running-requests full contexts)",
         )
         a("--max-running-requests", type=int, default=d["max_running_requests"].default)
         a(

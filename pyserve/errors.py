@@ -73,6 +73,18 @@ class ServerDrainingError(InvalidRequestError):
         super().__init__("the server is shutting down", code="server_shutting_down", status=503)
 
 
+class RequestTooLargeError(InvalidRequestError):
+    """The request body is larger than `--max-request-body-bytes` (HTTP 413, code
+    "request_too_large"); it was refused while it arrived, before any of it was parsed."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            f"the request body is larger than {limit} bytes (--max-request-body-bytes)",
+            code="request_too_large",
+            status=413,
+        )
+
+
 class ModelStepError(PyserveError, RuntimeError):
     """A model step failed (a pyserve or device fault, not the client's) while the request
     ran; the request was ended and its KV freed."""

@@ -9,11 +9,13 @@ far (cumulative), like /generate's stream.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import inspect
 import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from pyserve.config import ServerArgs
+from pyserve.config import ServerArgs, setup_logging
 from pyserve.engine.engine_core import EngineCore
 from pyserve.io_struct import GenerateReqInput
 
@@ -30,13 +32,16 @@ def _new_loop() -> asyncio.AbstractEventLoop:
 class Engine:
     """Load a model and generate from Python.
 
-    `Engine(model_path=..., **server_args)` takes ServerArgs fields as keyword arguments and
-    blocks until the model is loaded. Raises ServerArgsError for bad arguments and whatever
-    loading raises. Thread-safe: calls may come from any thread or loop.
+    `Engine(model_path=..., **server_args)` takes ServerArgs fields as keyword arguments (its
+    signature lists them) and blocks until the model is loaded. Its start-up lines (the
+    model, the KV pool) are logged as `pyserve serve` logs them, through a stderr handler
+    unless the program configured logging itself. Raises ServerArgsError for bad arguments
+    and whatever loading raises. Thread-safe: calls may come from any thread or loop.
     """
 
     def __init__(self, server_args: ServerArgs | None = None, **kwargs: Any) -> None:
         self.server_args = server_args or ServerArgs(**kwargs)
+        setup_logging(self.server_args.log_level)
         self.core = EngineCore(self.server_args)
         self._loop = _new_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="pyserve-engine-loop", daemon=True)
@@ -149,10 +154,13 @@ class Engine:
         return self._call(info())
 
     def shutdown(self) -> None:
-        """Stop the engine and its threads. Idempotent."""
+        """Drain (new requests raise ServerDrainingError; running ones may finish for
+        `shutdown_timeout_s`, then end with finish reason abort), then stop the engine and its
+        threads. Idempotent."""
         if self._loop.is_closed():
             return
         if self._thread.is_alive():
+            self._call(self.core.drain(self.server_args.shutdown_timeout_s))
             self._call(self.core.shutdown())
         self._stop_loop()
 
@@ -166,3 +174,20 @@ class Engine:
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
+
+
+def _init_signature() -> inspect.Signature:
+    """Engine.__init__'s signature with every ServerArgs field as a keyword-only parameter,
+    for help(), IDEs and notebooks (the code takes them as **kwargs)."""
+    kind = inspect.Parameter.KEYWORD_ONLY
+    params = [
+        inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        inspect.Parameter("server_args", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None),
+    ]
+    for f in dataclasses.fields(ServerArgs):
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[operator]
+        params.append(inspect.Parameter(f.name, kind, default=default, annotation=f.type))
+    return inspect.Signature(params)
+
+
+Engine.__init__.__signature__ = _init_signature()  # type: ignore[attr-defined]

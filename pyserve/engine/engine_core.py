@@ -28,12 +28,15 @@ from pyserve.engine.worker import ModelWorker
 from pyserve.errors import InvalidRequestError
 from pyserve.io_struct import GenerateOutput, SingleReq, TokenizedGenerateReq
 from pyserve.mem_cache.kv_cache import KVCache
+from pyserve.metrics import RequestMetrics
 from pyserve.model_executor.runner_protocol import Runner
 
 logger = logging.getLogger(__name__)
 
 # how long shutdown waits for the steps in flight before it stops the scheduler anyway (s)
 SHUTDOWN_DRAIN_S = 30.0
+DRAIN_MESSAGE = "server shutting down"
+DRAIN_SETTLE_S = 5.0  # how long ended requests get to hand their last outputs to their consumers
 
 
 class EngineCore:
@@ -98,6 +101,7 @@ class EngineCore:
             schedule_conservativeness=args.schedule_conservativeness,
             grammar_backend=self.grammar_backend,
             grammar_compile_timeout_s=args.grammar_compile_timeout_s,
+            metrics=RequestMetrics() if args.enable_metrics else None,
         )
         self.tokenizer_manager = TokenizerManager(
             self.tokenizer,
@@ -234,6 +238,29 @@ class EngineCore:
             self.grammar_backend.shutdown()
         self.tokenizer_manager.executor.shutdown(wait=False)
 
+    async def drain(self, timeout_s: float) -> None:
+        """Stop taking requests (ServerDrainingError, 503), let the running ones finish for up
+        to `timeout_s`, then end the rest (TokenizerManager.end_all_for_shutdown: a stream's
+        last chunk says abort, a whole response gets a 503) and wait (up to DRAIN_SETTLE_S)
+        until their consumers have their last output. Idempotent."""
+        if not self.started:
+            return
+        tm = self.tokenizer_manager
+        tm.draining = True
+        states = tm.states
+        loop = asyncio.get_running_loop()
+        if states:
+            logger.info("draining: %d requests running; new ones get 503", len(states))
+        deadline = loop.time() + timeout_s
+        while states and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if states:
+            ended = tm.end_all_for_shutdown(DRAIN_MESSAGE)
+            logger.info("drain: %d requests still running after %g s are ended", ended, timeout_s)
+            deadline = loop.time() + DRAIN_SETTLE_S
+            while states and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+
     def _emit(self, outs: list) -> None:
         self.tokenizer_manager.detokenizer.queue.put_nowait(outs)
 
@@ -297,7 +324,14 @@ class EngineCore:
     async def generate_all(self, reqs: list[SingleReq]) -> list[GenerateOutput]:
         """Final outputs of several non-streamed requests, run concurrently, in order; a
         request with n > 1 gives its n samples' outputs in a row (prompt-major, `index` set).
-        Validates every request before starting any (InvalidRequestError)."""
+        Validates every request before starting any (InvalidRequestError; also for more than
+        `--max-prompts-per-request` requests)."""
+        limit = self.server_args.max_prompts_per_request
+        if len(reqs) > limit:
+            raise InvalidRequestError(
+                f"{len(reqs)} prompts in one request; at most {limit} are allowed (--max-prompts-per-request)",
+                param="prompt",
+            )
         rids = [r.rid for r in reqs]
         if len(set(rids)) != len(rids):
             raise InvalidRequestError("the rids of a batch must be unique", param="rid")

@@ -50,6 +50,7 @@ from pyserve.engine.worker import ModelWorker
 from pyserve.forward_batch_info import FinishReason, ForwardMode
 from pyserve.io_struct import TokenizedGenerateReq
 from pyserve.mem_cache.kv_cache import KVCache
+from pyserve.metrics import RequestMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ class Scheduler:
         schedule_conservativeness: float = 1.0,
         grammar_backend: GrammarBackend | None = None,
         grammar_compile_timeout_s: float = 60.0,
+        metrics: RequestMetrics | None = None,
     ) -> None:
         self.kv_cache = kv_cache
         self.worker = worker
@@ -90,7 +92,7 @@ class Scheduler:
         new_token_ratio = NewTokenRatio(schedule_conservativeness)
         # seeded requests draw from a generator on the model's device
         self.generator_device = str(getattr(getattr(worker, "model_runner", None), "device", "cpu"))
-        self.state = ScheduleState()
+        self.state = ScheduleState(metrics=metrics)
         self.pipeline = StepPipeline(kv_cache, worker, self.state, emit, self._step_done)
         self.retractor = Retractor(
             kv_cache,
@@ -123,6 +125,7 @@ class Scheduler:
         self._stopping = False
         self.last_gen_throughput = 0.0  # output tokens/s over the last stats interval
         self._last_stats = (time.monotonic(), 0)
+        self._last_retracted = 0  # retractions when the last stats line was written
 
     # ---- what the engine, the server info and the tests read ---------------------------------
     @property
@@ -183,6 +186,8 @@ class Scheduler:
         req.quiet = treq.quiet
         req.priority = treq.priority
         req.grammar_start_ids = treq.grammar_start_ids
+        if treq.arrival_time is not None:
+            req.arrival_time = treq.arrival_time
         self.state.reqs[req.rid] = req
         grammar = sp.grammar_key
         if grammar is not None:  # it waits for its grammar; nothing else does
@@ -235,6 +240,7 @@ class Scheduler:
 
     def _admit_compiled(self, req: Req) -> None:
         """The grammar queue has the request's grammar: it waits for admission now."""
+        req.queue_start = time.perf_counter()
         self.state.waiting.append(req)
         self._wake.set()
 
@@ -367,14 +373,25 @@ class Scheduler:
         self.last_gen_throughput = (num_generated - last_n) / (now - last_t)
         if self.is_idle() and num_generated == last_n:
             return
-        total = self.kv_cache.max_total_tokens
-        used = total - self.kv_cache.free_slots()
+        kv = self.kv_cache
+        total, cached = kv.max_total_tokens, kv.evictable_slots()
+        used = total - kv.free_slots() - cached
         logger.info(
-            "running=%d queued=%d kv_used=%d/%d (%.1f%%) gen_throughput=%.1f tok/s",
+            "running=%d queued=%d kv_used=%d/%d (%.1f%%) kv_cached=%d gen_throughput=%.1f tok/s",
             len(self.state.running),
             len(self.state.waiting),
             used,
             total,
             100.0 * used / total,
+            cached,
             self.last_gen_throughput,
         )
+        retracted = self.retractor.num_retracted - self._last_retracted
+        if retracted:
+            self._last_retracted += retracted
+            logger.warning(
+                "KV pool full: %d retractions in the last %.0f s (requests sent back to wait and "
+                "prefilled again); a larger --max-total-tokens or a lower --max-running-requests avoids them",
+                retracted,
+                now - last_t,
+            )

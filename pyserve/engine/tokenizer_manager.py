@@ -9,6 +9,7 @@ disconnect) aborts the request.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -31,13 +32,14 @@ class ReqState:
     future (one consumer, one producer, both on the loop; lighter than an asyncio.Queue,
     which this is per streamed token)."""
 
-    __slots__ = ("outputs", "waiter", "finished", "sink")
+    __slots__ = ("outputs", "waiter", "finished", "sink", "stream")
 
     def __init__(self, sink: Callable[[GenerateOutput], None] | None = None) -> None:
         self.outputs: deque[GenerateOutput] = deque()
         self.waiter: asyncio.Future | None = None
         self.finished = False
         self.sink = sink  # set: outputs go straight to it (start_stream), not to the deque
+        self.stream = False  # its consumer takes chunks (set when it starts)
 
     def put(self, out: GenerateOutput) -> None:
         self.outputs.append(out)
@@ -86,6 +88,7 @@ class TokenizerManager:
         self.eos_token_ids = eos_token_ids
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyserve-tokenizer")
         self.states: dict[str, ReqState] = {}
+        self.draining = False  # new requests are refused (EngineCore.drain)
         self._pending_encodes: list[tuple[str, bool, asyncio.Future]] = []
         self._plain_backend = _encodes_like_backend(tokenizer)
         self.detokenizer = Detokenizer(tokenizer, self._deliver, scheduler.finish_request)
@@ -186,6 +189,7 @@ class TokenizerManager:
 
     async def tokenize(self, req: SingleReq) -> TokenizedGenerateReq:
         """Token ids of the request, validated. Raises InvalidRequestError."""
+        arrival_time = time.perf_counter()
         if req.input_ids is not None:
             ids = self._checked_ids(req.input_ids)
         else:
@@ -285,6 +289,7 @@ class TokenizerManager:
             quiet=quiet,
             priority=priority,
             grammar_start_ids=grammar_start_ids or None,
+            arrival_time=arrival_time,
         )
 
     async def generate(
@@ -328,8 +333,11 @@ class TokenizerManager:
         self._begin(req, treq, ReqState(sink))
 
     def check_can_start(self, req: SingleReq) -> None:
-        """Raise InvalidRequestError if req's rid is already running, QueueFullError (503) if
-        `max_queued_requests` requests already wait (SGLang's --max-queued-requests)."""
+        """Raise ServerDrainingError (503) once the engine drains, InvalidRequestError if req's
+        rid is already running, QueueFullError (503) if `max_queued_requests` requests already
+        wait (SGLang's --max-queued-requests)."""
+        if self.draining:
+            raise ServerDrainingError()
         if req.rid in self.states:
             raise InvalidRequestError(f"a request with rid {req.rid!r} is already running", param="rid")
         limit = self.max_queued_requests
@@ -341,6 +349,7 @@ class TokenizerManager:
 
     def _begin(self, req: SingleReq, treq: TokenizedGenerateReq, state: ReqState) -> ReqState:
         """Track `state` for req's rid, register its text state, hand it to the scheduler."""
+        state.stream = req.stream
         self.states[req.rid] = state
         sp = req.sampling_params
         self.detokenizer.register(
@@ -372,12 +381,13 @@ class TokenizerManager:
         return True
 
     def end_all_for_shutdown(self, message: str) -> int:
-        """End every request (a drain's timeout): a stream's consumer gets a plain abort (its
-        last chunk, then [DONE]); a whole-response consumer a 503 ServerDrainingError.
-        Returns how many were ended."""
+        """End every request (a drain's timeout): a streamed one's consumer gets a plain
+        abort (its last chunk, then [DONE]); a whole-response consumer a 503
+        ServerDrainingError. Returns how many were ended."""
         refused = FinishReason.abort(message, status_code=503, code="server_shutting_down")
         return sum(
-            self.end_request(rid, message, None if state.sink is not None else refused)
+            self.end_request(rid, message, None if state.stream else refused)
+            for rid, state in list(self.states.items())
             for rid, state in list(self.states.items())
         )
 

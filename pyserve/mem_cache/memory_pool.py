@@ -51,8 +51,19 @@ class MHATokenToKVPool:
         self.dtype = dtype
         self.device = torch.device(device)
         shape = (self.num_slot_rows, self.num_kv_heads, self.head_dim)
-        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.k_buffer = [self._alloc(shape) for _ in range(num_layers)]
+        self.v_buffer = [self._alloc(shape) for _ in range(num_layers)]
+
+    def _alloc(self, shape: tuple[int, int, int]) -> torch.Tensor:
+        """One layer's K or V rows. Only the reserved padding page is ever read before it is
+        written (padded rows point at slot 0), so only it is zeroed: on CPU the rest of a
+        large buffer is then memory the OS commits page by page as tokens are stored, and an
+        idle server with a large pool holds little of it."""
+        if self.device.type == "cuda":
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        buf = torch.empty(shape, dtype=self.dtype, device=self.device)
+        buf[: self.page_size].zero_()
+        return buf
 
     @staticmethod
     def bytes_per_token_for(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -32,7 +32,10 @@ from pyserve.model_loader.weights import load_model
 logger = logging.getLogger(__name__)
 
 # On CPU the pool is capped at this many full-length sequences so tests and laptops keep RAM.
-CPU_MAX_SEQUENCES_IN_POOL = 8
+# The KV pool's default share of free memory: on CUDA the device is the server's alone; on CPU
+# the machine is shared (other servers, replicas, the test suite), so a quarter
+CUDA_MEM_FRACTION_STATIC = 0.85
+CPU_MEM_FRACTION_STATIC = 0.25
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -51,8 +54,10 @@ class ModelRunner:
     dtype: "auto" (float32 on CPU, bfloat16 on CUDA), "float32", "bfloat16", "float16".
     context_length: override of the model's context length (see ModelConfig.from_path).
     max_total_tokens: KV pool size in tokens; None derives it from free memory:
-      (free memory after loading the weights) * mem_fraction_static, divided by the bytes one
-      token's K/V take; on CPU further capped at 8 * context_len. Rounded down to whole pages.
+      (free memory after loading the weights) * mem_fraction_static (None: 0.85 on CUDA, 0.25
+      on CPU), divided by the bytes one token's K/V take; on CPU further capped at
+      max_running_requests * context_len (every request at full length: more is never
+      used). Rounded down to whole pages.
     page_size: tokens per KV page; the KV tensors get max_total_num_tokens + page_size rows
       (page 0 is reserved for the padding slot 0).
     random_seed: seeds the global torch RNG (sampling of requests without their own seed).
@@ -85,7 +90,7 @@ class ModelRunner:
         device: str = "cpu",
         context_length: int | None = None,
         max_total_tokens: int | None = None,
-        mem_fraction_static: float = 0.85,
+        mem_fraction_static: float | None = None,
         random_seed: int | None = None,
         load_progress: bool = True,
         page_size: int = 1,
@@ -96,9 +101,13 @@ class ModelRunner:
         cuda_graph_bs: list[int] | None = None,
         max_running_requests: int = 256,
     ) -> None:
+        torch_device = torch.device(device)
+        if mem_fraction_static is None:
+            cuda = torch_device.type == "cuda"
+            mem_fraction_static = CUDA_MEM_FRACTION_STATIC if cuda else CPU_MEM_FRACTION_STATIC
         if not 0.0 < mem_fraction_static <= 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1], got {mem_fraction_static}")
-        torch_device = torch.device(device)
+        self.max_running_requests = max_running_requests
         self.device: str = str(torch_device)  # a plain string: callers log and JSON-encode it
         if random_seed is not None:
             torch.manual_seed(random_seed)
@@ -192,10 +201,10 @@ class ModelRunner:
             f"/ {per_token} B per token = {num_tokens} tokens"
         )
         if device.type != "cuda":
-            cap = CPU_MAX_SEQUENCES_IN_POOL * cfg.context_len
+            cap = self.max_running_requests * cfg.context_len
             if num_tokens > cap:
                 num_tokens = cap
-                derivation += f", capped on CPU at {CPU_MAX_SEQUENCES_IN_POOL} x context_len = {cap}"
+                derivation += f", capped on CPU at max_running_requests x context_len = {cap}"
         logger.info("KV pool size: %s", derivation)
         if num_tokens <= 0:
             raise ValueError(f"not enough memory for a KV cache: {derivation}")

@@ -11,14 +11,16 @@ from collections.abc import AsyncIterator, Callable
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 
-from pyserve.config import ServerArgs
+from pyserve.config import ServerArgs, setup_logging
 from pyserve.engine.engine_core import EngineCore
 from pyserve.model_executor.runner_protocol import Runner
-from pyserve.server import native, tokenize
+from pyserve.server import metrics, native, openapi, tokenize
 from pyserve.server.auth import ApiKeyMiddleware
+from pyserve.server.drain import drain
 from pyserve.server.errors import EXCEPTION_HANDLERS
-from pyserve.server.openai import serving
+from pyserve.server.openai import responses, serving
 from pyserve.server.stream_hub import StreamHub
 
 logger = logging.getLogger(__name__)
@@ -43,16 +45,20 @@ def create_app(
     `on_load_error` (`pyserve serve` then exits 1). False (the default, for embedding): the
     start returns once the model is loaded, and a failed load fails the start.
 
-    With `server_args.api_key` (or PYSERVE_API_KEY) every route but /health* and OPTIONS
-    answers 401 without `Authorization: Bearer <key>` (pyserve.server.auth)."""
+    With `server_args.api_key` (or PYSERVE_API_KEY) every route but /health*, /metrics and
+    OPTIONS answers 401 without `Authorization: Bearer <key>` (pyserve.server.auth). A body
+    over `max_request_body_bytes` gets 413 (server/errors.parse_json); `allowed_origins` turns on
+    CORS; `enable_metrics` serves /metrics (server/metrics.py)."""
     args = server_args or ServerArgs()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        setup_logging(args.log_level)  # (a no-op where the program configured logging)
         engine = EngineCore(args, model_runner=model_runner)
         app.state.engine = None
+        app.state.max_request_body_bytes = args.max_request_body_bytes
         if getattr(app.state, "stream_hub", None) is None:
-            app.state.stream_hub = StreamHub()
+            app.state.stream_hub = StreamHub(max_buffer_bytes=args.max_stream_buffer_bytes)
         hub: StreamHub = app.state.stream_hub
 
         async def load() -> None:
@@ -73,17 +79,43 @@ def create_app(
         try:
             yield
         finally:
-            hub.close()
             if not loading.done():  # shut down while loading: the load (a thread) ends first
                 await asyncio.wait([loading])
             if app.state.engine is not None:
+                # under any ASGI server: what still runs when the lifespan ends drains as on
+                # SIGTERM (after `pyserve serve`'s own drain there is nothing left)
+                await drain(app, args.shutdown_timeout_s)
+            hub.close()
+            if app.state.engine is not None:
                 await engine.shutdown()
 
-    api_key = args.api_key or os.environ.get("PYSERVE_API_KEY") or None
-    middleware = [Middleware(ApiKeyMiddleware, api_key=api_key)] if api_key else []
-    return Starlette(
-        routes=native.ROUTES + serving.ROUTES + tokenize.ROUTES,
+    app = Starlette(
+        routes=native.ROUTES + serving.ROUTES + responses.ROUTES + tokenize.ROUTES + openapi.ROUTES,
         lifespan=lifespan,
         exception_handlers=EXCEPTION_HANDLERS,
-        middleware=middleware,
+        middleware=_middleware(args),
     )
+    if args.enable_metrics:
+        app.router.routes.extend(metrics.ROUTES)
+    return app
+
+
+def _middleware(args: ServerArgs) -> list[Middleware]:
+    """Outermost first: CORS (so a browser also reads the 401 answers), the API key check.
+    Both pass `receive` and `send` through untouched (the streams' socket writer needs
+    uvicorn's own)."""
+    middleware = []
+    if args.allowed_origins:
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=args.allowed_origins,
+                allow_methods=args.allowed_methods,
+                allow_headers=args.allowed_headers,
+                allow_credentials=args.allow_credentials,
+            )
+        )
+    api_key = args.api_key or os.environ.get("PYSERVE_API_KEY") or None
+    if api_key:
+        middleware.append(Middleware(ApiKeyMiddleware, api_key=api_key))
+    return middleware

@@ -9,15 +9,16 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pyserve.server.render import SafeJSONResponse, error_body
 
-# SGLang's exemptions: health checks (load balancers probe them without credentials) and
-# CORS preflight requests (browsers send them without credentials)
+# SGLang's exemptions: health checks (load balancers probe them without credentials), the
+# Prometheus scrape and CORS preflight requests (browsers send them without credentials)
 EXEMPT_PREFIXES = ("/health",)
+EXEMPT_PATHS = frozenset({"/metrics"})
 
 
 class ApiKeyMiddleware:
     """Answers 401 with an OpenAI-style error object (code "invalid_api_key") to an HTTP
-    request without `Authorization: Bearer <api_key>`, except OPTIONS and paths under
-    EXEMPT_PREFIXES. The key is compared in constant time (hmac.compare_digest). Loop thread."""
+    request without `Authorization: Bearer <api_key>`, except OPTIONS, EXEMPT_PATHS and paths
+    under EXEMPT_PREFIXES. The key is compared in constant time (hmac.compare_digest). Loop thread."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -37,7 +38,8 @@ class ApiKeyMiddleware:
         await response(scope, receive, send)
 
     def _allowed(self, scope: Scope) -> bool:
-        if scope["method"] == "OPTIONS" or scope["path"].startswith(EXEMPT_PREFIXES):
+        path = scope["path"]
+        if scope["method"] == "OPTIONS" or path in EXEMPT_PATHS or path.startswith(EXEMPT_PREFIXES):
             return True
         given = b""
         for name, value in scope["headers"]:

@@ -14,32 +14,15 @@ from starlette.applications import Starlette
 
 logger = logging.getLogger(__name__)
 
-SHUTDOWN_MESSAGE = "server shutting down"
-_SETTLE_S = 5.0  # how long ended requests get to hand their last outputs to their streams
-
 
 async def drain(app: Starlette, timeout_s: float) -> None:
     """Stop taking requests (the routes answer 503 ServerDrainingError, /health 503
-    {"status": "draining"}), wait up to `timeout_s` for the running ones, then end the rest
-    (TokenizerManager.end_all_for_shutdown) and wait (up to _SETTLE_S) until their consumers
-    have their last output.
-    Loop thread."""
+    {"status": "draining"}) and drain the engine (EngineCore.drain). Loop thread."""
     app.state.draining = True
     engine = getattr(app.state, "engine", None)
     if engine is None:  # still loading: nothing runs
         return
-    states = engine.tokenizer_manager.states
-    loop = asyncio.get_running_loop()
-    logger.info("draining: %d requests running; new ones get 503 (a second signal exits at once)", len(states))
-    deadline = loop.time() + timeout_s
-    while states and loop.time() < deadline:
-        await asyncio.sleep(0.05)
-    if states:
-        ended = engine.tokenizer_manager.end_all_for_shutdown(SHUTDOWN_MESSAGE)
-        logger.info("drain: %d requests still running after %g s are ended", ended, timeout_s)
-        deadline = loop.time() + _SETTLE_S
-        while states and loop.time() < deadline:
-            await asyncio.sleep(0.05)
+    await engine.drain(timeout_s)
     await asyncio.sleep(0.1)  # the streams' last chunks and [DONE] go out on this loop
 
 

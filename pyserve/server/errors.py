@@ -12,7 +12,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
-from pyserve.errors import InvalidRequestError, ModelStepError
+from pyserve.errors import InvalidRequestError, ModelStepError, RequestTooLargeError
 from pyserve.server.render import SafeJSONResponse, error_body
 
 logger = logging.getLogger(__name__)
@@ -62,8 +62,11 @@ def _reject_constant(name: str) -> Any:
 async def parse_json(request: Request) -> Any:
     """The request body as strict JSON (no NaN / Infinity) whose strings are all valid
     Unicode; InvalidRequestError otherwise (param: the path of a string holding a lone
-    surrogate, which no tokenizer can read and no UTF-8 response can carry)."""
-    body = await request.body()
+    surrogate, which no tokenizer can read and no UTF-8 response can carry).
+    RequestTooLargeError (413) for a body over the app's `max_request_body_bytes`
+    (`--max-request-body-bytes`): by its Content-Length before anything is read, else as
+    soon as the bytes read pass it."""
+    body = await read_body(request, getattr(request.app.state, "max_request_body_bytes", None))
     try:
         obj = json.loads(body, parse_constant=_reject_constant)
     except RecursionError as exc:
@@ -76,6 +79,26 @@ async def parse_json(request: Request) -> Any:
             f"{bad or 'a field name'}: the text is not valid Unicode (it holds a lone surrogate)", param=bad or None
         )
     return obj
+
+
+async def read_body(request: Request, limit: int | None) -> bytes:
+    """The request's body; RequestTooLargeError once it is known to exceed `limit` bytes
+    (None: no limit)."""
+    if limit is None:
+        return await request.body()
+    try:
+        declared = int(request.headers.get("content-length", "0"))
+    except ValueError:
+        declared = 0  # (uvicorn refuses a malformed Content-Length before a route runs)
+    if declared > limit:
+        raise RequestTooLargeError(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestTooLargeError(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _lone_surrogate_path(obj: Any) -> str | None:

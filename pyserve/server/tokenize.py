@@ -60,6 +60,12 @@ async def tokenize(request: Request) -> Response:
     else:
         special = body.add_special_tokens is not False
         if isinstance(body.prompt, list):
+            limit = engine.server_args.max_prompts_per_request
+            if len(body.prompt) > limit:
+                raise InvalidRequestError(
+                    f"{len(body.prompt)} prompts; at most {limit} are allowed (--max-prompts-per-request)",
+                    param="prompt",
+                )
             each: list[list[int]] = [(await tm.encode(p, special)).tolist() for p in body.prompt]
             ids, count = each, [len(i) for i in each]
         else:

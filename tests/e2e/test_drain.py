@@ -5,6 +5,7 @@ whole response gets a 503 error object; no traceback in the log; the server exit
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import threading
@@ -80,3 +81,34 @@ def test_sigterm_drains_16_streams(tmp_path):
     }
     log = server.log_path.read_text()
     assert "Traceback" not in log and "drain: 9 requests still running after 3 s are ended" in log
+
+
+def test_a_second_signal_exits_at_once(tmp_path, stories_path):
+    """A drain with a long timeout and a long queue (one request runs at a time): the second
+    SIGTERM ends the server within seconds, not after the timeout."""
+    args = ["--model-path", str(stories_path), "--shutdown-timeout-s", "300", "--max-running-requests", "1"]
+    server = ServerProcess(args, tmp_path / "s.log")
+    try:
+        server.wait_ready()
+        body = {"text": "Once", "sampling_params": {"max_new_tokens": 480, "ignore_eos": True}}
+
+        def request() -> None:
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.post(server.base_url + "/generate", json=body, timeout=120)
+
+        threads = [threading.Thread(target=request, daemon=True) for _ in range(40)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while httpx.get(server.base_url + "/get_server_info").json()["num_waiting_reqs"] < 20:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        assert server.proc.poll() is None  # draining: 20+ requests of ~1 s each still to go
+        server.proc.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        server.proc.wait(timeout=15)
+        assert time.monotonic() - started < 10
+    finally:
+        server.stop()

@@ -48,17 +48,17 @@ def test_requests_that_do_not_fit_together_all_finish_exactly(engine, stories_re
     assert info["kv_free_slots"] + info["kv_evictable_slots"] == POOL
 
 
-def test_retraction_when_reservations_overcommit(engine, stories_reference, monkeypatch, caplog):
+def test_retraction_when_reservations_overcommit(engine, stories_reference, monkeypatch):
     from pyserve.engine import schedule_policy
 
     monkeypatch.setattr(schedule_policy, "CLIP_MAX_NEW_TOKENS", 4)  # admit far more than fits
     cases = stories_reference[1:] * 2
-    with caplog.at_level("WARNING", logger="pyserve.engine.scheduler"):
-        outs = engine.generate(
-            input_ids=[c["input_ids"] for c in cases],
-            sampling_params=[{"temperature": 0, "max_new_tokens": 64, "ignore_eos": True} for _ in cases],
-        )
-    assert any("retracted" in r.getMessage() for r in caplog.records)
+    retracted = engine.core.scheduler.retractor.num_retracted
+    outs = engine.generate(
+        input_ids=[c["input_ids"] for c in cases],
+        sampling_params=[{"temperature": 0, "max_new_tokens": 64, "ignore_eos": True} for _ in cases],
+    )
+    assert engine.core.scheduler.retractor.num_retracted > retracted
     for case, out in zip(cases, outs):
         assert out["output_ids"] == case["output_ids"]
         assert out["meta_info"]["prompt_tokens"] == len(case["input_ids"])
@@ -88,7 +88,7 @@ def test_32_requests_through_a_pool_for_8(stories_path, stories_reference):
         eng.shutdown()
 
 
-def test_retracted_grammar_requests_resume_their_grammar(engine, stories_path, stories_reference, monkeypatch, caplog):
+def test_retracted_grammar_requests_resume_their_grammar(engine, stories_path, stories_reference, monkeypatch):
     """Grammar requests retracted mid-output resume with their matcher replaying the output
     so far: the same ids as on a pool where nothing is retracted, and nothing leaks."""
     from pyserve.engine import schedule_policy
@@ -101,10 +101,39 @@ def test_retracted_grammar_requests_resume_their_grammar(engine, stories_path, s
     finally:
         roomy.shutdown()
     monkeypatch.setattr(schedule_policy, "CLIP_MAX_NEW_TOKENS", 4)  # admit far more than fits
-    with caplog.at_level("WARNING", logger="pyserve.engine.scheduler"):
-        outs = engine.generate(input_ids=[c["input_ids"] for c in cases], sampling_params=params)
-    assert any("retracted" in r.getMessage() for r in caplog.records)
+    retracted = engine.core.scheduler.retractor.num_retracted
+    outs = engine.generate(input_ids=[c["input_ids"] for c in cases], sampling_params=params)
+    assert engine.core.scheduler.retractor.num_retracted > retracted
     assert [o["output_ids"] for o in outs] == [w["output_ids"] for w in want]
     assert all(len(o["text"]) == 60 and o["meta_info"]["finish_reason"]["type"] == "stop" for o in outs)
     info = wait_engine_idle(engine)
     assert info["kv_free_slots"] + info["kv_evictable_slots"] == POOL
+
+
+def test_the_stats_line_sums_up_retractions_and_shows_cached_tokens_apart(
+    stories_path, stories_reference, monkeypatch, caplog
+):
+    """Retractions are one WARNING line per stats interval with their count (none per
+    request); the stats line shows the KV held by requests and the evictable cache apart."""
+    from pyserve.engine import schedule_policy
+
+    eng = make_stories_engine(stories_path, POOL, stats_interval_s=0.05)
+    try:
+        monkeypatch.setattr(schedule_policy, "CLIP_MAX_NEW_TOKENS", 4)  # admit far more than fits
+        cases = stories_reference[1:] * 2
+        with caplog.at_level("DEBUG", logger="pyserve.engine"):
+            eng.generate(
+                input_ids=[c["input_ids"] for c in cases],
+                sampling_params=[{"temperature": 0, "max_new_tokens": 64, "ignore_eos": True} for _ in cases],
+            )
+        retracted = eng.core.scheduler.retractor.num_retracted
+        warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        summed = [int(m.split(": ")[1].split()[0]) for m in warnings if "retractions in the last" in m]
+        assert retracted > 0 and warnings and len(summed) == len(warnings)
+        assert sum(summed) <= retracted  # (the last interval's are logged when it ends)
+        stats = [r.getMessage() for r in caplog.records if r.getMessage().startswith("running=")]
+        assert stats and all(f"/{POOL} (" in m and " kv_cached=" in m for m in stats)
+        info = wait_engine_idle(eng)
+        assert info["kv_free_slots"] + info["kv_evictable_slots"] == POOL
+    finally:
+        eng.shutdown()

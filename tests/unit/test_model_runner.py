@@ -26,8 +26,8 @@ def test_kv_pool_layout_and_writes() -> None:
     pool.set_kv_buffer(1, torch.tensor([7, 3]), k, -k)
     assert torch.equal(pool.get_key_buffer(1)[7], k[0]) and torch.equal(pool.get_key_buffer(1)[3], k[1])
     assert torch.equal(pool.get_value_buffer(1)[3], -k[1])
-    assert torch.count_nonzero(pool.get_key_buffer(0)) == 0
-    assert torch.count_nonzero(pool.get_key_buffer(1)) == 15  # k[0][0][0] is 0
+    assert torch.count_nonzero(pool.get_key_buffer(1)[0]) == 0  # the padding slot
+    assert torch.count_nonzero(pool.get_value_buffer(2)[0]) == 0
     bf = MHATokenToKVPool(10, 3, 2, 4, torch.bfloat16, "cpu")
     assert bf.bytes_per_token == 96
     with pytest.raises(ValueError, match="size"):
@@ -67,13 +67,14 @@ def test_missing_model_path(tmp_path) -> None:
 
 
 def test_pool_size_derived_and_capped_on_cpu(stories_path) -> None:
-    runner = ModelRunner(str(stories_path), load_progress=False, random_seed=0)
-    # Plenty of RAM: the CPU cap of 8 full-length (512-token) sequences applies.
-    assert runner.max_total_num_tokens == 8 * 512
-    assert runner.kv_pool.get_key_buffer(4).shape == (4097, 4, 8)
-    assert runner.kv_cache_bytes == 4097 * 2 * 5 * 4 * 8 * 4
+    runner = ModelRunner(str(stories_path), load_progress=False, random_seed=0, max_running_requests=64)
+    # Plenty of RAM: the CPU cap of max_running_requests full-length (512-token) sequences applies.
+    assert runner.max_total_num_tokens == 64 * 512
+    assert runner.kv_pool.get_key_buffer(4).shape == (32769, 4, 8)
+    assert runner.kv_cache_bytes == 32769 * 2 * 5 * 4 * 8 * 4
     assert (runner.device, runner.dtype) == ("cpu", torch.float32)
-    assert ModelRunner(str(stories_path), context_length=64, load_progress=False).max_total_num_tokens == 512
+    short = ModelRunner(str(stories_path), context_length=64, load_progress=False, max_running_requests=64)
+    assert short.max_total_num_tokens == 64 * 64
     with pytest.raises(ValueError, match="not enough memory"):
         ModelRunner(str(stories_path), mem_fraction_static=1e-9, load_progress=False)
     with pytest.raises(ValueError, match="mem_fraction_static"):
