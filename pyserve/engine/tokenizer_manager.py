@@ -388,7 +388,6 @@ class TokenizerManager:
         return sum(
             self.end_request(rid, message, None if state.stream else refused)
             for rid, state in list(self.states.items())
-            for rid, state in list(self.states.items())
         )
 
     def _deliver(self, out: GenerateOutput) -> None:

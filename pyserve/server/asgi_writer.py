@@ -20,14 +20,10 @@ reader gets the newest state and holds one chunk. Loop thread only.
 from __future__ import annotations
 
 import asyncio
-import logging
 
-from pyserve.server.stream_writer import StreamWriter, WrittenStream
-
-logger = logging.getLogger(__name__)
+from pyserve.server.stream_writer import DEFAULT_MAX_BUFFER_BYTES, StreamWriter, WrittenStream, overflow
 
 Item = tuple[WrittenStream, bytes, bool]
-DEFAULT_MAX_BUFFER_BYTES = 2**20  # ServerArgs.max_stream_buffer_bytes' default
 
 
 class _Queued:
@@ -185,13 +181,7 @@ class AsgiWriter(StreamWriter):
         if queued.size > self.max_buffer_bytes and queued.task is not None:
             # (a task writes it whenever chunks queue behind it: the check is for the types)
             self.overflowed += 1
-            logger.warning(
-                "a streaming client stopped reading: %d bytes queued for it, over --max-stream-buffer-bytes "
-                "(%d); its request is aborted",
-                queued.size,
-                self.max_buffer_bytes,
-            )
-            queued.chunks, queued.size = [], 0
+            size, queued.chunks, queued.size = queued.size, [], 0
             task, queued.task = queued.task, None
-            stream.fail(BufferError("the client does not read its stream"))
+            overflow(stream, size, self.max_buffer_bytes)
             task.cancel()

@@ -37,7 +37,7 @@ from typing import Any
 from starlette.types import Receive, Send
 
 from pyserve._rs import send_each
-from pyserve.server.stream_writer import StreamWriter, WrittenStream
+from pyserve.server.stream_writer import DEFAULT_MAX_BUFFER_BYTES, StreamWriter, WrittenStream, overflow
 
 logger = logging.getLogger(__name__)
 
@@ -75,16 +75,17 @@ def uvicorn_cycle(receive: Receive, send: Send) -> Any:
 class DirectState:
     """A stream this writer writes: its duplicated socket fd, the transport that takes over when
     the socket is full, and its chunk with the thread (`busy`, `busy_final`) and the data
-    produced meanwhile (`pending`, `pending_final`). `abandoned`: the response ended while a
-    chunk was with the thread (the fd is closed when it comes back)."""
+    produced meanwhile (`pending`, `pending_size` bytes, `pending_final`). `abandoned`: the
+    response ended while a chunk was with the thread (the fd is closed when it comes back)."""
 
-    __slots__ = ("fd", "transport", "busy", "busy_final", "pending", "pending_final", "abandoned")
+    __slots__ = ("fd", "transport", "busy", "busy_final", "pending", "pending_size", "pending_final", "abandoned")
 
     def __init__(self, fd: int, transport: Any) -> None:
         self.fd = fd
         self.transport = transport
         self.busy = self.busy_final = False
         self.pending: list[bytes] = []
+        self.pending_size = 0
         self.pending_final = False
         self.abandoned = False
 
@@ -101,8 +102,9 @@ class SocketWriter(StreamWriter):
     """The thread that sends the chunks of the streams it took, and their state on the loop.
     `fallback` writes the streams it refuses or gives up (a full socket)."""
 
-    def __init__(self, fallback: StreamWriter) -> None:
+    def __init__(self, fallback: StreamWriter, max_buffer_bytes: int = DEFAULT_MAX_BUFFER_BYTES) -> None:
         self.fallback = fallback
+        self.max_buffer_bytes = max_buffer_bytes
         self._loop: asyncio.AbstractEventLoop | None = None
         self._jobs: queue.SimpleQueue[Batch | None] = queue.SimpleQueue()
         self._batch: Batch = []
@@ -111,6 +113,7 @@ class SocketWriter(StreamWriter):
         self.chunks_sent = 0  # chunks the thread sent whole
         self.open_fds = 0  # duplicated socket fds not closed yet (one per attached stream)
         self.diverted = 0  # streams handed to the fallback writer (a full socket)
+        self.overflowed = 0  # streams failed for a client that did not read (before the divert)
 
     def attach(self, stream: WrittenStream) -> bool:
         """Take `stream` if its response runs on uvicorn's httptools cycle, plain HTTP, with a
@@ -149,14 +152,25 @@ class SocketWriter(StreamWriter):
 
     def write(self, stream: WrittenStream, data: bytes, final: bool) -> None:
         """Queue one output's bytes (sent at the next `flush`, or joined into the stream's next
-        chunk while one is with the thread)."""
+        chunk while one is with the thread; past `max_buffer_bytes` waiting, a coalescing
+        stream keeps its latest and any other fails, as the fallback's do)."""
         state: DirectState = stream.writer_state
-        if state.busy:
-            if data:
-                state.pending.append(data)
-            state.pending_final = state.pending_final or final
-        else:
+        if not state.busy:
             self._queue(stream, state, data, final)
+            return
+        state.pending_final = state.pending_final or final
+        if not data:
+            return
+        state.pending.append(data)
+        state.pending_size += len(data)
+        if state.pending_size <= self.max_buffer_bytes or len(state.pending) == 1:
+            return  # (one output larger than the bound is not a reader falling behind)
+        if stream.coalesce:  # each chunk holds all before it: the newest stands for them
+            state.pending, state.pending_size = [data], len(data)
+        else:
+            self.overflowed += 1
+            size, state.pending, state.pending_size = state.pending_size, [], 0
+            overflow(stream, size, self.max_buffer_bytes)
 
     def _queue(self, stream: WrittenStream, state: DirectState, data: bytes, final: bool) -> None:
         if not data:
@@ -250,7 +264,7 @@ class SocketWriter(StreamWriter):
                 stream.written()
             elif state.pending or state.pending_final:
                 data, final = b"".join(state.pending), state.pending_final
-                state.pending, state.pending_final = [], False
+                state.pending, state.pending_size, state.pending_final = [], 0, False
                 self._queue(stream, state, data, final)
 
     def _divert(self, stream: WrittenStream, state: DirectState, rest: bytes) -> None:

@@ -28,11 +28,11 @@ from starlette.types import Receive, Scope, Send
 from pyserve.engine.tokenizer_manager import failure_of
 from pyserve.errors import InvalidRequestError, ModelStepError
 from pyserve.io_struct import GenerateOutput
-from pyserve.server.asgi_writer import DEFAULT_MAX_BUFFER_BYTES, AsgiWriter
+from pyserve.server.asgi_writer import AsgiWriter
 from pyserve.server.errors import error_response, exception_response
 from pyserve.server.socket_writer import SocketWriter
 from pyserve.server.sse import DONE_EVENT, SSE_HEADERS, error_event
-from pyserve.server.stream_writer import StreamWriter
+from pyserve.server.stream_writer import DEFAULT_MAX_BUFFER_BYTES, StreamWriter
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ class StreamHub:
 
     def __init__(self, socket_writes: bool = True, max_buffer_bytes: int = DEFAULT_MAX_BUFFER_BYTES) -> None:
         self.asgi_writer = AsgiWriter(max_buffer_bytes)
-        self.socket_writer = SocketWriter(fallback=self.asgi_writer) if socket_writes else None
+        self.socket_writer = SocketWriter(self.asgi_writer, max_buffer_bytes) if socket_writes else None
 
     def attach(self, stream: Stream) -> None:
         """`stream`'s 200 was sent: give it a writer and write what it produced before."""

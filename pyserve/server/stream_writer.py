@@ -10,10 +10,15 @@ Loop thread only.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from typing import Any, Protocol
 
 from starlette.types import Receive, Send
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BUFFER_BYTES = 2**20  # ServerArgs.max_stream_buffer_bytes' default
 
 
 class WrittenStream(Protocol):
@@ -70,3 +75,15 @@ class StreamWriter(ABC):
 
     def close(self) -> None:  # noqa: B027 - most writers hold nothing to stop
         """The server is stopping (streams still attached must still be written)."""
+
+
+def overflow(stream: WrittenStream, queued_bytes: int, max_buffer_bytes: int) -> None:
+    """Fail `stream`, whose client stopped reading: `queued_bytes` wait for it, past the bound
+    (`--max-stream-buffer-bytes`). One WARNING; its request is aborted and its KV freed."""
+    logger.warning(
+        "a streaming client stopped reading: %d bytes queued for it, over --max-stream-buffer-bytes (%d); "
+        "its request is aborted",
+        queued_bytes,
+        max_buffer_bytes,
+    )
+    stream.fail(BufferError("the client does not read its stream"))

@@ -22,8 +22,9 @@ import uvicorn
 
 from pyserve.forward_batch_info import FinishReason
 from pyserve.io_struct import GenerateOutput
+from pyserve.server.asgi_writer import AsgiWriter
 from pyserve.server.http1 import HTTP1Protocol
-from pyserve.server.socket_writer import UVICORN_CYCLE_MODULE
+from pyserve.server.socket_writer import UVICORN_CYCLE_MODULE, DirectState, SocketWriter
 from pyserve.server.sse import DONE_EVENT
 from pyserve.server.stream_hub import Stream, StreamHub, StreamResponse
 
@@ -160,6 +161,13 @@ def test_a_reader_slower_than_the_socket_gets_every_byte_in_order(server):
     assert not server.aborted.is_set()
 
 
+def overflowed(server) -> int:
+    """Streams failed at the bound: by the socket writer while its chunk was with the thread, or
+    by the ASGI writer once the stream was handed to it."""
+    hub = server.hub
+    return hub.asgi_writer.overflowed + (hub.socket_writer.overflowed if hub.socket_writer else 0)
+
+
 @pytest.fixture(params=[True, False], ids=["direct", "asgi"])
 def bounded_server(request):
     srv = StreamServer(direct_writes=request.param, max_buffer_bytes=2**20)
@@ -173,7 +181,7 @@ def test_a_client_that_stops_reading_is_cut_at_the_buffer_bound(bounded_server):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
         sock.sendall(f"GET /?n={n}&size={size} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
         assert bounded_server.aborted.wait(10)  # never read: its request is aborted
-    assert bounded_server.hub.asgi_writer.overflowed == 1
+    assert overflowed(bounded_server) == 1
     wait_for(lambda: fds_closed(bounded_server))
 
 
@@ -189,7 +197,7 @@ def test_a_cumulative_stream_keeps_only_its_latest_chunk(bounded_server):
     assert numbers == sorted(numbers) and len(numbers) < n  # the ones queued behind were dropped
     for k, e in zip(numbers, events):
         assert e + b"\n\n" == event(k, size)
-    assert not bounded_server.aborted.is_set() and bounded_server.hub.asgi_writer.overflowed == 0
+    assert not bounded_server.aborted.is_set() and overflowed(bounded_server) == 0
     wait_for(lambda: fds_closed(bounded_server))
 
 
@@ -331,3 +339,34 @@ def test_streams_still_going_at_close_finish_from_the_loop():
         assert writer.open_fds == 0 and not srv.aborted.is_set()
     finally:
         srv.stop()
+
+
+class BusyStream:
+    """A stream whose chunk is with the SocketWriter's thread: what it writes meanwhile waits."""
+
+    def __init__(self, coalesce: bool) -> None:
+        self.coalesce = coalesce
+        self.failures: list[BaseException] = []
+        self.writer_state = DirectState(fd=-1, transport=None)
+        self.writer_state.busy = True
+
+    def fail(self, exc: BaseException) -> None:
+        self.failures.append(exc)
+
+
+def test_chunks_waiting_for_the_socket_thread_are_bounded_too():
+    writer = SocketWriter(AsgiWriter(), max_buffer_bytes=100)
+    plain, cumulative = BusyStream(coalesce=False), BusyStream(coalesce=True)
+    failed_at = None
+    for k in range(5):
+        if not plain.failures:  # (a failed stream is closed: the hub writes no more of it)
+            writer.write(plain, b"%d" % k * 40, False)
+            failed_at = k
+        writer.write(cumulative, b"%d" % k * 40, k == 4)
+    # the plain stream failed at its third chunk (120 bytes > 100); nothing of it stays
+    assert [type(e) for e in plain.failures] == [BufferError] and writer.overflowed == 1 and failed_at == 2
+    assert plain.writer_state.pending == [] and plain.writer_state.pending_size == 0
+    # the cumulative one keeps only its newest chunk
+    state = cumulative.writer_state
+    assert cumulative.failures == [] and state.pending == [b"4" * 40] and state.pending_size == 40
+    assert state.pending_final
