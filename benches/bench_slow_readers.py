@@ -1,17 +1,19 @@
 """Clients that stop reading their streams: what they cost the server and the other clients.
 
-One `pyserve serve` process (stories260k by default). Two phases in one run, the same load
-both times:
-  * baseline: `--clients` streaming /generate requests that read every chunk; the median
+One `pyserve serve` process (stories260k by default). Three phases per round, the same
+reading load each time:
+  * alone: `--clients` streaming /generate requests that read every chunk; the median
     inter-token latency (ITL: the gap between consecutive chunks, one token each) and the
     server's resident memory (VmRSS) are recorded;
-  * slow readers: `--slow` raw connections send a streamed /generate request with
-    `return_logprob` and `top_logprobs_num` 20 and never read a byte (a small receive
-    buffer, so their sockets fill at once); after `--settle-s` the same reading load runs
-    again. The server's peak RSS over the phase is sampled every 50 ms.
-Printed: both medians and their ratio (the issue's goal: at most 1.5x), the RSS growth over
-the baseline (goal: under 100 MB), and how many slow requests the server ended (past
-`--max-stream-buffer-bytes`) or still runs.
+  * readers: `--slow` raw connections send a streamed /generate request with
+    `return_logprob` and `top_logprobs_num` 20 and read everything; after `--settle-s` the
+    same reading load runs beside them (what those requests' own decoding costs the others);
+  * slow: the same `--slow` connections never read a byte (a small receive buffer, so their
+    sockets fill at once).
+The server's peak RSS over a phase is sampled every 50 ms.
+Printed: the medians and the ratios of slow to readers (what not reading costs the others;
+goal at most 1.5x) and of slow to alone, the RSS growth of both phases (goal: under 100 MB),
+and how many extra requests the server still runs at the reading load's start and end.
 
 Usage: python benches/bench_slow_readers.py [--model-path PATH] [--clients 8] [--slow 30]
                                             [--max-new-tokens 400] [--rounds 2]
@@ -87,8 +89,20 @@ def slow_reader(port: int, max_new: int) -> socket.socket:
     return sock
 
 
-def run_phase(url: str, args: argparse.Namespace, pid: int, slow: int) -> dict:
+def drain_socket(sock: socket.socket) -> None:
+    """Read and drop everything (the twin of a slow reader: the same request, read at once)."""
+    try:
+        while sock.recv(1 << 16):
+            pass
+    except OSError:  # closed by the phase's end
+        pass
+
+
+def run_phase(url: str, args: argparse.Namespace, pid: int, slow: int, read: bool) -> dict:
     socks = [slow_reader(args.port, args.slow_max_new_tokens) for _ in range(slow)]
+    if read:
+        for sock in socks:
+            threading.Thread(target=drain_socket, args=(sock,), daemon=True).start()
     peak = [rss_mb(pid)]
     stop = threading.Event()
 
@@ -151,26 +165,34 @@ def main() -> None:
             assert time.monotonic() < deadline and server.poll() is None, "the server did not start"
             time.sleep(0.2)
         asyncio.run(reading_load(url, args.clients, 8))  # warm up
+        phases = {"alone": (0, True), "readers": (args.slow, True), "slow": (args.slow, False)}
         rows = []
         for _ in range(args.rounds):
-            for slow in (0, args.slow):
+            for name, (extra, read) in phases.items():
                 wait_idle(url)
                 base_rss = rss_mb(server.pid)
-                row = run_phase(url, args, server.pid, slow) | {"slow": slow, "rss_before_mb": base_rss}
+                row = run_phase(url, args, server.pid, extra, read) | {"phase": name, "rss_before_mb": base_rss}
                 rows.append(row)
                 print(
-                    f"slow={slow:>3}  median ITL {row['median_itl_ms']:7.2f} ms  RSS {base_rss:7.1f} -> peak "
-                    f"{row['peak_rss_mb']:7.1f} MB  slow requests running: {row['slow_running_at_start']} at "
+                    f"{name:>7}: median ITL {row['median_itl_ms']:7.2f} ms  RSS {base_rss:7.1f} -> peak "
+                    f"{row['peak_rss_mb']:7.1f} MB  extra requests running: {row['slow_running_at_start']} at "
                     f"start, {row['slow_running_at_end']} at end",
                     flush=True,
                 )
-        base = statistics.median(r["median_itl_ms"] for r in rows if r["slow"] == 0)
-        loaded = statistics.median(r["median_itl_ms"] for r in rows if r["slow"])
-        growth = max(r["peak_rss_mb"] - r["rss_before_mb"] for r in rows if r["slow"])
+        itl = {name: statistics.median(r["median_itl_ms"] for r in rows if r["phase"] == name) for name in phases}
+        growth = {
+            name: max(r["peak_rss_mb"] - r["rss_before_mb"] for r in rows if r["phase"] == name)
+            for name in ("readers", "slow")
+        }
         print(
-            f"\nmedian ITL: {base:.2f} ms alone, {loaded:.2f} ms beside {args.slow} slow readers: {loaded / base:.2f}x"
+            f"\nmedian ITL: {itl['alone']:.2f} ms alone, {itl['readers']:.2f} ms beside {args.slow} clients that "
+            f"read, {itl['slow']:.2f} ms beside {args.slow} that do not: {itl['slow'] / itl['readers']:.2f}x the "
+            f"readers' run, {itl['slow'] / itl['alone']:.2f}x the run alone"
         )
-        print(f"RSS growth with slow readers: {growth:.1f} MB (at most, over the phase's start)")
+        print(
+            f"RSS growth (at most, over the phase's start): {growth['slow']:.1f} MB with slow readers, "
+            f"{growth['readers']:.1f} MB with the same requests read"
+        )
     finally:
         server.terminate()
         server.wait(60)
