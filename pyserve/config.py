@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
+POOLING_MODES = ("mean", "cls", "last")  # layers/pooler.py
 ATTENTION_BACKENDS = ("auto", "torch_native", "cpu", "triton")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 GRAMMAR_BACKENDS = ("xgrammar", "none")
@@ -54,6 +55,13 @@ class ServerArgs:
     # bytes of a stream's events queued for a client that does not read; past it the
     # request is aborted (its KV freed)
     max_stream_buffer_bytes: int = 2**20
+    # embeddings instead of generation (SGLang's flag; an encoder such as BertModel always);
+    # pooling: mean, cls or last (None: the folder's sentence-transformers files, else last)
+    is_embedding: bool = False
+    pooling: str | None = None
+    # the model was trained for truncated embeddings (Matryoshka): /v1/embeddings takes
+    # `dimensions` (also when config.json says is_matryoshka or lists matryoshka_dimensions)
+    is_matryoshka: bool = False
     dtype: str = "auto"
     load_format: str = "auto"
     attention_backend: str = "auto"
@@ -109,6 +117,8 @@ class ServerArgs:
             raise bad(
                 "attention_backend", f"got {self.attention_backend!r}; choose one of {', '.join(ATTENTION_BACKENDS)}"
             )
+        if self.pooling is not None and self.pooling not in POOLING_MODES:
+            raise bad("pooling", f"got {self.pooling!r}; choose one of {', '.join(POOLING_MODES)}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise bad("device", f"got {self.device!r}; choose one of auto, cpu, cuda")
         if self.log_level.lower() not in LOG_LEVELS:
@@ -276,6 +286,26 @@ class ServerArgs:
             "request is aborted and its KV freed (default: 1 MiB)",
         )
         a("--dtype", type=str, default="auto", choices=DTYPES, help="auto: float32 on CPU, bfloat16 on CUDA")
+        a(
+            "--is-embedding",
+            action="store_true",
+            help="serve embeddings (/v1/embeddings, /encode) from a decoder model: its last token's "
+            "hidden state, normalised (an encoder such as BertModel always serves embeddings)",
+        )
+        a(
+            "--pooling",
+            type=str,
+            default=None,
+            choices=POOLING_MODES,
+            help="how an embedding model pools its hidden states (default: what the folder's "
+            "sentence-transformers files say, else last)",
+        )
+        a(
+            "--is-matryoshka",
+            action="store_true",
+            help="the embedding model was trained for truncated vectors: /v1/embeddings takes "
+            "`dimensions` (also on when its config.json says is_matryoshka or matryoshka_dimensions)",
+        )
         a(
             "--load-format",
             type=str,

@@ -266,13 +266,15 @@ class StepOutput:
     next_token_ids: [B] int32 numpy array. output_logprobs: [B] TokenLogprobs of the sampled token (one
     entry) or None per request. input_logprobs: [B] TokenLogprobs of the prompt tokens asked
     for, or None. failed_rows: rows whose own sampling parameters left no token to draw
-    (their ids are meaningless; those requests fail, the others go on).
+    (their ids are meaningless; those requests fail, the others go on). embeddings: [B, hidden]
+    float32 numpy array of an embedding server's step (its next_token_ids are zeros), else None.
     """
 
     next_token_ids: np.ndarray
     output_logprobs: list[TokenLogprobs | None] | None = None
     input_logprobs: list[TokenLogprobs | None] | None = None
     failed_rows: list[int] = field(default_factory=list)
+    embeddings: np.ndarray | None = None
 
 
 def kv_indptr_of(seq_lens: torch.Tensor) -> torch.Tensor:

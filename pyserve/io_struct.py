@@ -288,6 +288,9 @@ class SingleReq:
     # with a grammar: it constrains only the output after this text (the end of a reasoning
     # block, set by the chat route when a reasoning parser is on); None: all of the output
     grammar_start_text: str | None = None
+    # an embedding request (EngineCore.encode): max_new_tokens 0, its result the pooled
+    # hidden states (GenerateOutput.embedding); only an embedding server takes it
+    embed: bool = False
 
 
 @dataclass
@@ -366,6 +369,7 @@ class GenerateOutput:
         None unless logprob_start_len was given). `num_logprobs_delta`: how many output
         entries this chunk added (streaming). `index`: which of a request's n > 1 samples.
         Logprobs are floats; -inf is sent as LOGPROB_FLOOR (see `json_safe_logprob`).
+    embedding: an embedding request's result, [hidden] float32 numpy (its final output only).
     """
 
     rid: str
@@ -379,6 +383,7 @@ class GenerateOutput:
     logprobs: dict[str, Any] | None = None
     num_logprobs_delta: int = 0
     index: int | None = None  # the sample's index among a request's n > 1 samples
+    embedding: np.ndarray | None = None
 
     @property
     def finished(self) -> bool:
@@ -388,6 +393,11 @@ class GenerateOutput:
         """SGLang's /generate response shape (with "index" for one of n > 1 samples)."""
         out: dict[str, Any] = {} if self.index is None else {"index": self.index}
         return out | {"text": self.text, "output_ids": list(self.output_ids), "meta_info": self.native_meta()}
+
+    def to_native_embedding(self) -> dict[str, Any]:
+        """SGLang's /encode response shape: {"embedding": [floats], "meta_info": {...}}."""
+        assert self.embedding is not None  # an embedding request's final output
+        return {"embedding": self.embedding.tolist(), "meta_info": self.native_meta()}
 
     def native_meta(self) -> dict[str, Any]:
         """The "meta_info" object of `to_native`."""

@@ -1,7 +1,9 @@
 """HTTP clients of the bench tool: one streamed request to a target, timed chunk by chunk.
 
-Backends: `pyserve` (native POST /generate, SGLang's shape), `openai` (POST /v1/completions)
-and `openai-chat` (POST /v1/chat/completions). Every request streams (SSE) unless
+Backends: `pyserve` (native POST /generate, SGLang's shape), `openai` (POST /v1/completions),
+`openai-chat` (POST /v1/chat/completions) and `openai-embeddings` (POST /v1/embeddings: the
+prompt as `input`, one whole response, no output tokens; its figures are requests/s, input
+tokens/s and the end-to-end latency). Every generation request streams (SSE) unless
 `--disable-stream` asks for whole responses, asks for greedy sampling (temperature 0) and,
 unless told otherwise, `ignore_eos` so outputs have the requested length; streamed OpenAI
 requests ask for `stream_options.include_usage`.
@@ -23,7 +25,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-BACKENDS = ("pyserve", "openai", "openai-chat")
+BACKENDS = ("pyserve", "openai", "openai-chat", "openai-embeddings")
 # how long a stream's end (after its [DONE] event) is waited for before its connection is let go
 DRAIN_TIMEOUT_S = 5.0
 
@@ -71,6 +73,8 @@ class RequestSpec:
 
 def request_url_and_body(backend: str, base_url: str, spec: RequestSpec) -> tuple[str, dict[str, Any]]:
     """The URL and JSON body of `spec` for `backend`."""
+    if backend == "openai-embeddings":
+        return base_url + "/v1/embeddings", {"model": spec.model, "input": spec.prompt, **spec.extra_body}
     if backend == "pyserve":
         body: dict[str, Any] = {
             "text": spec.prompt,
@@ -133,6 +137,12 @@ class _StreamState:
 
     def add_whole(self, body: dict[str, Any], now: float) -> None:
         """A non-streamed response, as one event carrying everything."""
+        if self.backend == "openai-embeddings":  # vectors, no output token
+            if not body.get("data"):
+                raise _StreamError("the response holds no embedding")
+            prompt_tokens = int((body.get("usage") or {}).get("prompt_tokens", 0))
+            self.result.usage = (prompt_tokens, 0)
+            return
         if self.backend == "pyserve":
             self.add(body, now)
             return
@@ -179,7 +189,7 @@ async def send_request(
                 result.error = f"http_{resp.status}"
                 result.error_detail = (await resp.text())[:300]
                 return result
-            if not spec.stream:  # one whole response: it arrives as one chunk
+            if not spec.stream or backend == "openai-embeddings":  # one whole response: one chunk
                 state.add_whole(orjson.loads(await resp.read()), time.perf_counter())
                 return result
             async for data in _sse_data(resp.content):

@@ -71,7 +71,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--backend",
         choices=BACKENDS,
         default="pyserve",
-        help="pyserve: POST /generate; openai: /v1/completions; openai-chat: /v1/chat/completions",
+        help="pyserve: POST /generate; openai: /v1/completions; openai-chat: /v1/chat/completions; "
+        "openai-embeddings: /v1/embeddings (an embedding server: requests/s, input tok/s, latency)",
     )
     a("--base-url", default=None, help="e.g. http://127.0.0.1:30000 (overrides --host/--port)")
     a("--host", default="127.0.0.1")

@@ -1,9 +1,10 @@
 """`pyserve bench offline`: throughput of the in-process `pyserve.Engine` on a workload.
 
 The engine loads the model (ServerArgs flags), one warm-up request runs, then every prompt of
-the workload is submitted at once as one batch call (`Engine.generate(list, list)`), so the
-scheduler sees the whole queue, as SGLang's bench_offline_throughput does. Token counts are
-the engine's own (meta_info prompt_tokens / completion_tokens). No HTTP is involved.
+the workload is submitted at once as one batch call (`Engine.generate(list, list)`; for an
+embedding model `Engine.encode(list)`, no output tokens), so the scheduler sees the whole
+queue, as SGLang's bench_offline_throughput does. Token counts are the engine's own
+(meta_info prompt_tokens / completion_tokens). No HTTP is involved.
 """
 
 from __future__ import annotations
@@ -51,15 +52,20 @@ def run_offline(args: Any) -> dict[str, Any]:
     with engine:
         rows = build_dataset(args, engine.core.tokenizer)
         params = [{"max_new_tokens": r.output_len, "temperature": 0.0, "ignore_eos": True} for r in rows]
+        run: Any = (
+            (lambda prompts, p: engine.generate(prompts, p))
+            if engine.core.is_generation
+            else (lambda prompts, p: engine.encode(prompts))
+        )
         try:
-            engine.generate(rows[0].prompt, params[0])  # warm-up, not counted
+            run([rows[0].prompt], params[:1])  # warm-up, not counted
             start_s = time.perf_counter()
-            outs = engine.generate([r.prompt for r in rows], params)
+            outs = run([r.prompt for r in rows], params)
             duration_s = time.perf_counter() - start_s
         except InvalidRequestError as exc:
             raise BenchError(f"the workload does not fit the model: {exc}") from None
     total_in = sum(o["meta_info"]["prompt_tokens"] for o in outs)
-    total_out = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    total_out = sum(o["meta_info"]["completion_tokens"] for o in outs)  # (0 for embeddings)
     metrics = {
         "num_requests": len(outs),
         "duration_s": duration_s,

@@ -351,6 +351,7 @@ class Detokenizer:
                 finish_reason=state.finish_reason,
                 logprobs=logprobs,
                 num_logprobs_delta=num_logprobs_delta,
+                embedding=out.embedding,
             )
         )
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from pyserve.config import ServerArgs, setup_logging
 from pyserve.engine.engine_core import EngineCore
+from pyserve.errors import InvalidRequestError
 from pyserve.io_struct import GenerateReqInput
 
 
@@ -129,6 +130,28 @@ class Engine:
         finally:
             await on_engine(agen.aclose())
 
+    def encode(
+        self, prompt: str | list[str] | None = None, input_ids: list[int] | list[list[int]] | None = None
+    ) -> Any:
+        """Embeddings of one input (a dict) or a list (a list of dicts), each SGLang's /encode
+        shape: {"embedding": [hidden floats], "meta_info": {"prompt_tokens", ...}}. Give
+        texts (`prompt`) or token ids (`input_ids`). Raises InvalidRequestError on a
+        generation server and for inputs the model cannot take (empty, longer than the
+        context, ids outside the vocabulary)."""
+        inputs, single = _encode_inputs(prompt, input_ids)
+        outs = self._call(self.core.encode(inputs))
+        dicts = [o.to_native_embedding() for o in outs]
+        return dicts[0] if single else dicts
+
+    async def async_encode(
+        self, prompt: str | list[str] | None = None, input_ids: list[int] | list[list[int]] | None = None
+    ) -> Any:
+        """Like encode, awaitable from any event loop."""
+        inputs, single = _encode_inputs(prompt, input_ids)
+        outs = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self.core.encode(inputs), self._loop))
+        dicts = [o.to_native_embedding() for o in outs]
+        return dicts[0] if single else dicts
+
     def abort_request(self, rid: str | None = None, abort_all: bool = False) -> int:
         """End the request `rid` (and those the engine derived from it: the prompts of a
         batch, the samples of n > 1), or all with `abort_all`; their outputs finish with
@@ -174,6 +197,18 @@ class Engine:
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
+
+
+def _encode_inputs(prompt: Any, input_ids: Any) -> tuple[list[str | list[int]], bool]:
+    """(the inputs as a list, whether one was given alone). Raises InvalidRequestError unless
+    exactly one of the two is given."""
+    if (prompt is None) == (input_ids is None):
+        raise InvalidRequestError("give either prompt or input_ids", param="prompt")
+    if prompt is not None:
+        return ([prompt], True) if isinstance(prompt, str) else (list(prompt), False)
+    if input_ids and isinstance(input_ids[0], int):
+        return [list(input_ids)], True
+    return [list(ids) for ids in input_ids], False
 
 
 def _init_signature() -> inspect.Signature:

@@ -23,13 +23,14 @@ from pyserve.constrained import GrammarBackend, grammar_stop_ids
 from pyserve.engine import parallel_sampling, server_info
 from pyserve.engine.detokenizer import token_deltas
 from pyserve.engine.scheduler import Scheduler
-from pyserve.engine.tokenizer_manager import TokenizerManager
+from pyserve.engine.tokenizer_manager import TokenizerManager, failure_of
 from pyserve.engine.worker import ModelWorker
 from pyserve.errors import InvalidRequestError
-from pyserve.io_struct import GenerateOutput, SingleReq, TokenizedGenerateReq
+from pyserve.io_struct import GenerateOutput, SingleReq, TokenizedGenerateReq, new_rid
 from pyserve.mem_cache.kv_cache import KVCache
 from pyserve.metrics import RequestMetrics
 from pyserve.model_executor.runner_protocol import Runner
+from pyserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -69,11 +70,15 @@ class EngineCore:
         await loop.run_in_executor(None, self._load)
         args = self.server_args
         runner = self.model_runner
+        # an embedding server runs each prompt as one whole prefill step (never cut: an
+        # encoder's tokens attend to all of their prompt) and generates nothing; an encoder
+        # keeps no KV, so it has no prefix to reuse either
+        self.is_generation = not getattr(runner, "is_embedding", False)
         self.kv_cache = KVCache(
             runner.max_total_num_tokens,
             args.max_running_requests,
             self.context_len,
-            disable_radix_cache=args.disable_radix_cache,
+            disable_radix_cache=args.disable_radix_cache or getattr(runner, "is_encoder", False),
             page_size=args.page_size,
         )
         mc = runner.model_config
@@ -91,7 +96,11 @@ class EngineCore:
             emit=self._emit,
             stats_interval_s=args.stats_interval_s,
             overlap=not args.disable_overlap_schedule,
-            chunked_prefill_size=args.resolved_chunked_prefill_size(_device_memory_bytes(str(runner.device))),
+            chunked_prefill_size=(
+                args.resolved_chunked_prefill_size(_device_memory_bytes(str(runner.device)))
+                if self.is_generation
+                else None
+            ),
             enable_mixed_chunk=args.enable_mixed_chunk,
             schedule_policy=args.schedule_policy,
             random_seed=args.random_seed,
@@ -113,6 +122,7 @@ class EngineCore:
             stream_interval=args.stream_interval,
             max_queued_requests=args.max_queued_requests,
             abort_on_priority_when_disabled=args.abort_on_priority_when_disabled,
+            is_generation=self.is_generation,
         )
         self._scheduler_task = asyncio.create_task(self.scheduler.run(), name="pyserve-scheduler")
         self._tasks = [
@@ -138,7 +148,7 @@ class EngineCore:
         """The grammar compiler for the served vocabulary (None with --grammar-backend none).
         Executor thread: it reads the whole vocabulary."""
         args = self.server_args
-        if args.grammar_backend == "none":
+        if args.grammar_backend == "none" or not self.is_generation:
             return None
         mc = self.model_runner.model_config
         stop_ids = grammar_stop_ids(mc.eos_token_ids, self.tokenizer)
@@ -192,6 +202,8 @@ class EngineCore:
             cuda_graph_max_bs=args.cuda_graph_max_bs,
             cuda_graph_bs=args.cuda_graph_bs,
             max_running_requests=args.max_running_requests,
+            is_embedding=args.is_embedding,
+            pooling=args.pooling,
         )
         self._describe_model()
 
@@ -335,7 +347,13 @@ class EngineCore:
         rids = [r.rid for r in reqs]
         if len(set(rids)) != len(rids):
             raise InvalidRequestError("the rids of a batch must be unique", param="rid")
-        tokenized = [await self.tokenizer_manager.tokenize(r) for r in reqs]
+        # all at once, so their texts are encoded in one batched call; the first error by
+        # position is the one raised
+        results = await asyncio.gather(*(self.tokenizer_manager.tokenize(r) for r in reqs), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        tokenized = cast(list[TokenizedGenerateReq], results)
         for r in reqs:
             self._check_free_rids(r)
         added = self._derive(reqs)
@@ -388,6 +406,35 @@ class EngineCore:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
+
+    async def encode(self, inputs: list[str | list[int]], rid: str | None = None) -> list[GenerateOutput]:
+        """Embeddings of several inputs (texts, or token-id lists), run together as
+        prefill-only requests, in order: each output's `embedding` ([hidden] float32 numpy)
+        and `prompt_tokens`. rid: the rid the inputs' own (`{rid}-{i}`) derive from (aborting
+        it aborts them). Raises InvalidRequestError (400) on a generation server, for an
+        empty input, one longer than the context, an id outside the vocabulary or more than
+        `--max-prompts-per-request` inputs."""
+        if not inputs:
+            raise InvalidRequestError("the input is empty", param="input")
+        base = rid or new_rid()
+        sp = SamplingParams().model_copy(update={"max_new_tokens": 0})
+        reqs = [
+            SingleReq(
+                text=item if isinstance(item, str) else None,
+                input_ids=None if isinstance(item, str) else item,
+                sampling_params=sp,
+                rid=f"{base}-{i}" if len(inputs) > 1 else base,
+                parent_rid=base if len(inputs) > 1 else None,
+                embed=True,
+            )
+            for i, item in enumerate(inputs)
+        ]
+        outs = await self.generate_all(reqs)
+        for out in outs:
+            failure = failure_of(out)
+            if failure is not None:
+                raise failure
+        return outs
 
     def resolve_model(self, requested: str | None) -> str:
         """The served model's name for a request's `model` field, which may be left out or

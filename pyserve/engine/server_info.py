@@ -18,7 +18,7 @@ def model_info(core: EngineCore) -> dict[str, Any]:
     return {
         "model_path": core.model_path,
         "tokenizer_path": os.path.abspath(core.server_args.tokenizer_path or core.model_path),
-        "is_generation": True,
+        "is_generation": core.is_generation,
         "preferred_sampling_params": None,
         "weight_version": "default",
         "served_model_name": core.model_name,

@@ -22,6 +22,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from pyserve.engine.schedule_batch import Req, ScheduleBatch
 from pyserve.engine.schedule_state import ScheduleState
 from pyserve.engine.worker import ModelWorker
@@ -43,6 +45,7 @@ class TokenOut:
     output_logprobs: TokenLogprobs | None = None
     input_logprobs: TokenLogprobs | None = None
     input_logprob_ids: list[int] | None = None
+    embedding: np.ndarray | None = None  # [hidden] float32: an embedding request's result
 
 
 @dataclass
@@ -179,6 +182,8 @@ class StepPipeline:
                 self.end(req, FinishReason.length_limit(0))
                 req.dropped_ids.append(token)
                 out = token_out(req)
+                if result.embeddings is not None:
+                    out.embedding = result.embeddings[i]
                 self._add_input_logprobs(out, req, result, i)
                 outs.append(out)
                 continue

@@ -71,13 +71,17 @@ class TokenizerManager:
         stream_interval: int = 1,
         max_queued_requests: int | None = None,
         abort_on_priority_when_disabled: bool = False,
+        is_generation: bool = True,
     ) -> None:
-        """stream_interval: the server's default tokens per streamed chunk (a request's own
-        stream_interval overrides it). max_queued_requests: refuse new requests (503) while
-        that many wait for admission; None: no limit. abort_on_priority_when_disabled: a
-        request giving a priority gets a 400 when priority scheduling is off (else, as in
-        SGLang, the priority is ignored: it orders requests, it never changes an output)."""
+        """is_generation: the server generates text (else it serves embeddings: only
+        `SingleReq.embed` requests are taken, and those only there). stream_interval: the
+        server's default tokens per streamed chunk (a request's own stream_interval overrides
+        it). max_queued_requests: refuse new requests (503) while that many wait for
+        admission; None: no limit. abort_on_priority_when_disabled: a request giving a
+        priority gets a 400 when priority scheduling is off (else, as in SGLang, the priority
+        is ignored: it orders requests, it never changes an output)."""
         self.abort_on_priority_when_disabled = abort_on_priority_when_disabled
+        self.is_generation = is_generation
         self.tokenizer = tokenizer
         self.stream_interval = stream_interval
         self.max_queued_requests = max_queued_requests
@@ -190,6 +194,14 @@ class TokenizerManager:
     async def tokenize(self, req: SingleReq) -> TokenizedGenerateReq:
         """Token ids of the request, validated. Raises InvalidRequestError."""
         arrival_time = time.perf_counter()
+        if req.embed == self.is_generation:
+            raise InvalidRequestError(
+                "this server generates text: embeddings need a server of an embedding model "
+                "(an encoder such as BertModel, or a decoder with --is-embedding)"
+                if req.embed
+                else "this server serves an embedding model: it answers /v1/embeddings and /encode, not generation",
+                param="input" if req.embed else "model",
+            )
         if req.input_ids is not None:
             ids = self._checked_ids(req.input_ids)
         else:
@@ -203,14 +215,21 @@ class TokenizerManager:
             ids = await self.encode(text, req.add_special_tokens)
         if len(ids) == 0:
             raise InvalidRequestError("the prompt is empty (no tokens)", param="prompt")
-        if len(ids) >= self.context_len:
+        if req.embed:  # the whole input is one prefill step: it may fill the context
+            if len(ids) > min(self.context_len, self.max_total_tokens):
+                raise InvalidRequestError(
+                    f"the input has {len(ids)} tokens; this model's context length is {self.context_len}",
+                    param="input",
+                    code="context_length_exceeded",
+                )
+        elif len(ids) >= self.context_len:
             raise InvalidRequestError(
                 f"the prompt has {len(ids)} tokens; this model's context length is "
                 f"{self.context_len}, which must also leave room for at least one output token",
                 param="prompt",
                 code="context_length_exceeded",
             )
-        if len(ids) >= self.max_total_tokens:
+        elif len(ids) >= self.max_total_tokens:
             raise InvalidRequestError(
                 f"the prompt has {len(ids)} tokens but the KV pool holds {self.max_total_tokens}",
                 param="prompt",

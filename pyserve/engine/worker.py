@@ -15,7 +15,9 @@ completer, waits for each step's end in order and resolves its future, while the
 already builds and launches the next step, so its host work overlaps the device's. On CUDA
 the step's ids and failed-row mask are copied into pinned host memory without blocking and
 the completer waits on an event recorded after the copy; the simulated device gives its own
-`step_done_waiter`. A CPU runner computes synchronously: the worker resolves each step itself.
+`step_done_waiter`. A CPU runner computes synchronously: the worker resolves each step itself,
+as it does for an embedding runner (`is_embedding`), whose steps are pooled embeddings copied
+to the host (`embed`) and never sample.
 """
 
 from __future__ import annotations
@@ -60,7 +62,11 @@ class ModelWorker:
         self._step_done_waiter: Callable[[], Callable[[], None]] | None = getattr(
             model_runner, "step_done_waiter", None
         )
-        self._async = self._cuda or self._step_done_waiter is not None
+        # an embedding runner (ModelRunner.is_embedding) computes pooled embeddings instead
+        self._embed: Callable[[Any], torch.Tensor] | None = (
+            model_runner.embed if getattr(model_runner, "is_embedding", False) else None  # type: ignore[attr-defined]
+        )
+        self._async = (self._cuda or self._step_done_waiter is not None) and self._embed is None
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._ready = threading.Event()
         self._launches: queue.SimpleQueue = queue.SimpleQueue()  # numbers of launched steps
@@ -194,6 +200,10 @@ class ModelWorker:
         on the host (None for a CPU runner: it already is)."""
         runner = self.model_runner
         batch = self.state.forward_batch(plan)
+        if self._embed is not None:  # an embedding server: pooled hidden states, no sampling
+            embeddings = self._embed(batch).cpu().numpy()
+            zeros = np.zeros(batch.batch_size, dtype=np.int32)
+            return StepOutput(next_token_ids=zeros, embeddings=embeddings), None
         logits = runner.forward(batch)
         grammar = self.state.grammar
         if grammar.num_live:  # after the launch: only sampling waits for the matchers

@@ -46,3 +46,13 @@ def linear(
     if packed is None:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "")
+
+
+def linear_gelu(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: torch.Tensor | None = None
+) -> torch.Tensor:
+    """gelu(x @ weight.T + bias), GELU with erf (HF's "gelu"). With `packed`, the GELU runs as
+    oneDNN's post-op inside the matmul (one pass over the output instead of two)."""
+    if packed is None:
+        return F.gelu(F.linear(x, weight, bias))
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "gelu", [None], "none")

@@ -40,8 +40,9 @@ class MHATokenToKVPool:
             ("head_dim", head_dim),
             ("page_size", page_size),
         ):
-            if int(value) <= 0:
-                raise ValueError(f"MHATokenToKVPool: {name} must be > 0, got {value}")
+            least = 0 if name == "num_layers" else 1  # (no layers: an encoder's slots, no memory)
+            if int(value) < least:
+                raise ValueError(f"MHATokenToKVPool: {name} must be >= {least}, got {value}")
         self.size = int(size)
         self.page_size = int(page_size)
         self.num_slot_rows = self.size + self.page_size

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import cast
 
 import torch
 
@@ -19,8 +20,9 @@ from pyserve.forward_batch_info import (
     StepOutput,
 )
 from pyserve.layers.attention.base import AttentionBackend, CapturableAttentionBackend
-from pyserve.layers.attention.registry import capturable_backend, create_attention_backend
+from pyserve.layers.attention.registry import backend_class, capturable_backend, create_attention_backend
 from pyserve.layers.logprobs import logprobs_of_rows
+from pyserve.layers.pooler import PoolingSpec, pool, sentence_transformers_pooling
 from pyserve.layers.rotary_embedding import RotaryEmbedding
 from pyserve.layers.sampler import sample as sample_tokens
 from pyserve.layers.sampler import sample_checked
@@ -72,6 +74,12 @@ class ModelRunner:
       steps on CUDA replay CUDA graphs captured by `init_cuda_graphs` (see
       cuda_graph_runner.py) unless disabled, the backend cannot be captured or the rope is
       dynamic; their memory is set aside before the KV pool is sized.
+    is_embedding: serve embeddings (`embed`) instead of tokens; an encoder (BertModel) always
+      does. Its pooling: `pooling` ("mean", "cls", "last") when given, else what the folder's
+      sentence-transformers files say (layers/pooler.py), else the last token; normalised
+      unless those files leave Normalize out. An encoder keeps no KV: its pool has no layers
+      (no memory) and max_running_requests * context_len slots of bookkeeping, so admission
+      still counts tokens.
 
     Attributes: model_config, model, device (str: "cpu", "cuda", "cuda:1"), dtype
     (torch.dtype), kv_pool (MHATokenToKVPool), max_total_num_tokens (real slots
@@ -100,6 +108,8 @@ class ModelRunner:
         cuda_graph_max_bs: int | None = None,
         cuda_graph_bs: list[int] | None = None,
         max_running_requests: int = 256,
+        is_embedding: bool = False,
+        pooling: str | None = None,
     ) -> None:
         torch_device = torch.device(device)
         if mem_fraction_static is None:
@@ -116,6 +126,14 @@ class ModelRunner:
         )
         self.dtype = self.model_config.dtype
         self.model = load_model(self.model_config, torch_device, progress=load_progress, load_format=load_format)
+        self.is_encoder: bool = bool(getattr(self.model, "is_encoder", False))
+        self.is_embedding: bool = is_embedding or self.is_encoder
+        self.pooling: PoolingSpec | None = None
+        if self.is_embedding:
+            declared = sentence_transformers_pooling(model_path) if os.path.isdir(model_path) else None
+            self.pooling = declared or PoolingSpec("last", normalize=True)
+            if pooling is not None:
+                self.pooling = PoolingSpec(pooling, normalize=self.pooling.normalize)
         # On CPU in float32, oneDNN-packed copies of the projection weights (layers/linear.py).
         prepack_weights = getattr(self.model, "prepack_linear_weights", None)
         self.packed_weight_bytes: int = prepack_weights() if prepack_weights else 0
@@ -128,7 +146,7 @@ class ModelRunner:
             if isinstance(module, RotaryEmbedding):
                 module.reserve(cfg.context_len)
         self.graph_sizes: list[int] = []
-        if torch_device.type == "cuda" and not disable_cuda_graph:
+        if torch_device.type == "cuda" and not disable_cuda_graph and not self.is_embedding:
             if not capturable_backend(attention_backend, torch_device.type):
                 logger.info("CUDA graphs off: attention backend %s cannot be captured", attention_backend)
             elif any(isinstance(m, RotaryEmbedding) and m.is_dynamic for m in self.model.modules()):
@@ -143,7 +161,7 @@ class ModelRunner:
             raise ValueError(f"a KV pool of {pool} tokens holds no page of {self.page_size}")
         self.kv_pool = MHATokenToKVPool(
             self.max_total_num_tokens,
-            cfg.num_hidden_layers,
+            0 if self.is_encoder else cfg.num_hidden_layers,
             cfg.num_key_value_heads,
             cfg.head_dim,
             self.dtype,
@@ -151,9 +169,13 @@ class ModelRunner:
             page_size=self.page_size,
         )
         self.kv_cache_bytes = self.kv_pool.total_bytes
-        self.attn_backend: AttentionBackend = create_attention_backend(attention_backend, self.kv_pool)
         self._input_groups: list | None = None  # prompt-logprob plan of the last forward
-        self.attention_backend_name = self.attn_backend.name
+        if self.is_encoder:  # no KV to read: the model attends within each sequence itself
+            self.attn_backend: AttentionBackend = backend_class("torch_native")(self.kv_pool)
+            self.attention_backend_name = "none (an encoder: SDPA within each sequence)"
+        else:
+            self.attn_backend = create_attention_backend(attention_backend, self.kv_pool)
+            self.attention_backend_name = self.attn_backend.name
         if self.graph_sizes and not self.attn_backend.supports_cuda_graph:  # "auto" fell back
             logger.info("CUDA graphs off: attention backend %s cannot be captured", self.attention_backend_name)
             self.graph_sizes = []
@@ -186,6 +208,8 @@ class ModelRunner:
             if int(max_total_tokens) <= 0:
                 raise ValueError(f"max_total_tokens must be > 0, got {max_total_tokens}")
             return int(max_total_tokens)
+        if self.is_encoder:  # slots without memory: what admission counts
+            return self.max_running_requests * cfg.context_len
         free = available_memory_bytes(device)
         weight_bytes = self.weight_bytes
         if device.type == "cuda":
@@ -237,6 +261,22 @@ class ModelRunner:
                 return self.graph_runner.replay(batch)
             self.attn_backend.init_forward_metadata(batch)
             return self.model(batch, self.attn_backend)
+
+    def embed(self, batch: ForwardBatch) -> torch.Tensor:
+        """Embeddings [B, hidden] float32 on the device of an EXTEND `batch` of whole prompts
+        (an embedding server's only step): the model's last hidden states pooled per request
+        by `self.pooling` over its new tokens (an encoder's whole prompt; a decoder pools its
+        last token, which a cached prefix leaves computed). A decoder writes its K/V as in
+        `forward`; an encoder writes none. Worker thread only."""
+        assert self.pooling is not None and batch.extend_seq_lens is not None
+        with torch.inference_mode():
+            if self.is_encoder:
+                hidden = self.model(batch, None)
+            else:
+                self.attn_backend.init_forward_metadata(batch)
+                decoder = cast(torch.nn.Module, self.model.model)  # the decoder under the LM head
+                hidden = decoder(batch, self.attn_backend)
+            return pool(hidden, batch.extend_seq_lens.tolist(), self.pooling)
 
     @staticmethod
     def _plan_input_logprobs(batch: ForwardBatch) -> list[tuple[int, int, int] | None] | None:

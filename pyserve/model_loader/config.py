@@ -3,6 +3,7 @@ tokens), read from an HF folder (config.json) or a GGUF file (its metadata)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -111,7 +112,9 @@ class ModelConfig:
         """Read the config of an HF folder or a .gguf file.
 
         context_length: override of the model's max_position_embeddings; a value above it is
-          allowed (rope extrapolates, quality may drop) but logged as a warning.
+          allowed (rope extrapolates, quality may drop) but logged as a warning. Without it, a
+          sentence-transformers folder's `max_seq_length` (sentence_bert_config.json) caps
+          the context when it is smaller, as sentence-transformers and vLLM cap it.
         Raises ModelNotFoundError if the path does not exist, ValueError for a bad dtype, a
         non-positive context_length, or a config without `architectures`.
         """
@@ -132,6 +135,12 @@ class ModelConfig:
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         model_max = int(getattr(hf_config, "max_position_embeddings", 2048))
         context_len = model_max
+        st_config = os.path.join(model_path, "sentence_bert_config.json")
+        if context_length is None and not gguf and os.path.isfile(st_config):
+            with open(st_config) as f:
+                st_max = json.load(f).get("max_seq_length")
+            if isinstance(st_max, int) and 0 < st_max < context_len:
+                context_len = st_max
         if context_length is not None:
             if int(context_length) <= 0:
                 raise ValueError(f"context_length must be > 0, got {context_length}")

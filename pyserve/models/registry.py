@@ -11,6 +11,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("pyserve.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("pyserve.models.qwen3", "Qwen3ForCausalLM"),
     "MistralForCausalLM": ("pyserve.models.mistral", "MistralForCausalLM"),
+    "BertModel": ("pyserve.models.bert", "BertModel"),
 }
 
 

@@ -20,7 +20,7 @@ from pyserve.server import metrics, native, openapi, tokenize
 from pyserve.server.auth import ApiKeyMiddleware
 from pyserve.server.drain import drain
 from pyserve.server.errors import EXCEPTION_HANDLERS
-from pyserve.server.openai import responses, serving
+from pyserve.server.openai import embeddings, responses, serving
 from pyserve.server.stream_hub import StreamHub
 
 logger = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ def create_app(
                 await engine.shutdown()
 
     app = Starlette(
-        routes=native.ROUTES + serving.ROUTES + responses.ROUTES + tokenize.ROUTES + openapi.ROUTES,
+        routes=native.ROUTES + serving.ROUTES + embeddings.ROUTES + responses.ROUTES + tokenize.ROUTES + openapi.ROUTES,
         lifespan=lifespan,
         exception_handlers=EXCEPTION_HANDLERS,
         middleware=_middleware(args),

@@ -29,7 +29,7 @@ from starlette.routing import BaseRoute, Route
 import pyserve
 from pyserve.io_struct import GenerateReqInput
 from pyserve.server import metrics, native, tokenize
-from pyserve.server.openai import responses, serving
+from pyserve.server.openai import embeddings, responses, serving
 from pyserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pyserve.server.openai.responses_protocol import ResponsesRequest
 from pyserve.server.render import json_bytes
@@ -47,6 +47,8 @@ REQUEST_MODELS: dict[Callable[..., Any], type[BaseModel] | None] = {
     tokenize.detokenize: tokenize.DetokenizeRequest,
     responses.create_response: ResponsesRequest,
     responses.stored_response: None,
+    embeddings.embeddings: embeddings.EmbeddingRequest,
+    embeddings.encode: embeddings.EncodeRequest,
 }
 
 # Handlers whose 200 is not a JSON body: the media type they send (None: an empty body).

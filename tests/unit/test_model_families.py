@@ -199,7 +199,7 @@ def test_unsupported_architecture_fails_at_start(tmp_path) -> None:
     config.save_pretrained(tmp_path)
     with pytest.raises(
         ValueError,
-        match=r"'GPT2LMHeadModel' is not supported; supported: LlamaForCausalLM, "
+        match=r"'GPT2LMHeadModel' is not supported; supported: BertModel, LlamaForCausalLM, "
         r"MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM",
     ):
         ModelRunner(str(tmp_path), max_total_tokens=64, load_progress=False)

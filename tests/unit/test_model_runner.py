@@ -46,6 +46,7 @@ def test_resolve_dtype() -> None:
 def test_registry() -> None:
     assert get_model_class("LlamaForCausalLM") is LlamaForCausalLM
     assert supported_architectures() == [
+        "BertModel",
         "LlamaForCausalLM",
         "MistralForCausalLM",
         "Qwen2ForCausalLM",
@@ -54,7 +55,7 @@ def test_registry() -> None:
     with pytest.raises(
         ValueError,
         match=r"'GPT2LMHeadModel' is not supported; supported: "
-        r"LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM",
+        r"BertModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM",
     ):
         get_model_class("GPT2LMHeadModel")
 

@@ -37,12 +37,14 @@ OPERATIONS = [
     ("delete", "/v1/responses/{response_id}"),
     ("post", "/abort_request"),
     ("post", "/detokenize"),
+    ("post", "/encode"),
     ("post", "/flush_cache"),
     ("post", "/generate"),
     ("post", "/tokenize"),
     ("post", "/v1/chat/completions"),
     ("post", "/v1/completions"),
     ("post", "/v1/detokenize"),
+    ("post", "/v1/embeddings"),
     ("post", "/v1/responses"),
     ("post", "/v1/responses/{response_id}"),
     ("post", "/v1/tokenize"),
@@ -51,12 +53,14 @@ OPERATIONS = [
 POST_BODIES = {
     "/abort_request": "AbortReq",
     "/detokenize": "DetokenizeRequest",
+    "/encode": "EncodeRequest",
     "/flush_cache": None,
     "/generate": "GenerateReqInput",
     "/tokenize": "TokenizeRequest",
     "/v1/chat/completions": "ChatCompletionRequest",
     "/v1/completions": "CompletionRequest",
     "/v1/detokenize": "DetokenizeRequest",
+    "/v1/embeddings": "EmbeddingRequest",
     "/v1/responses": "ResponsesRequest",
     "/v1/responses/{response_id}": None,
     "/v1/tokenize": "TokenizeRequest",
@@ -91,7 +95,7 @@ def test_every_post_route_has_its_request_model(app, doc):
     routes = app.routes
     assert all(isinstance(route, Route) for route in routes)  # (nothing escapes the walk)
     posts = [route for route in routes if "POST" in (route.methods or ())]
-    assert len(posts) == 11
+    assert len(posts) == 13
     for route in posts:
         assert route.endpoint in REQUEST_MODELS, f"POST {route.path}: add its request model to REQUEST_MODELS"
         model = REQUEST_MODELS[route.endpoint]
@@ -125,7 +129,7 @@ def test_operations_and_bodies(doc):
 def test_metrics_only_when_served():
     doc = build_document(create_app(ServerArgs(enable_metrics=False)).routes)
     assert "/metrics" not in doc["paths"]
-    assert len(doc["paths"]) == 21
+    assert len(doc["paths"]) == 23
 
 
 def test_responses(doc):

