@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import inspect
+import numbers
 import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -205,10 +206,17 @@ def _encode_inputs(prompt: Any, input_ids: Any) -> tuple[list[str | list[int]], 
     if (prompt is None) == (input_ids is None):
         raise InvalidRequestError("give either prompt or input_ids", param="prompt")
     if prompt is not None:
-        return ([prompt], True) if isinstance(prompt, str) else (list(prompt), False)
-    if input_ids and isinstance(input_ids[0], int):
-        return [list(input_ids)], True
-    return [list(ids) for ids in input_ids], False
+        if isinstance(prompt, str):
+            return [prompt], True
+        texts = list(prompt)
+        if not all(isinstance(t, str) for t in texts):
+            raise InvalidRequestError(
+                "prompt must be a string or a list of strings (ids go in input_ids)", param="prompt"
+            )
+        return texts, False
+    if len(input_ids) and isinstance(input_ids[0], numbers.Integral):  # one id list (numpy too)
+        return [[int(t) for t in input_ids]], True
+    return [[int(t) for t in ids] for ids in input_ids], False
 
 
 def _init_signature() -> inspect.Signature:

@@ -72,13 +72,17 @@ class EngineCore:
         runner = self.model_runner
         # an embedding server runs each prompt as one whole prefill step (never cut: an
         # encoder's tokens attend to all of their prompt) and generates nothing; an encoder
-        # keeps no KV, so it has no prefix to reuse either
+        # keeps no KV, so it has no prefix to reuse either, and a decoder only when it pools
+        # the last token (mean or CLS pooling needs the hidden states of every token, which a
+        # cached prefix does not recompute)
         self.is_generation = not getattr(runner, "is_embedding", False)
+        pooling = getattr(runner, "pooling", None)
+        no_prefix_reuse = getattr(runner, "is_encoder", False) or (pooling is not None and pooling.mode != "last")
         self.kv_cache = KVCache(
             runner.max_total_num_tokens,
             args.max_running_requests,
             self.context_len,
-            disable_radix_cache=args.disable_radix_cache or getattr(runner, "is_encoder", False),
+            disable_radix_cache=args.disable_radix_cache or no_prefix_reuse,
             page_size=args.page_size,
         )
         mc = runner.model_config
@@ -342,7 +346,7 @@ class EngineCore:
         if len(reqs) > limit:
             raise InvalidRequestError(
                 f"{len(reqs)} prompts in one request; at most {limit} are allowed (--max-prompts-per-request)",
-                param="prompt",
+                param="input" if reqs and reqs[0].embed else "prompt",
             )
         rids = [r.rid for r in reqs]
         if len(set(rids)) != len(rids):
@@ -434,6 +438,13 @@ class EngineCore:
             failure = failure_of(out)
             if failure is not None:
                 raise failure
+            if out.embedding is None:  # ended before its step ran (/abort_request, shutdown)
+                reason = out.finish_reason.message if out.finish_reason is not None else None
+                raise InvalidRequestError(
+                    f"the request was aborted before its embedding was computed: {reason or 'no reason given'}",
+                    code="request_aborted",
+                    status=503,
+                )
         return outs
 
     def resolve_model(self, requested: str | None) -> str:

@@ -170,7 +170,7 @@ class TokenizerManager:
 
         asyncio.ensure_future(loop.run_in_executor(self.executor, work)).add_done_callback(done)
 
-    def _checked_ids(self, input_ids: Sequence[int]) -> np.ndarray:
+    def _checked_ids(self, input_ids: Sequence[int], param: str = "input_ids") -> np.ndarray:
         """Given token ids as [n] int32, made once. Raises InvalidRequestError for an id
         outside the vocabulary."""
         if not isinstance(input_ids, (list, tuple, np.ndarray)):
@@ -186,7 +186,7 @@ class TokenizerManager:
             bad = [t for t, ok in zip(input_ids, in_vocab) if not ok][:1] or [input_ids]
         if bad:
             raise InvalidRequestError(
-                f"input_ids contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})", param="input_ids"
+                f"{param} contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})", param=param
             )
         assert ids is not None
         return ids.astype(np.int32)
@@ -203,7 +203,7 @@ class TokenizerManager:
                 param="input" if req.embed else "model",
             )
         if req.input_ids is not None:
-            ids = self._checked_ids(req.input_ids)
+            ids = self._checked_ids(req.input_ids, "input" if req.embed else "input_ids")
         else:
             text = req.text or ""
             try:
@@ -214,7 +214,7 @@ class TokenizerManager:
                 ) from exc
             ids = await self.encode(text, req.add_special_tokens)
         if len(ids) == 0:
-            raise InvalidRequestError("the prompt is empty (no tokens)", param="prompt")
+            raise InvalidRequestError("the prompt is empty (no tokens)", param="input" if req.embed else "prompt")
         if req.embed:  # the whole input is one prefill step: it may fill the context
             if len(ids) > min(self.context_len, self.max_total_tokens):
                 raise InvalidRequestError(

@@ -41,7 +41,9 @@ def sentence_transformers_pooling(model_path: str) -> PoolingSpec | None:
     """The pooling a sentence-transformers folder declares (`modules.json`, its Pooling
     module's `config.json`, a Normalize module), or None when `model_path` has no
     `modules.json` (a file, or a plain HF folder). Raises ValueError for a Pooling mode this
-    module does not implement (max, mean_sqrt_len, weighted mean)."""
+    module does not implement (max, mean_sqrt_len, weighted mean; `include_prompt` false) and
+    for a module of the pipeline other than Transformer, Pooling and Normalize (a Dense
+    projection, for one), which pyserve does not run: its vectors would be wrong."""
     modules_path = os.path.join(model_path, "modules.json")
     if not os.path.isfile(modules_path):
         return None
@@ -50,6 +52,8 @@ def sentence_transformers_pooling(model_path: str) -> PoolingSpec | None:
     mode, normalize = None, False
     for module in modules:
         kind = str(module.get("type", ""))
+        if not kind.endswith((".Transformer", ".Pooling", ".Normalize")):
+            raise ValueError(f"{model_path}: the sentence-transformers module {kind} is not supported")
         if kind.endswith(".Pooling"):
             with open(os.path.join(model_path, module.get("path", ""), "config.json")) as f:
                 config = json.load(f)
@@ -58,6 +62,8 @@ def sentence_transformers_pooling(model_path: str) -> PoolingSpec | None:
                 supported = ", ".join(POOLING_MODES)
                 raise ValueError(f"{model_path}: pooling {chosen} is not supported; supported: {supported}")
             mode = _ST_MODE_KEYS[chosen[0]]
+            if config.get("include_prompt", True) is False:
+                raise ValueError(f"{model_path}: pooling with include_prompt false is not supported")
         elif kind.endswith(".Normalize"):
             normalize = True
     if mode is None:

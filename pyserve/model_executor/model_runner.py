@@ -127,6 +127,12 @@ class ModelRunner:
         self.dtype = self.model_config.dtype
         self.model = load_model(self.model_config, torch_device, progress=load_progress, load_format=load_format)
         self.is_encoder: bool = bool(getattr(self.model, "is_encoder", False))
+        positions = int(getattr(self.model_config.hf_config, "max_position_embeddings", 0))
+        if self.is_encoder and self.model_config.context_len > positions:
+            raise ValueError(
+                f"context length {self.model_config.context_len} exceeds the encoder's "
+                f"{positions} position embeddings (an encoder cannot go past them)"
+            )
         self.is_embedding: bool = is_embedding or self.is_encoder
         self.pooling: PoolingSpec | None = None
         if self.is_embedding:

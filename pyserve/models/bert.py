@@ -174,6 +174,9 @@ class BertLayer(nn.Module):
         self.output = _Output(config.intermediate_size, hidden, eps, dtype, device)
         if config.hidden_act != "gelu":
             raise ValueError(f"BERT hidden_act {config.hidden_act!r} is not supported; supported: gelu")
+        position_type = getattr(config, "position_embedding_type", "absolute") or "absolute"
+        if position_type != "absolute":
+            raise ValueError(f"BERT position_embedding_type {position_type!r} is not supported; supported: absolute")
         # q | k | v as one projection (filled by BertModel.fuse_qkv after loading)
         self.qkv_weight: torch.Tensor | None = None
         self.qkv_bias: torch.Tensor | None = None

@@ -109,7 +109,7 @@ def test_kind_and_refusals(server) -> None:
         ("/v1/embeddings", {"input": "word " * 300}, "input", "the input has 302 tokens; this model's context"),
         ("/v1/embeddings", {"input": []}, None, "input"),
         ("/v1/embeddings", {"input": "x", "encoding_format": "int8"}, None, "encoding_format"),
-        ("/v1/embeddings", {"input": [[101, 99999]]}, "input_ids", "outside the vocabulary"),
+        ("/v1/embeddings", {"input": [[101, 99999]]}, "input", "outside the vocabulary"),
         ("/v1/embeddings", {"input": "x", "model": "other"}, "model", "does not exist"),
         ("/encode", {"text": "x", "input_ids": [1]}, "text", "give either text or input_ids"),
     ]

@@ -141,3 +141,18 @@ def test_unknown_pooling_is_refused_and_a_plain_folder_declares_none(tmp_path) -
     folder = _st_folder(tmp_path, {"pooling_mode_max_tokens": True}, True)
     with pytest.raises(ValueError, match=r"pooling \['pooling_mode_max_tokens'\] is not supported"):
         sentence_transformers_pooling(folder)
+
+
+def test_a_pipeline_pyserve_does_not_run_is_refused(tmp_path) -> None:
+    folder = _st_folder(tmp_path, {"pooling_mode_mean_tokens": True}, True)
+    modules = json.loads((tmp_path / "modules.json").read_text())
+    modules.append({"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"})
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(ValueError, match="the sentence-transformers module sentence_transformers.models.Dense"):
+        sentence_transformers_pooling(folder)
+
+
+def test_relative_position_embeddings_are_refused() -> None:
+    config = transformers.BertConfig(**dict(CONFIG, position_embedding_type="relative_key"))
+    with pytest.raises(ValueError, match="position_embedding_type 'relative_key' is not supported"):
+        BertModel(config)

@@ -100,6 +100,39 @@ def test_the_context_is_sentence_transformers_max_seq_length(minilm_engine) -> N
         minilm_engine.encode(input_ids=[101, 30522])
 
 
+def test_an_aborted_embedding_request_is_an_error_not_a_vector(minilm_engine) -> None:
+    import asyncio
+    import time
+
+    inputs = [[101] + [1000 + i] * 250 + [102] for i in range(400)]  # several steps' worth
+    future = asyncio.run_coroutine_threadsafe(minilm_engine.core.encode(inputs, rid="to-abort"), minilm_engine._loop)
+    deadline = time.monotonic() + 60
+    while minilm_engine.get_server_info()["num_running_reqs"] == 0:  # its inputs are admitted
+        assert time.monotonic() < deadline and not future.done()
+        time.sleep(0.005)
+    assert minilm_engine.abort_request("to-abort") > 0
+    with pytest.raises(InvalidRequestError, match="aborted before its embedding was computed") as info:
+        future.result(timeout=60)
+    assert (info.value.status, info.value.code) == (503, "request_aborted")
+    wait_engine_idle(minilm_engine)
+
+
+def test_engine_encode_checks_its_arguments(minilm_engine) -> None:
+    with pytest.raises(InvalidRequestError, match="prompt must be a string or a list of strings"):
+        minilm_engine.encode([101, 7592])
+    with pytest.raises(InvalidRequestError, match="give either prompt or input_ids"):
+        minilm_engine.encode()
+    as_numpy = minilm_engine.encode(input_ids=np.array([101, 7592, 2088, 102]))
+    assert np.round(as_numpy["embedding"][:2], 4).tolist() == [-0.0345, 0.0310]
+
+
+def test_an_encoder_cannot_run_past_its_position_embeddings() -> None:
+    from pyserve import Engine
+
+    with pytest.raises(ValueError, match="context length 1024 exceeds the encoder's 512 position embeddings"):
+        Engine(model_path=minilm_path(), context_length=1024, log_level="warning")
+
+
 def test_an_embedding_server_refuses_generation(minilm_engine) -> None:
     with pytest.raises(InvalidRequestError, match="this server serves an embedding model"):
         minilm_engine.generate("hello", {"max_new_tokens": 4})
@@ -130,6 +163,25 @@ def test_stories260k_with_is_embedding_is_its_normalised_last_hidden_state(stori
             engine.generate("Once", {"max_new_tokens": 2})
         info = wait_engine_idle(engine)
         assert info["kv_free_slots"] + info["kv_evictable_slots"] == 2048
+    finally:
+        engine.shutdown()
+
+
+def test_mean_pooling_of_a_decoder_reuses_no_prefix(stories_path) -> None:
+    hf = transformers.AutoModel.from_pretrained(str(stories_path), dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(stories_path))
+    prompt = "The little dog ran to the park and saw a big red ball."
+    engine = make_stories_engine(stories_path, 2048, is_embedding=True, pooling="mean", log_level="warning")
+    try:
+        assert engine.core.kv_cache.disable_radix_cache  # a cached prefix would leave tokens out of the mean
+        first, second = engine.encode(prompt), engine.encode(prompt)
+        with torch.no_grad():
+            hidden = hf(torch.tensor([tokenizer(prompt)["input_ids"]])).last_hidden_state[0]
+        ref = torch.nn.functional.normalize(hidden.mean(0), dim=0).numpy()
+        for out in (first, second):
+            assert out["meta_info"]["cached_tokens"] == 0
+            assert np.abs(np.array(out["embedding"]) - ref).max() <= 1e-5
+        wait_engine_idle(engine)
     finally:
         engine.shutdown()
 

@@ -25,6 +25,7 @@ from pyserve.server.errors import parse_json
 from pyserve.server.native import engine_of
 from pyserve.server.openai.protocol import STRICT
 from pyserve.server.render import SafeJSONResponse
+from pyserve.server.sse import until_disconnect
 
 NonEmptyIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
@@ -65,11 +66,11 @@ def matryoshka(engine: EngineCore) -> tuple[bool, list[int] | None]:
     return on, ([int(s) for s in sizes] if sizes else None)
 
 
-def _truncate(vectors: np.ndarray, dimensions: int, engine: EngineCore) -> np.ndarray:
-    """The first `dimensions` values of each row [N, hidden], normalised again when the
-    model's pooling normalises. Raises InvalidRequestError (param dimensions)."""
+def check_dimensions(dimensions: int, engine: EngineCore) -> None:
+    """Raises InvalidRequestError (param dimensions) unless the served model takes
+    `dimensions` (checked before any input runs)."""
     on, sizes = matryoshka(engine)
-    hidden = vectors.shape[1]
+    hidden = int(getattr(engine.model_runner.model_config, "hidden_size", 0))
     if not on:
         raise InvalidRequestError(
             f'Model "{engine.model_name}" does not support matryoshka representation, changing output '
@@ -79,6 +80,11 @@ def _truncate(vectors: np.ndarray, dimensions: int, engine: EngineCore) -> np.nd
     if dimensions > hidden or (sizes is not None and dimensions not in sizes):
         allowed = f"one of {sizes}" if sizes is not None else f"at most {hidden}"
         raise InvalidRequestError(f"dimensions {dimensions} is not supported: {allowed}", param="dimensions")
+
+
+def truncate(vectors: np.ndarray, dimensions: int, engine: EngineCore) -> np.ndarray:
+    """The first `dimensions` values of each row [N, hidden] (checked by check_dimensions),
+    normalised again when the model's pooling normalises."""
     out = vectors[:, :dimensions]
     pooling = getattr(engine.model_runner, "pooling", None)
     if pooling is not None and pooling.normalize:
@@ -93,13 +99,15 @@ async def embeddings(request: Request) -> Response:
     body = EmbeddingRequest.model_validate(await parse_json(request))
     engine = engine_of(request)
     name = engine.resolve_model(body.model)
+    if body.dimensions is not None:
+        check_dimensions(body.dimensions, engine)
     inputs: Any = body.input
     if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
         inputs = [inputs]
-    outs = await engine.encode(inputs)
+    outs = await until_disconnect(request, engine.encode(inputs))
     vectors = np.stack([cast(np.ndarray, out.embedding) for out in outs]).astype(np.float32, copy=False)
     if body.dimensions is not None:
-        vectors = _truncate(vectors, body.dimensions, engine).astype(np.float32, copy=False)
+        vectors = truncate(vectors, body.dimensions, engine).astype(np.float32, copy=False)
     data: list[dict[str, Any]] = []
     for i, row in enumerate(vectors):
         value: Any = (
@@ -127,7 +135,7 @@ async def encode(request: Request) -> Response:
         raise InvalidRequestError("give either text or input_ids", param="text")
     items: Any = body.text if body.text is not None else body.input_ids
     single = isinstance(items, str) or isinstance(items[0], int)
-    outs = await engine.encode([items] if single else items, rid=body.rid)
+    outs = await until_disconnect(request, engine.encode([items] if single else items, rid=body.rid))
     dicts = [out.to_native_embedding() for out in outs]
     return SafeJSONResponse(dicts[0] if single else dicts)
 
