@@ -21,11 +21,10 @@ import argparse
 import asyncio
 import random
 import statistics
-import subprocess
-import sys
 import time
 
 import numpy as np
+from serve_process import start_server
 
 WORDS = (
     "the of and to in is was he for it with as his on be at by had are but from or have an they which one you "
@@ -73,23 +72,9 @@ async def http_load(url: str, sentences: list[str], clients: int) -> float:
 
 
 def serve_and_load(model_path: str, sentences: list[str], clients: int, port: int) -> float:
-    import httpx
-
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pyserve", "serve", "--model-path", model_path, "--port", str(port)]
-        + ["--log-level", "warning"]
-    )
+    proc = start_server(["--model-path", model_path], port)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline and proc.poll() is None, "the server did not start"
-            time.sleep(0.2)
         asyncio.run(http_load(url, sentences[:64], clients))  # warm up
         return asyncio.run(http_load(url, sentences, clients))
     finally:

@@ -27,14 +27,13 @@ import json
 import os
 import socket
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import aiohttp
 import httpx
+from serve_process import start_server
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("PYSERVE_SHARED", REPO.parent / "shared"))
@@ -150,20 +149,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="baseline / slow phases, alternated (default: %(default)s)")
     p.add_argument("--server-args", default="", help="extra `pyserve serve` flags")
     args = p.parse_args()
-    cmd = [sys.executable, "-m", "pyserve", "serve", "--model-path", args.model_path, "--port", str(args.port)]
-    cmd += ["--log-level", "warning", *args.server_args.split()]
-    server = subprocess.Popen(cmd)
+    server = start_server(["--model-path", args.model_path, *args.server_args.split()], args.port)
     url = f"http://127.0.0.1:{args.port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline and server.poll() is None, "the server did not start"
-            time.sleep(0.2)
         asyncio.run(reading_load(url, args.clients, 8))  # warm up
         phases = {"alone": (0, True), "readers": (args.slow, True), "slow": (args.slow, False)}
         rows = []

@@ -18,6 +18,7 @@ from torch import nn
 
 from pyserve.forward_batch_info import ForwardBatch
 from pyserve.layers.linear import linear, linear_gelu, prepack, prepack_supported
+from pyserve.models.checkpoint import copy_checkpoint
 
 # checkpoint tensors an encoder does not use: the NSP pooler, MLM heads, the position-id buffer
 _IGNORED_PREFIXES = ("pooler.", "cls.")
@@ -274,21 +275,9 @@ class BertModel(nn.Module):
         of task models) into the parameters; the pooler and MLM heads are skipped. Raises
         KeyError for an unknown name, ValueError for a shape mismatch or missing tensors."""
         self._drop_packed_weights()
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            name = name.removeprefix("bert.")
-            if name.startswith(_IGNORED_PREFIXES) or name in _IGNORED_NAMES:
-                continue
-            if name not in params:
-                raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
-            param = params[name]
-            if tuple(param.shape) != tuple(tensor.shape):
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
-            with torch.no_grad():
-                param.copy_(tensor.to(dtype=param.dtype))
-            loaded.add(name)
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} parameters, e.g. {missing[:3]}")
+        renamed = ((name.removeprefix("bert."), tensor) for name, tensor in weights)
+        copy_checkpoint(
+            self,
+            ((n, t) for n, t in renamed if not (n.startswith(_IGNORED_PREFIXES) or n in _IGNORED_NAMES)),
+        )
         self.fuse_qkv()

@@ -27,6 +27,7 @@ from pyserve.layers.linear import linear, prepack, prepack_supported
 from pyserve.layers.logits_processor import LogitsProcessor
 from pyserve.layers.rotary_embedding import RotaryEmbedding
 from pyserve.model_loader.config import rope_parameters
+from pyserve.models.checkpoint import copy_checkpoint
 from pyserve_kernels import apply_rotary_pos_emb, rotary_embedding_
 
 
@@ -354,21 +355,12 @@ class LlamaForCausalLM(nn.Module):
         the checkpoint did not provide.
         """
         self._drop_packed_weights()
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue
-            if name not in params:
-                raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
-            param = params[name]
-            if tuple(param.shape) != tuple(tensor.shape):
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
-            with torch.no_grad():
-                param.copy_(tensor.to(dtype=param.dtype))
-            loaded.add(name)
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} parameters, e.g. {missing[:3]}")
+        tied = self.lm_head is None
+        copy_checkpoint(
+            self,
+            (
+                (name, tensor)
+                for name, tensor in weights
+                if "rotary_emb.inv_freq" not in name and not (tied and name == "lm_head.weight")
+            ),
+        )
