@@ -9,6 +9,7 @@ queue, as SGLang's bench_offline_throughput does. Token counts are the engine's 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -44,7 +45,9 @@ def run_offline(args: Any) -> dict[str, Any]:
     from pyserve.engine.engine import Engine
     from pyserve.errors import InvalidRequestError
 
-    server_args = ServerArgs.from_cli_args(args)
+    # the whole workload is one batch call to the bench's own engine: the per-request prompt
+    # limit guards a server against its clients and must not refuse it
+    server_args = dataclasses.replace(ServerArgs.from_cli_args(args), max_prompts_per_request=2**31 - 1)
     try:
         engine = Engine(server_args)
     except (ValueError, OSError) as exc:

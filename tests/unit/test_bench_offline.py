@@ -27,6 +27,8 @@ def test_offline_throughput(stories_path, tmp_path, capsys) -> None:
             "1",
             "--log-level",
             "warning",
+            "--max-prompts-per-request",  # a server's guard: the bench's one batch call is not refused
+            "2",
             "--output-file",
             str(out),
         ]
