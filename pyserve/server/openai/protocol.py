@@ -36,6 +36,17 @@ from pyserve.server.openai.tools import (
     tool_mode,
 )
 
+
+def null_means_default(model: type[BaseModel], data: Any) -> Any:
+    """A request body with its null fields dropped where the field's default is not null
+    (OpenAI's fields are nullable: null stands for the default); the `mode="before"`
+    validator of every OpenAI request model."""
+    if not isinstance(data, dict):
+        return data
+    fields = model.model_fields
+    return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].default is None}
+
+
 STRICT = ConfigDict(extra="forbid", strict=True)
 
 # Fields accepted only at their default (null, false, an empty list), with what they would ask.
@@ -184,11 +195,7 @@ class _Common(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _null_means_default(cls, data: Any) -> Any:
-        """OpenAI's fields are nullable: null stands for the default."""
-        if not isinstance(data, dict):
-            return data
-        fields = cls.model_fields
-        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].default is None}
+        return null_means_default(cls, data)
 
     def check_supported(self) -> None:
         """Raise InvalidRequestError (400, `param` naming the field) for a field set to

@@ -30,7 +30,7 @@ from pyserve.server.errors import parse_json
 from pyserve.server.native import engine_of, stream_hub_of
 from pyserve.server.openai.responses_protocol import ResponsesRequest, check_input_items
 from pyserve.server.openai.responses_stream import ResponseHead, ResponsesStreamEncoder, final_response
-from pyserve.server.openai.structured import Constraint, rename_param, renamed_output
+from pyserve.server.openai.structured import Constraint, rename_param, renamed_output, tokenize_to_start
 from pyserve.server.render import SafeJSONResponse
 from pyserve.server.sse import until_disconnect
 from pyserve.server.stream_hub import Stream, StreamResponse
@@ -77,11 +77,7 @@ async def _stream(
     `response.failed` (the encoder's), not the chat routes' error event."""
     engine = engine_of(request)
     tm = engine.tokenizer_manager
-    try:
-        treq = await tm.tokenize(req)
-        tm.check_can_start(req)
-    except InvalidRequestError as exc:
-        raise rename_param(exc, constraint) from None
+    treq = await tokenize_to_start(tm, req, constraint)
 
     def start(stream: Stream) -> None:
         def sink(out: GenerateOutput) -> None:

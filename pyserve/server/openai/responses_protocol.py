@@ -18,7 +18,7 @@ from pydantic import BaseModel, Discriminator, Field, Tag, model_validator
 from pyserve.errors import InvalidRequestError
 from pyserve.io_struct import is_unset
 from pyserve.sampling_params import SamplingParams
-from pyserve.server.openai.protocol import STRICT
+from pyserve.server.openai.protocol import STRICT, null_means_default
 from pyserve.server.openai.structured import Constraint, json_text
 
 # Fields refused unless left unset (null, false, empty), with why.
@@ -144,11 +144,7 @@ class ResponsesRequest(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _null_means_default(cls, data: Any) -> Any:
-        """OpenAI's fields are nullable: null stands for the default."""
-        if not isinstance(data, dict):
-            return data
-        fields = cls.model_fields
-        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].default is None}
+        return null_means_default(cls, data)
 
     def check_supported(self) -> None:
         """Raise InvalidRequestError (400, `param` naming the field) for a setting pyserve

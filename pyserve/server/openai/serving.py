@@ -33,7 +33,13 @@ from pyserve.server.openai.chat_reply import (
 from pyserve.server.openai.logprobs import chat_logprobs, completion_logprobs
 from pyserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pyserve.server.openai.stream_encoders import ChatStreamEncoder, CompletionStreamEncoder, finish_reason
-from pyserve.server.openai.structured import Constraint, rename_param, renamed_output, renamed_outputs
+from pyserve.server.openai.structured import (
+    Constraint,
+    rename_param,
+    renamed_output,
+    renamed_outputs,
+    tokenize_to_start,
+)
 from pyserve.server.render import SafeJSONResponse
 from pyserve.server.sse import until_disconnect
 from pyserve.server.stream_hub import StreamEncoder, StreamResponse, outputs_response
@@ -132,11 +138,7 @@ async def _stream(
     if req.sampling_params.n > 1:
         return outputs_response(hub, encode, renamed_outputs(engine.generate(req), constraint))
     tm = engine.tokenizer_manager
-    try:
-        treq = await tm.tokenize(req)
-        tm.check_can_start(req)
-    except InvalidRequestError as exc:
-        raise rename_param(exc, constraint) from None
+    treq = await tokenize_to_start(tm, req, constraint)
     return StreamResponse(
         hub,
         encode,

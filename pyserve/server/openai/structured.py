@@ -14,10 +14,13 @@ import dataclasses
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pyserve.errors import InvalidRequestError
-from pyserve.io_struct import GenerateOutput
+from pyserve.io_struct import GenerateOutput, SingleReq, TokenizedGenerateReq
+
+if TYPE_CHECKING:
+    from pyserve.engine.tokenizer_manager import TokenizerManager
 
 # the top-level fields that ask for a grammar (SGLang's, then vLLM's)
 GRAMMAR_FIELDS = (
@@ -178,6 +181,19 @@ def rename_param(exc: InvalidRequestError, constraint: Constraint | None) -> Inv
             exc.message = constraint.param + ":" + exc.message[len(prefix) :]
             exc.args = (exc.message,)
     return exc
+
+
+async def tokenize_to_start(
+    tm: TokenizerManager, req: SingleReq, constraint: Constraint | None
+) -> TokenizedGenerateReq:
+    """`req` tokenized and admitted to start (TokenizerManager.tokenize, check_can_start), as
+    a route does before its stream's 200; a refusal names the request field (rename_param)."""
+    try:
+        treq = await tm.tokenize(req)
+        tm.check_can_start(req)
+    except InvalidRequestError as exc:
+        raise rename_param(exc, constraint) from None
+    return treq
 
 
 def renamed_output(out: GenerateOutput, constraint: Constraint | None) -> GenerateOutput:
