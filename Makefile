@@ -7,6 +7,11 @@ VENV ?= $(HOME)/.cache/pyserve-venv
 # The real clients the e2e tests drive (SGLang 0.5.2's bench_serving and frontend, lm-eval):
 # a venv of their own, so their pins never touch pyserve's.
 CLIENT_VENV ?= $(HOME)/.cache/pyserve-client-venv
+# llama-cpp-python (the client venv's llama.cpp, tests/e2e/test_gguf_vs_llamacpp.py's reference)
+# compiles llama.cpp from its sdist (scikit-build-core, which fetches cmake and ninja). A portable
+# x86-64 build (AVX2/FMA/F16C, not -march=native: pip caches the built wheel under ~/.cache, which
+# may travel to another CPU) and without the multimodal library (mtmd), which the tests never load.
+LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
@@ -38,7 +43,7 @@ setup: $(VENV)/.deps-stamp
 $(CLIENT_VENV)/.deps-stamp: tests/clients-requirements.txt
 	$(PYTHON) -m venv $(CLIENT_VENV)
 	$(CLIENT_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(CLIENT_VENV)/bin/python -m pip install --quiet -r tests/clients-requirements.txt
+	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(CLIENT_VENV)/bin/python -m pip install --quiet -r tests/clients-requirements.txt
 	touch $@
 
 client-venv: $(CLIENT_VENV)/.deps-stamp

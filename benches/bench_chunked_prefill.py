@@ -50,6 +50,7 @@ def run_case(
         engine = Engine(
             model_path=path,
             dtype="float32",
+            quantization="none",
             max_total_tokens=len(prompt) + 4096,
             chunked_prefill_size=chunk if chunk is not None else -1,
             enable_mixed_chunk=mixed,

@@ -40,6 +40,7 @@ def run_pyserve(path: str, prompts: list[list[int]], output_len: int) -> tuple[f
     with Engine(
         model_path=path,
         dtype="float32",
+        quantization="none",  # the float32 path HF runs too (outputs compared token for token)
         max_total_tokens=max_total,
         max_running_requests=len(prompts),
         max_prefill_tokens=len(prompts) * len(prompts[0]),

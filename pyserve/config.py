@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
+QUANTIZATIONS = ("auto", "none")  # model_loader/quantized.py
 POOLING_MODES = ("mean", "cls", "last")  # layers/pooler.py
 ATTENTION_BACKENDS = ("auto", "torch_native", "cpu", "triton")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -64,6 +65,9 @@ class ServerArgs:
     is_matryoshka: bool = False
     dtype: str = "auto"
     load_format: str = "auto"
+    # auto: a GGUF's quantized projections stay quantized on CPU (native integer-dot kernels);
+    # none: every weight is dequantized to `dtype` at load
+    quantization: str = "auto"
     attention_backend: str = "auto"
     device: str = "auto"
     context_length: int | None = None
@@ -113,6 +117,8 @@ class ServerArgs:
             raise bad("dtype", f"got {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         if self.load_format not in LOAD_FORMATS:
             raise bad("load_format", f"got {self.load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
+        if self.quantization not in QUANTIZATIONS:
+            raise bad("quantization", f"got {self.quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise bad(
                 "attention_backend", f"got {self.attention_backend!r}; choose one of {', '.join(ATTENTION_BACKENDS)}"
@@ -312,6 +318,15 @@ class ServerArgs:
             default="auto",
             choices=LOAD_FORMATS,
             help="auto: the checkpoint's weights; dummy: random weights from its config (benchmarks)",
+        )
+        a(
+            "--quantization",
+            type=str,
+            default="auto",
+            choices=QUANTIZATIONS,
+            help="auto: a GGUF model's quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, "
+            "Q6_K) stay quantized on CPU and run through native integer-dot kernels (on CUDA they "
+            "are dequantized to --dtype); none: dequantize every weight to --dtype at load",
         )
         a(
             "--attention-backend",

@@ -27,6 +27,12 @@ def add_one_batch_args(p: argparse.ArgumentParser) -> None:
     a("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     a("--device", default="auto", choices=("auto", "cpu", "cuda"))
     a("--context-length", type=int, default=None)
+    a(
+        "--quantization",
+        default="auto",
+        choices=("auto", "none"),
+        help="auto: a GGUF's quantized weights run on the native kernels (CPU); none: dequantized",
+    )
     a("--batch-size", type=int, nargs="+", default=[1])
     a("--input-len", type=int, nargs="+", default=[1024])
     a("--output-len", type=int, nargs="+", default=[16])
@@ -152,6 +158,7 @@ def run_one_batch(args: Any) -> list[dict[str, Any]]:
             max_total_tokens=pool_tokens,
             random_seed=args.seed,
             load_progress=False,
+            quantization=args.quantization,
         )
     except (ValueError, OSError) as exc:
         raise BenchError(f"cannot load the model: {exc}") from None

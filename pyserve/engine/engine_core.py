@@ -201,6 +201,7 @@ class EngineCore:
             random_seed=args.random_seed,
             page_size=args.page_size,
             load_format=args.load_format,
+            quantization=args.quantization,
             attention_backend=args.attention_backend,
             disable_cuda_graph=args.disable_cuda_graph,
             cuda_graph_max_bs=args.cuda_graph_max_bs,

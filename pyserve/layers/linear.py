@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pyserve_kernels.quant import QuantizedWeight, quantized_linear
+
 
 def prepack_supported(weight: torch.Tensor) -> bool:
     """Whether `weight` ([out, in]) can be prepacked: float32 on CPU, with oneDNN present."""
@@ -38,13 +40,20 @@ def prepack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    packed: torch.Tensor | QuantizedWeight | None = None,
 ) -> torch.Tensor:
     """x [..., in] @ weight[out, in].T + bias [out] -> [..., out], in x.dtype.
 
-    With `packed` (= `prepack(weight)`), runs oneDNN on the packed copy; else `F.linear`."""
+    With `packed` = `prepack(weight)`, runs oneDNN on the packed copy; with a
+    `QuantizedWeight` (the checkpoint's GGUF blocks; `weight` is then empty), the native
+    quantized kernel; else `F.linear`."""
     if packed is None:
         return F.linear(x, weight, bias)
+    if isinstance(packed, QuantizedWeight):
+        return quantized_linear(x, packed, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "")
 
 

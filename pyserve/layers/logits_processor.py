@@ -8,6 +8,7 @@ import torch
 
 from pyserve.forward_batch_info import ForwardBatch, ForwardMode
 from pyserve.layers.linear import linear
+from pyserve_kernels.quant import QuantizedWeight
 
 
 def last_token_indices(forward_batch: ForwardBatch) -> torch.Tensor:
@@ -24,7 +25,8 @@ def last_token_indices(forward_batch: ForwardBatch) -> torch.Tensor:
 class LogitsProcessor(torch.nn.Module):
     """forward(hidden [T, hidden], lm_head_weight [vocab, hidden], forward_batch,
     lm_head_packed = None) -> logits [B, vocab] float32 for the last token of each request
-    (lm_head_packed: a `pyserve.layers.linear.prepack` copy of the weight, used when given).
+    (lm_head_packed: a `pyserve.layers.linear.prepack` copy of the weight or its quantized
+    blocks, used when given).
 
     When forward_batch.input_logits_rows ([N] int64 token rows) is set, the logits of those
     rows are computed in the same matmul and stored in forward_batch.input_logits
@@ -39,7 +41,7 @@ class LogitsProcessor(torch.nn.Module):
         hidden: torch.Tensor,
         lm_head_weight: torch.Tensor,
         forward_batch: ForwardBatch,
-        lm_head_packed: torch.Tensor | None = None,
+        lm_head_packed: torch.Tensor | QuantizedWeight | None = None,
     ) -> torch.Tensor:
         rows = last_token_indices(forward_batch)
         extra = forward_batch.input_logits_rows

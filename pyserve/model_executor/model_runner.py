@@ -30,6 +30,7 @@ from pyserve.mem_cache.memory_pool import MHATokenToKVPool
 from pyserve.model_executor.cuda_graph_runner import CudaGraphRunner, capture_batch_sizes
 from pyserve.model_loader.config import ModelConfig
 from pyserve.model_loader.weights import load_model
+from pyserve_kernels.quant import quantized_isas
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,9 @@ class ModelRunner:
     load_progress: show tqdm bars while loading weights.
     load_format: "auto" (the checkpoint's weights) or "dummy" (random weights from the
       config, no weight file read: for benchmarks).
+    quantization: "auto" (a GGUF's quantized matrices run on their blocks on CPU through the
+      native kernels; see model_loader/weights.py `keeps_quantized`) or "none" (dequantized
+      to the dtype).
     attention_backend: a name of `layers/attention/registry.py`: "torch_native" (the SDPA
       reference), "cpu" (native decode kernel; float32 on CPU only), "triton" (the Triton
       kernels; CUDA, or CPU under TRITON_INTERPRET=1) or "auto" (triton on CUDA, cpu on CPU
@@ -85,7 +89,9 @@ class ModelRunner:
     (torch.dtype), kv_pool (MHATokenToKVPool), max_total_num_tokens (real slots
     page_size..max_total_num_tokens + page_size - 1; slot 0 is padding), kv_cache_bytes,
     attn_backend, packed_weight_bytes (on CPU in float32: the oneDNN-packed weight copies the
-    model's projections run on, counted against the KV pool's memory; else 0).
+    model's projections run on, counted against the KV pool's memory; else 0),
+    quantized_weight_bytes (the GGUF blocks the model runs on; else 0), weight_bytes (all of
+    them and the parameters).
     Raises ModelNotFoundError for a missing path, ValueError for an unsupported architecture,
     dtype or attention backend, and ValueError when memory leaves no room for a KV cache.
     """
@@ -103,6 +109,7 @@ class ModelRunner:
         load_progress: bool = True,
         page_size: int = 1,
         load_format: str = "auto",
+        quantization: str = "auto",
         attention_backend: str = "auto",
         disable_cuda_graph: bool = False,
         cuda_graph_max_bs: int | None = None,
@@ -125,7 +132,9 @@ class ModelRunner:
             model_path, dtype=dtype, device=torch_device, context_length=context_length
         )
         self.dtype = self.model_config.dtype
-        self.model = load_model(self.model_config, torch_device, progress=load_progress, load_format=load_format)
+        self.model = load_model(
+            self.model_config, torch_device, progress=load_progress, load_format=load_format, quantization=quantization
+        )
         self.is_encoder: bool = bool(getattr(self.model, "is_encoder", False))
         positions = int(getattr(self.model_config.hf_config, "max_position_embeddings", 0))
         if self.is_encoder and self.model_config.context_len > positions:
@@ -143,8 +152,18 @@ class ModelRunner:
         # On CPU in float32, oneDNN-packed copies of the projection weights (layers/linear.py).
         prepack_weights = getattr(self.model, "prepack_linear_weights", None)
         self.packed_weight_bytes: int = prepack_weights() if prepack_weights else 0
-        self.weight_bytes: int = self.packed_weight_bytes + sum(
-            p.numel() * p.element_size() for p in self.model.parameters()
+        quantized_bytes = getattr(self.model, "quantized_weight_bytes", None)
+        self.quantized_weight_bytes: int = quantized_bytes() if quantized_bytes else 0
+        if self.quantized_weight_bytes:
+            logger.info(
+                "quantized weights: %.1f MB of GGUF blocks run on the native kernels (%s)",
+                self.quantized_weight_bytes / 2**20,
+                quantized_isas()[-1],
+            )
+        self.weight_bytes: int = (
+            self.packed_weight_bytes
+            + self.quantized_weight_bytes
+            + sum(p.numel() * p.element_size() for p in self.model.parameters())
         )
         self.page_size = int(page_size)
         cfg = self.model_config

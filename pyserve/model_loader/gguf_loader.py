@@ -1,7 +1,9 @@
-"""Stream the tensors of a GGUF file as (HF parameter name, torch tensor) pairs.
+"""Stream the tensors of a GGUF file as (HF parameter name, tensor) pairs.
 
 Quantized tensors are dequantized with `gguf.quants.dequantize` to float32 (the same routine
-transformers uses, so the values are identical) and then cast to the run dtype.
+transformers uses, so the values are identical) and then cast to the run dtype, or, with
+`keep_quantized`, the projection and embedding matrices of a type with native kernels come out
+as their blocks (`QuantizedWeight`, pyserve_kernels.quant).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from pyserve.model_loader.gguf_reader import open_gguf
+from pyserve_kernels.quant import QUANT_TYPES, QuantizedWeight
 
 # llama.cpp tensor names (gguf-py constants.py TENSOR_NAMES) -> HF Llama parameter names.
 _GLOBAL_NAMES = {
@@ -34,6 +37,11 @@ _BLOCK_NAMES = {
     "ffn_norm": "post_attention_layernorm",
 }
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+# Matrices that may stay quantized: the token embedding (only its looked-up rows are
+# dequantized), the LM head and the projections.
+_QUANTIZABLE = ("token_embd.weight", "output.weight") + tuple(
+    f".{kind}.weight" for kind in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+)
 
 
 def gguf_name_to_hf(name: str) -> str:
@@ -74,13 +82,17 @@ def iter_gguf_weights(
     num_kv_heads: int,
     dtype: torch.dtype,
     progress: bool = True,
-) -> Iterator[tuple[str, torch.Tensor]]:
+    keep_quantized: bool = False,
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """Yield (hf_name, tensor) for every tensor of the GGUF file at `path`, in file order.
 
     Tensors come out with their HF shape ([out_features, in_features] for linear weights;
     GGUF lists dims innermost first, the dequantized numpy array is already row-major
     [rows, cols]), dequantized to float32 then cast to `dtype`, on CPU.
     q_proj/k_proj rows are unpermuted (see `unpermute_qk`).
+    keep_quantized: matrices of `_QUANTIZABLE` in a type of QUANT_TYPES are yielded as a
+      `QuantizedWeight` of their blocks (copied out of the memory-mapped file, rows unpermuted
+      as above) instead of a float tensor.
     progress: show a tqdm bar (it hides itself when stderr is not a TTY).
     Raises ValueError for an unknown tensor name, for `rope_freqs` (Llama 3 rope factors,
     not supported) and for a quantization type gguf-py cannot dequantize (naming the tensor
@@ -92,6 +104,9 @@ def iter_gguf_weights(
         if tensor.name == "rope_freqs.weight":
             raise ValueError("GGUF rope_freqs (Llama 3 rope scaling) is not supported")
         hf_name = gguf_name_to_hf(tensor.name)
+        if keep_quantized and tensor.tensor_type.name in QUANT_TYPES and tensor.name.endswith(_QUANTIZABLE):
+            yield hf_name, _quantized(tensor, hf_name, num_heads, num_kv_heads)
+            continue
         try:
             array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         except NotImplementedError as exc:  # gguf-py has no dequantizer for this type
@@ -108,3 +123,17 @@ def iter_gguf_weights(
         elif hf_name.endswith("k_proj.weight") or hf_name.endswith("k_proj.bias"):
             weight = unpermute_qk(weight, num_kv_heads)
         yield hf_name, weight.to(dtype)
+
+
+def _quantized(tensor: gguf.ReaderTensor, hf_name: str, num_heads: int, num_kv_heads: int) -> QuantizedWeight:
+    """The blocks of a quantized matrix ([rows, row_bytes] uint8, an owned copy so that the
+    file's mapping can be dropped after loading), q/k rows unpermuted."""
+    weight = QuantizedWeight(np.array(tensor.data, dtype=np.uint8, order="C"), tensor.tensor_type.name)
+    if hf_name.endswith("q_proj.weight"):
+        heads = num_heads
+    elif hf_name.endswith("k_proj.weight"):
+        heads = num_kv_heads
+    else:
+        return weight
+    rows = unpermute_qk(torch.arange(weight.shape[0]).unsqueeze(1), heads).squeeze(1).numpy()
+    return weight.take_rows(rows)

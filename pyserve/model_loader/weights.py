@@ -10,13 +10,17 @@ from collections.abc import Iterator
 import torch
 
 from pyserve.model_loader.config import ModelConfig
+from pyserve_kernels.quant import QuantizedWeight, quantized_kernels_available
 
 logger = logging.getLogger(__name__)
 
 
-def iter_weights(model_config: ModelConfig, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(
+    model_config: ModelConfig, progress: bool = True, keep_quantized: bool = False
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """Yield (hf_name, tensor) pairs of the checkpoint of `model_config`, CPU tensors in
-    `model_config.dtype`. Raises ModelNotFoundError when no weight file is found."""
+    `model_config.dtype`; with `keep_quantized`, a GGUF's quantized matrices as their blocks
+    (see `iter_gguf_weights`). Raises ModelNotFoundError when no weight file is found."""
     if model_config.is_gguf:
         from pyserve.model_loader.gguf_loader import iter_gguf_weights
 
@@ -26,10 +30,25 @@ def iter_weights(model_config: ModelConfig, progress: bool = True) -> Iterator[t
             model_config.num_key_value_heads,
             model_config.dtype,
             progress=progress,
+            keep_quantized=keep_quantized,
         )
     from pyserve.model_loader.hf_loader import iter_safetensors_weights
 
     return iter_safetensors_weights(model_config.model_path, model_config.dtype, progress=progress)
+
+
+def keeps_quantized(model_config: ModelConfig, device: str | torch.device, quantization: str) -> bool:
+    """Whether a model's quantized GGUF matrices run quantized: quantization "auto", a GGUF
+    file, a CPU device and the native kernels built. On CUDA they are dequantized to the run
+    dtype (no CUDA kernels for the blocks yet)."""
+    if quantization not in ("auto", "none"):
+        raise ValueError(f"quantization {quantization!r} is not supported; supported: auto, none")
+    return (
+        quantization == "auto"
+        and model_config.is_gguf
+        and torch.device(device).type == "cpu"
+        and quantized_kernels_available()
+    )
 
 
 def load_model(
@@ -37,10 +56,13 @@ def load_model(
     device: str | torch.device,
     progress: bool = True,
     load_format: str = "auto",
+    quantization: str = "auto",
 ) -> torch.nn.Module:
     """Instantiate the registered class of `model_config.architecture` on `device` in
     `model_config.dtype`, load its weights (load_format "auto") or fill it with seeded random
     weights (load_format "dummy", nothing read but the config) and put it in eval mode.
+    quantization "auto" keeps a GGUF's quantized matrices quantized when the model runs on CPU
+    (`keeps_quantized`); "none" dequantizes every weight to the model's dtype.
 
     Raises ValueError for an unsupported architecture, KeyError/ValueError from the model's
     `load_weights` for unknown or missing tensors.
@@ -54,7 +76,12 @@ def load_model(
     if load_format == "dummy":
         model.init_dummy_weights()
     elif load_format == "auto":
-        model.load_weights(iter_weights(model_config, progress=progress))
+        keep = keeps_quantized(model_config, device, quantization)
+        model.load_weights(iter_weights(model_config, progress=progress, keep_quantized=keep))
+        if keep:  # the blocks were copied out: unmap the file
+            from pyserve.model_loader.gguf_reader import open_gguf
+
+            open_gguf.cache_clear()
     else:
         raise ValueError(f"load_format {load_format!r} is not supported; supported: auto, dummy")
     model.eval()

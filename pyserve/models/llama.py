@@ -29,6 +29,7 @@ from pyserve.layers.rotary_embedding import RotaryEmbedding
 from pyserve.model_loader.config import rope_parameters
 from pyserve.models.checkpoint import copy_checkpoint
 from pyserve_kernels import apply_rotary_pos_emb, rotary_embedding_
+from pyserve_kernels.quant import QuantizedWeight, dequantize, quantized_embedding
 
 
 @dataclass(frozen=True)
@@ -70,13 +71,15 @@ def _fuse_weight(layers: list[nn.Linear]) -> torch.Tensor:
 
 
 def _fuse(layers: list[nn.Linear], attr: str) -> torch.Tensor | None:
-    """Concatenate the `attr` ("weight" or "bias") of `layers` along dim 0 into one tensor and
-    make each layer's parameter a view of its rows (loading into the parameters fills the
-    fused tensor). Returns None when the layers have no bias."""
+    """One tensor of the `attr` ("weight" or "bias") rows of all `layers` along dim 0, each
+    layer's parameter becoming a view of its rows (loading into the parameters fills the
+    fused tensor). The parameters are not initialised yet, so nothing is copied and the fused
+    memory stays untouched until loaded. Returns None when the layers have no bias."""
     params = [getattr(layer, attr) for layer in layers]
     if any(p is None for p in params):
         return None
-    fused = torch.cat([p.data for p in params], dim=0)
+    first = params[0]
+    fused = torch.empty(sum(p.shape[0] for p in params), *first.shape[1:], dtype=first.dtype, device=first.device)
     start = 0
     for p in params:
         rows = p.shape[0]
@@ -86,8 +89,13 @@ def _fuse(layers: list[nn.Linear], attr: str) -> torch.Tensor | None:
 
 
 def _linear(in_f: int, out_f: int, bias: bool, dtype: torch.dtype, device: torch.device | str) -> nn.Linear:
-    layer = nn.Linear(in_f, out_f, bias=bias, dtype=dtype, device=device)
-    layer.requires_grad_(False)
+    """An nn.Linear whose parameters are allocated but not initialised: the checkpoint (or
+    `init_dummy_weights`) fills them, and memory never written, such as the float weight of a
+    projection that runs on quantized blocks, never becomes resident."""
+    layer = nn.Linear(in_f, out_f, bias=bias, dtype=dtype, device="meta")
+    layer.weight = nn.Parameter(torch.empty(out_f, in_f, dtype=dtype, device=device), requires_grad=False)
+    if bias:
+        layer.bias = nn.Parameter(torch.empty(out_f, dtype=dtype, device=device), requires_grad=False)
     return layer
 
 
@@ -136,9 +144,10 @@ class LlamaAttention(nn.Module):
         for prefill), same HF parameter names, no extra memory."""
         self.qkv_weight = _fuse_weight([self.q_proj, self.k_proj, self.v_proj])
         self.qkv_bias = _fuse([self.q_proj, self.k_proj, self.v_proj], "bias")
-        # oneDNN-packed copies (LlamaForCausalLM.prepack_linear_weights), else None
-        self.qkv_packed: torch.Tensor | None = None
-        self.o_packed: torch.Tensor | None = None
+        # oneDNN-packed copies (LlamaForCausalLM.prepack_linear_weights) or the checkpoint's
+        # quantized blocks (LlamaForCausalLM.load_weights), else None
+        self.qkv_packed: torch.Tensor | QuantizedWeight | None = None
+        self.o_packed: torch.Tensor | QuantizedWeight | None = None
 
     def forward(
         self,
@@ -180,9 +189,9 @@ class LlamaMLP(nn.Module):
         # gate and up as one GEMM whose output is already [gate | up] (parameters are views)
         self.gate_up_weight = _fuse_weight([self.gate_proj, self.up_proj])
         self.gate_up_bias = _fuse([self.gate_proj, self.up_proj], "bias")
-        # oneDNN-packed copies (LlamaForCausalLM.prepack_linear_weights), else None
-        self.gate_up_packed: torch.Tensor | None = None
-        self.down_packed: torch.Tensor | None = None
+        # oneDNN-packed copies or quantized blocks, as LlamaAttention's
+        self.gate_up_packed: torch.Tensor | QuantizedWeight | None = None
+        self.down_packed: torch.Tensor | QuantizedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_packed)
@@ -239,8 +248,13 @@ class LlamaModel(nn.Module):
         self, config: Any, dtype: torch.dtype, device: torch.device | str, spec: DecoderSpec = DecoderSpec()
     ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        self.embed_tokens.requires_grad_(False)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device="meta")
+        # allocated, not initialised (as `_linear`'s parameters)
+        self.embed_tokens.weight = nn.Parameter(
+            torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device), requires_grad=False
+        )
+        # the checkpoint's quantized embedding (only the rows looked up are dequantized), else None
+        self.embed_quantized: QuantizedWeight | None = None
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, dtype, device, spec) for i in range(config.num_hidden_layers)
         )
@@ -255,7 +269,10 @@ class LlamaModel(nn.Module):
         return cast("list[LlamaDecoderLayer]", list(self.layers))
 
     def forward(self, forward_batch: ForwardBatch, attn_backend: AttentionBackend) -> torch.Tensor:
-        hidden = self.embed_tokens(forward_batch.input_ids)
+        if self.embed_quantized is not None:
+            hidden = quantized_embedding(self.embed_quantized, forward_batch.input_ids, self.embed_tokens.weight.dtype)
+        else:
+            hidden = self.embed_tokens(forward_batch.input_ids)
         cos, sin = self.rotary_emb.get_cos_sin(forward_batch.positions)
         residual = None
         for layer in self.layers:
@@ -286,34 +303,50 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = _linear(config.hidden_size, config.vocab_size, False, dtype, device)
         self.logits_processor = LogitsProcessor(config.vocab_size)
-        self.lm_head_packed: torch.Tensor | None = None
+        self.lm_head_packed: torch.Tensor | QuantizedWeight | None = None
 
     def prepack_linear_weights(self) -> int:
-        """Keep a oneDNN-packed copy of every projection weight (q/k/v, o, gate/up, down, LM
-        head) and use it in `forward` (see pyserve/layers/linear.py): on CPU in float32 only,
-        else a no-op. Call after the weights are final; loading weights again drops the
-        copies. Returns the bytes the copies take."""
-        if not prepack_supported(self.lm_head_weight()):
-            return 0
+        """Keep a oneDNN-packed copy of every float projection weight (q/k/v, o, gate/up, down,
+        LM head) and use it in `forward` (see pyserve/layers/linear.py): on CPU in float32 only,
+        else a no-op; projections running on quantized blocks are left as they are. Call after
+        the weights are final; loading weights again drops the copies. Returns the bytes the
+        copies take."""
         added = 0
 
-        def pack(weight: torch.Tensor) -> torch.Tensor:
+        def pack(weight: torch.Tensor, current: torch.Tensor | QuantizedWeight | None) -> Any:
             nonlocal added
+            if isinstance(current, QuantizedWeight) or not prepack_supported(weight):
+                return current
             added += weight.numel() * weight.element_size()
             return prepack(weight)
 
         for layer in self.model.decoder_layers():
             attn, mlp = layer.self_attn, layer.mlp
-            attn.qkv_packed, attn.o_packed = pack(attn.qkv_weight), pack(attn.o_proj.weight)
-            mlp.gate_up_packed, mlp.down_packed = pack(mlp.gate_up_weight), pack(mlp.down_proj.weight)
-        self.lm_head_packed = pack(self.lm_head_weight())
+            attn.qkv_packed = pack(attn.qkv_weight, attn.qkv_packed)
+            attn.o_packed = pack(attn.o_proj.weight, attn.o_packed)
+            mlp.gate_up_packed = pack(mlp.gate_up_weight, mlp.gate_up_packed)
+            mlp.down_packed = pack(mlp.down_proj.weight, mlp.down_packed)
+        self.lm_head_packed = pack(self.lm_head_weight(), self.lm_head_packed)
         return added
+
+    def quantized_weight_bytes(self) -> int:
+        """Bytes of the quantized blocks the model runs on (0 when every weight is float)."""
+        held = {id(w): w for w in self._quantized_weights()}
+        return sum(w.nbytes for w in held.values())
+
+    def _quantized_weights(self) -> list[QuantizedWeight]:
+        found: list[Any] = [self.model.embed_quantized, self.lm_head_packed]
+        for layer in self.model.decoder_layers():
+            found += [layer.self_attn.qkv_packed, layer.self_attn.o_packed]
+            found += [layer.mlp.gate_up_packed, layer.mlp.down_packed]
+        return [w for w in found if isinstance(w, QuantizedWeight)]
 
     def _drop_packed_weights(self) -> None:
         for layer in self.model.decoder_layers():
             layer.self_attn.qkv_packed = layer.self_attn.o_packed = None
             layer.mlp.gate_up_packed = layer.mlp.down_packed = None
         self.lm_head_packed = None
+        self.model.embed_quantized = None
 
     def lm_head_weight(self) -> torch.Tensor:
         """[vocab, hidden]: the embedding matrix when tied, else lm_head.weight."""
@@ -347,20 +380,64 @@ class LlamaForCausalLM(nn.Module):
                     values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * 0.02
                     param.copy_(values.to(param.dtype))
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]) -> None:
         """Copy checkpoint tensors (HF names) into the parameters.
 
+        A `QuantizedWeight` (a GGUF matrix kept as blocks) is run on its blocks instead: q/k/v
+        and gate/up stacked into one matrix when all of a group came quantized in one type, the
+        embedding looked up row by row, the LM head on the embedding's blocks when tied; their
+        float parameters are then emptied (no memory). A group quantized only in part is
+        dequantized into its parameters.
         Ignores `rotary_emb.inv_freq` buffers and, when the head is tied, `lm_head.weight`.
         Raises KeyError for an unknown name, ValueError for a shape mismatch or for parameters
         the checkpoint did not provide.
         """
         self._drop_packed_weights()
         tied = self.lm_head is None
-        copy_checkpoint(
-            self,
-            (
-                (name, tensor)
-                for name, tensor in weights
-                if "rotary_emb.inv_freq" not in name and not (tied and name == "lm_head.weight")
-            ),
-        )
+        quantized: dict[str, QuantizedWeight] = {}
+
+        def float_weights() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
+                    continue
+                if isinstance(tensor, QuantizedWeight):
+                    quantized[name] = tensor
+                else:
+                    yield name, tensor
+
+        copy_checkpoint(self, float_weights(), held_elsewhere=quantized)
+        if quantized:
+            self._hold_quantized(quantized)
+
+    def _hold_quantized(self, quantized: dict[str, QuantizedWeight]) -> None:
+        params = dict(self.named_parameters())
+
+        def stack(names: list[str]) -> QuantizedWeight | None:
+            """The stacked blocks of `names`, their float parameters emptied; or None, the
+            quantized ones among them dequantized into their parameters."""
+            parts = [quantized.get(name) for name in names]
+            if all(p is not None for p in parts) and len({(p.qtype, p.data.shape[1]) for p in parts if p}) == 1:
+                for name in names:
+                    params[name].data = params[name].data.new_empty(0)
+                return QuantizedWeight.concat([p for p in parts if p is not None])
+            with torch.no_grad():
+                for name, part in zip(names, parts):
+                    if part is not None:
+                        params[name].copy_(dequantize(part, params[name].dtype))
+            return None
+
+        def empty(t: torch.Tensor) -> torch.Tensor:
+            return t.new_empty(0)
+
+        for i, layer in enumerate(self.model.decoder_layers()):
+            attn, mlp, pre = layer.self_attn, layer.mlp, f"model.layers.{i}."
+            attn.qkv_packed = stack([f"{pre}self_attn.{p}_proj.weight" for p in "qkv"])
+            if attn.qkv_packed is not None:
+                attn.qkv_weight = empty(attn.qkv_weight)
+            attn.o_packed = stack([f"{pre}self_attn.o_proj.weight"])
+            mlp.gate_up_packed = stack([f"{pre}mlp.gate_proj.weight", f"{pre}mlp.up_proj.weight"])
+            if mlp.gate_up_packed is not None:
+                mlp.gate_up_weight = empty(mlp.gate_up_weight)
+            mlp.down_packed = stack([f"{pre}mlp.down_proj.weight"])
+        self.model.embed_quantized = stack(["model.embed_tokens.weight"])
+        self.lm_head_packed = self.model.embed_quantized if self.lm_head is None else stack(["lm_head.weight"])

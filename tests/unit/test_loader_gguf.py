@@ -25,7 +25,7 @@ def gguf_path() -> str:
 
 @pytest.fixture(scope="module")
 def runner(gguf_path: str) -> ModelRunner:
-    return ModelRunner(gguf_path, max_total_tokens=256, load_progress=False)
+    return ModelRunner(gguf_path, max_total_tokens=256, load_progress=False, quantization="none")
 
 
 @pytest.fixture(scope="module")

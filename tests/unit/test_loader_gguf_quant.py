@@ -2,7 +2,9 @@
 gguf.GGUFWriter: F32, F16, BF16, Q8_0, Q4_0, Q4_1 (quantized with gguf.quants.quantize) and the
 K-quants Q4_K / Q6_K (gguf-py cannot quantize those, so blocks are built from seeded bytes with
 valid scales). Loaded weights must equal gguf's own dequantization (q/k rows unpermuted) and
-logits must equal HF transformers running those same weights."""
+logits must equal HF transformers running those same weights (`--quantization none`). With
+`--quantization auto` the quantized matrices stay as the file's blocks and run on the native
+kernels: the blocks must decode to the same weights and the logits stay near HF's."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import transformers
 
 from pyserve.model_executor.model_runner import ModelRunner
 from pyserve.model_loader.gguf_loader import unpermute_qk
+from pyserve_kernels.quant import QuantizedWeight, dequantize
 from tests.unit.test_model_llama import Requests
 
 HIDDEN, HEADS, KV_HEADS, VOCAB = 256, 4, 2, 64  # K-quant rows need multiples of 256
@@ -115,7 +118,8 @@ def write_tiny_gguf(path, qtype: str) -> dict[str, torch.Tensor]:
 def test_gguf_tensor_types_load_exactly(tmp_path, qtype: str) -> None:
     path = tmp_path / f"tiny-{qtype}.gguf"
     expected = write_tiny_gguf(path, qtype)
-    runner = ModelRunner(str(path), max_total_tokens=32, load_progress=False)
+    runner = ModelRunner(str(path), max_total_tokens=32, load_progress=False, quantization="none")
+    assert runner.quantized_weight_bytes == 0
     params = dict(runner.model.named_parameters())
     assert set(params) == set(expected)
     for name, value in expected.items():
@@ -131,6 +135,46 @@ def test_gguf_tensor_types_load_exactly(tmp_path, qtype: str) -> None:
     # 1e-5 relative on top: the runner's CPU float32 GEMMs are oneDNN's (layers/linear.py),
     # which sum in another order than the MKL sgemm HF's F.linear runs.
     torch.testing.assert_close(logits[0], ref, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+def test_gguf_quantized_matrices_run_on_their_blocks(tmp_path, qtype: str) -> None:
+    path = tmp_path / f"tiny-{qtype}.gguf"
+    expected = write_tiny_gguf(path, qtype)
+    runner = ModelRunner(str(path), max_total_tokens=32, load_progress=False, quantization="auto")
+    model = runner.model
+    layer = model.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    held = {
+        (
+            "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.0.self_attn.k_proj.weight",
+            "model.layers.0.self_attn.v_proj.weight",
+        ): attn.qkv_packed,
+        ("model.layers.0.self_attn.o_proj.weight",): attn.o_packed,
+        ("model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"): mlp.gate_up_packed,
+        ("model.layers.0.mlp.down_proj.weight",): mlp.down_packed,
+        ("model.embed_tokens.weight",): model.model.embed_quantized,
+        ("lm_head.weight",): model.lm_head_packed,
+    }
+    for names, weight in held.items():
+        assert isinstance(weight, QuantizedWeight) and weight.qtype == qtype, names
+        assert torch.equal(dequantize(weight), torch.cat([expected[n] for n in names])), names
+        for name in names:  # the float copy holds no memory
+            assert dict(model.named_parameters())[name].numel() == 0
+    assert runner.quantized_weight_bytes == sum(w.nbytes for w in held.values())
+    file_bytes = sum(t.n_bytes for t in gguf.GGUFReader(str(path)).tensors if t.tensor_type.name == qtype)
+    assert runner.quantized_weight_bytes == file_bytes
+    # int8 activations: logits near those of HF transformers on the decoded weights
+    hf = transformers.LlamaForCausalLM(runner.model_config.hf_config).eval()
+    hf.load_state_dict(expected)
+    prompt = [3, 17, 40, 9, 63, 1]
+    logits = runner.forward(Requests(list(range(1, 33))).extend({0: prompt}))[0]
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0, -1]
+    rel = float((logits - ref).abs().max() / ref.abs().max())
+    assert rel < 0.02, rel
+    assert torch.nn.functional.cosine_similarity(logits, ref, dim=0) > 0.999
 
 
 def test_gguf_bf16_run_dtype(tmp_path) -> None:
@@ -156,4 +200,4 @@ def test_gguf_quantization_without_a_dequantizer_is_a_clear_error(tmp_path, monk
 
     monkeypatch.setattr(gguf.quants, "dequantize", no_q8)
     with pytest.raises(ValueError, match=r"GGUF tensor \S+: quantization type Q8_0 is not supported"):
-        ModelRunner(str(path), max_total_tokens=32, load_progress=False)
+        ModelRunner(str(path), max_total_tokens=32, load_progress=False, quantization="none")

@@ -11,6 +11,7 @@ pub mod decode_attention;
 pub mod exp;
 pub mod norm;
 pub mod parallel;
+pub mod quant;
 pub mod rotary;
 mod simd;
 pub mod store_kv;

@@ -17,6 +17,7 @@ use pyo3::exceptions::{PyIndexError, PyValueError};
 use pyo3::prelude::*;
 
 use crate::decode_attention::{self as kernel, DecodeAttentionError, DecodeAttentionShape};
+use crate::quant::{self, Isa, QuantError, QuantMatrix, QuantType};
 use crate::{activation, norm, rotary, store_kv as kv_store, token_bitmask};
 
 fn not_c_contiguous(name: &str) -> PyErr {
@@ -428,6 +429,103 @@ fn apply_token_bitmask(
     .map_err(|e| PyValueError::new_err(e.0))
 }
 
+fn quant_error(e: QuantError) -> PyErr {
+    match e {
+        QuantError::RowIndex { .. } => PyIndexError::new_err(e.to_string()),
+        _ => PyValueError::new_err(e.to_string()),
+    }
+}
+
+/// A [rows, row_bytes] uint8 array of `qtype` (a ggml type id) blocks as a QuantMatrix.
+fn quant_matrix<'a>(weight: &'a PyReadonlyArray2<'_, u8>, qtype: u32) -> PyResult<QuantMatrix<'a>> {
+    let qt = QuantType::from_ggml(qtype).ok_or_else(|| {
+        PyValueError::new_err(format!("ggml type {qtype} has no quantized kernel"))
+    })?;
+    let row_bytes = weight.shape()[1];
+    QuantMatrix::new(qt, c_slice("weight", weight)?, row_bytes).map_err(quant_error)
+}
+
+fn quant_isa(isa: Option<&str>) -> PyResult<Isa> {
+    match isa {
+        None => Ok(quant::best_isa()),
+        Some(name) => Isa::from_name(name)
+            .ok_or_else(|| PyValueError::new_err(format!("unknown instruction set {name:?}"))),
+    }
+}
+
+/// quant_matmul(x, weight, qtype, out, num_threads=1, isa=None): out = x @ dequant(weight).T
+/// with activations quantized per 32 to int8 (kernels/cpu/src/quant). x: [m, k] float32;
+/// weight: [n, row_bytes] uint8, whole blocks of ggml type `qtype`; out: [m, n] float32.
+/// isa: "scalar", "avx2" or "avx512vnni" (None: the best this CPU has; every path gives the
+/// same bits).
+#[pyfunction]
+#[pyo3(signature = (x, weight, qtype, out, num_threads=1, isa=None))]
+fn quant_matmul(
+    py: Python<'_>,
+    x: PyReadonlyArray2<'_, f32>,
+    weight: PyReadonlyArray2<'_, u8>,
+    qtype: u32,
+    mut out: PyReadwriteArray2<'_, f32>,
+    num_threads: usize,
+    isa: Option<&str>,
+) -> PyResult<()> {
+    let w = quant_matrix(&weight, qtype)?;
+    let isa = quant_isa(isa)?;
+    if x.shape()[1] != w.k() || out.shape() != [x.shape()[0], w.rows()] {
+        return Err(PyValueError::new_err(format!(
+            "quant_matmul: x {:?}, weight of {} rows x {} and out {:?} do not fit",
+            x.shape(),
+            w.rows(),
+            w.k(),
+            out.shape()
+        )));
+    }
+    let x = c_slice("x", &x)?;
+    let out = c_slice_mut("out", &mut out)?;
+    check_disjoint(
+        &[("out", span(out))],
+        &[("x", span(x)), ("weight", span(w.data))],
+    )?;
+    py.detach(|| quant::matmul(x, w, out, num_threads, isa))
+        .map_err(quant_error)
+}
+
+/// quant_dequantize_rows(weight, qtype, rows, out): out[i] = the float32 weights of row
+/// rows[i] (exactly as ggml dequantizes them). rows: [t] int64; out: [t, k] float32.
+/// Raises IndexError for a row outside the weight.
+#[pyfunction]
+fn quant_dequantize_rows(
+    py: Python<'_>,
+    weight: PyReadonlyArray2<'_, u8>,
+    qtype: u32,
+    rows: PyReadonlyArray1<'_, i64>,
+    mut out: PyReadwriteArray2<'_, f32>,
+) -> PyResult<()> {
+    let w = quant_matrix(&weight, qtype)?;
+    if out.shape() != [rows.len(), w.k()] {
+        return Err(PyValueError::new_err(format!(
+            "quant_dequantize_rows: {} rows of {} weights do not fit out {:?}",
+            rows.len(),
+            w.k(),
+            out.shape()
+        )));
+    }
+    let rows = c_slice("rows", &rows)?;
+    let out = c_slice_mut("out", &mut out)?;
+    check_disjoint(
+        &[("out", span(out))],
+        &[("weight", span(w.data)), ("rows", span(rows))],
+    )?;
+    py.detach(|| quant::dequantize_rows(w, rows, out))
+        .map_err(quant_error)
+}
+
+/// The instruction sets quant_matmul can use on this CPU, the best last.
+#[pyfunction]
+fn quant_isas() -> Vec<&'static str> {
+    quant::available_isas().into_iter().map(Isa::name).collect()
+}
+
 #[pymodule]
 fn _cpu(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_use_openmp, m)?)?;
@@ -439,5 +537,8 @@ fn _cpu(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(rotary_embedding, m)?)?;
     m.add_function(wrap_pyfunction!(silu_and_mul, m)?)?;
     m.add_function(wrap_pyfunction!(apply_token_bitmask, m)?)?;
+    m.add_function(wrap_pyfunction!(quant_matmul, m)?)?;
+    m.add_function(wrap_pyfunction!(quant_dequantize_rows, m)?)?;
+    m.add_function(wrap_pyfunction!(quant_isas, m)?)?;
     Ok(())
 }

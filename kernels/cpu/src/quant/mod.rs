@@ -1,0 +1,380 @@
+//! Matrix products with GGUF block-quantized weights, kept quantized (llama.cpp's block formats,
+//! ggml `ggml-common.h`): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (blocks of 32 weights) and the K-quants
+//! Q4_K, Q5_K, Q6_K (super-blocks of 256).
+//!
+//! The activations are quantized per block of 32 to int8 with one float32 scale
+//! (`d = max|x| / 127`, `q = round_ties_even(x * (1 / d))`), so each block's dot product is an
+//! exact integer sum of int8 x int8 products; the weight scales, and the weight mins times the
+//! activation block sums, are applied in float32. This is the scheme of llama.cpp's `vec_dot`
+//! kernels (Q8_0 / Q8_1 activations), with one simplification: one activation format (per-32
+//! scale) pairs with every weight type, the K-quants included (llama.cpp's Q8_K has one scale per
+//! 256). Activation rounding bounds the error: per block of 32, `|Δy| <= d / 2 * Σ|w_i|`, so
+//! `|y - y_f32| <= Σ_blocks (max_i |x_i| / 254) * Σ_i |w_i|`, plus float32 rounding.
+//!
+//! Every instruction-set path computes the same arithmetic in the same order, so their results
+//! are bit-identical (tested): each block gives eight int32 lane sums of four consecutive
+//! products (what AVX2's `maddubs`+`madd` and AVX-512 VNNI's `dpbusd` produce), each lane is
+//! accumulated with one fused multiply-add `acc[l] = fma(w_scale[l] * d_x, lane, acc[l])`, the
+//! min terms in one scalar `fma(w_min, x_sum, acc)` per block, and the eight lanes are reduced in
+//! a fixed tree. See `blocks` for the formats, `x86` for the SIMD paths.
+
+mod blocks;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+pub use blocks::{f16_to_f32, QuantType};
+
+use crate::parallel;
+
+/// The instruction sets a kernel can run with, best last.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Isa {
+    /// Portable Rust (any CPU).
+    Scalar,
+    /// AVX2 + FMA + F16C: `maddubs` / `madd` integer dots.
+    Avx2,
+    /// AVX2 with AVX-512 VNNI's 256-bit `dpbusd` (needs avx512vnni + avx512vl).
+    Avx512Vnni,
+}
+
+impl Isa {
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512Vnni => "avx512vnni",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Isa> {
+        [Isa::Scalar, Isa::Avx2, Isa::Avx512Vnni]
+            .into_iter()
+            .find(|isa| isa.name() == name)
+    }
+}
+
+/// The instruction sets this CPU can run, `Scalar` first, the best last.
+pub fn available_isas() -> Vec<Isa> {
+    let mut isas = vec![Isa::Scalar];
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("f16c")
+        {
+            isas.push(Isa::Avx2);
+            if std::is_x86_feature_detected!("avx512vnni")
+                && std::is_x86_feature_detected!("avx512vl")
+            {
+                isas.push(Isa::Avx512Vnni);
+            }
+        }
+    }
+    isas
+}
+
+/// The best instruction set of this CPU.
+pub fn best_isa() -> Isa {
+    *available_isas().last().unwrap()
+}
+
+/// Why a quantized product cannot run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum QuantError {
+    /// A row of `row_bytes` is not a whole number of `qtype`'s blocks.
+    RowBytes { qtype: QuantType, row_bytes: usize },
+    /// The activations' row length `k` is not the weights' `k`.
+    InnerDim { x_k: usize, w_k: usize },
+    /// An array holds the wrong number of elements.
+    Len {
+        name: &'static str,
+        got: usize,
+        want: usize,
+    },
+    /// A row index is outside the weight's rows.
+    RowIndex { index: i64, rows: usize },
+    /// The instruction set is not available on this CPU.
+    Isa(Isa),
+}
+
+impl std::fmt::Display for QuantError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            QuantError::RowBytes { qtype, row_bytes } => write!(
+                f,
+                "a {qtype:?} row of {row_bytes} bytes is not a whole number of {}-byte blocks",
+                qtype.block_bytes()
+            ),
+            QuantError::InnerDim { x_k, w_k } => {
+                write!(f, "activations have {x_k} columns, the weight rows {w_k}")
+            }
+            QuantError::Len { name, got, want } => {
+                write!(f, "{name} has {got} elements, expected {want}")
+            }
+            QuantError::RowIndex { index, rows } => write!(f, "row {index} is outside 0..{rows}"),
+            QuantError::Isa(isa) => write!(f, "this CPU cannot run the {} path", isa.name()),
+        }
+    }
+}
+
+impl std::error::Error for QuantError {}
+
+/// A quantized weight matrix: `rows` rows of `k` weights, each row `row_bytes` of whole blocks
+/// in GGUF order (a GGUF tensor of shape [k, rows] as stored in the file).
+#[derive(Clone, Copy)]
+pub struct QuantMatrix<'a> {
+    pub qtype: QuantType,
+    pub data: &'a [u8],
+    pub row_bytes: usize,
+}
+
+impl<'a> QuantMatrix<'a> {
+    /// Checks that `data` is whole rows of whole blocks.
+    pub fn new(qtype: QuantType, data: &'a [u8], row_bytes: usize) -> Result<Self, QuantError> {
+        if row_bytes == 0 || !row_bytes.is_multiple_of(qtype.block_bytes()) {
+            return Err(QuantError::RowBytes { qtype, row_bytes });
+        }
+        if !data.len().is_multiple_of(row_bytes) {
+            return Err(QuantError::Len {
+                name: "weight",
+                got: data.len(),
+                want: data.len() / row_bytes * row_bytes,
+            });
+        }
+        Ok(QuantMatrix {
+            qtype,
+            data,
+            row_bytes,
+        })
+    }
+
+    /// Weights per row.
+    pub fn k(&self) -> usize {
+        self.row_bytes / self.qtype.block_bytes() * self.qtype.block_elems()
+    }
+
+    pub fn rows(&self) -> usize {
+        self.data.len() / self.row_bytes
+    }
+
+    fn row(&self, n: usize) -> &'a [u8] {
+        &self.data[n * self.row_bytes..(n + 1) * self.row_bytes]
+    }
+}
+
+/// Activations quantized per block of 32: `m` rows of `k` (a multiple of 32) int8 values, one
+/// scale `d` and one scaled sum `s = d * Σq` per block.
+pub struct QuantActivations {
+    pub k: usize,
+    pub q: Vec<i8>,
+    pub d: Vec<f32>,
+    pub s: Vec<f32>,
+}
+
+impl QuantActivations {
+    /// Quantizes `x` ([m, k] float32, k a multiple of 32). Panics otherwise.
+    pub fn new(x: &[f32], k: usize) -> QuantActivations {
+        assert!(
+            k.is_multiple_of(32) && x.len().is_multiple_of(k),
+            "k must be a multiple of 32"
+        );
+        let blocks = x.len() / 32;
+        let mut act = QuantActivations {
+            k,
+            q: vec![0; x.len()],
+            d: vec![0.0; blocks],
+            s: vec![0.0; blocks],
+        };
+        for (b, (xb, qb)) in x
+            .chunks_exact(32)
+            .zip(act.q.chunks_exact_mut(32))
+            .enumerate()
+        {
+            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = amax / 127.0;
+            let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+            let mut sum = 0i32;
+            for (q, &v) in qb.iter_mut().zip(xb) {
+                *q = (v * id).round_ties_even() as i8;
+                sum += *q as i32;
+            }
+            act.d[b] = d;
+            act.s[b] = d * sum as f32;
+        }
+        act
+    }
+
+    fn rows(&self) -> usize {
+        self.q.len() / self.k
+    }
+}
+
+/// The eight lanes of an accumulator summed in the fixed order every path uses (the AVX2
+/// reduction: halves, then pairs, then the last two).
+#[inline(always)]
+pub(crate) fn reduce_lanes(a: &[f32; 8]) -> f32 {
+    let s = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
+    (s[0] + s[2]) + (s[1] + s[3])
+}
+
+/// out[m, n] = Σ_k x[m, k] * w[n, k]: `x` [m, k] float32, `w` [rows, k] quantized, `out`
+/// [m, rows] float32 (overwritten). Rows of `w` are split over up to `num_threads` threads.
+pub fn matmul(
+    x: &[f32],
+    w: QuantMatrix<'_>,
+    out: &mut [f32],
+    num_threads: usize,
+    isa: Isa,
+) -> Result<(), QuantError> {
+    let k = w.k();
+    if !x.len().is_multiple_of(k) {
+        return Err(QuantError::InnerDim {
+            x_k: x.len(),
+            w_k: k,
+        });
+    }
+    let m = x.len() / k;
+    let n = w.rows();
+    if out.len() != m * n {
+        return Err(QuantError::Len {
+            name: "out",
+            got: out.len(),
+            want: m * n,
+        });
+    }
+    if !available_isas().contains(&isa) {
+        return Err(QuantError::Isa(isa));
+    }
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    let act = QuantActivations::new(x, k);
+    // Rows per task: enough work per thread to be worth a thread, a multiple of 8 rows.
+    let work = m * n * k / 4; // bytes of int8 products, roughly
+    let threads = parallel::threads_for(work, num_threads).min(n.div_ceil(8));
+    let per = n.div_ceil(threads).next_multiple_of(8).min(n);
+    let tasks = n.div_ceil(per);
+    let out_ptr = SharedOut(out.as_mut_ptr());
+    parallel::run_tasks(tasks, &|t| {
+        let rows = t * per..((t + 1) * per).min(n);
+        // SAFETY: tasks write the disjoint columns `rows` of `out`, which outlives run_tasks.
+        let out = unsafe { std::slice::from_raw_parts_mut(out_ptr.get(), m * n) };
+        matmul_rows(&act, w, rows, out, n, isa);
+    });
+    Ok(())
+}
+
+#[derive(Clone, Copy)]
+struct SharedOut(*mut f32);
+// SAFETY: shared only so tasks can write disjoint elements (see `matmul`).
+unsafe impl Sync for SharedOut {}
+unsafe impl Send for SharedOut {}
+impl SharedOut {
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// Columns `cols` of out ([m, n]) from activation rows in tiles of 4.
+fn matmul_rows(
+    act: &QuantActivations,
+    w: QuantMatrix<'_>,
+    cols: std::ops::Range<usize>,
+    out: &mut [f32],
+    n: usize,
+    isa: Isa,
+) {
+    let m = act.rows();
+    for col in cols {
+        let wrow = w.row(col);
+        let mut m0 = 0;
+        while m0 < m {
+            let r = (m - m0).min(4);
+            let mut res = [0f32; 4];
+            match r {
+                4 => tile::<4>(act, m0, w.qtype, wrow, isa, &mut res),
+                3 => tile::<3>(act, m0, w.qtype, wrow, isa, &mut res),
+                2 => tile::<2>(act, m0, w.qtype, wrow, isa, &mut res),
+                _ => tile::<1>(act, m0, w.qtype, wrow, isa, &mut res),
+            }
+            for (i, v) in res[..r].iter().enumerate() {
+                out[(m0 + i) * n + col] = *v;
+            }
+            m0 += r;
+        }
+    }
+}
+
+/// res[i] = dot(weight row, activation row m0 + i) for i < R.
+#[inline(always)]
+fn tile<const R: usize>(
+    act: &QuantActivations,
+    m0: usize,
+    qtype: QuantType,
+    wrow: &[u8],
+    isa: Isa,
+    res: &mut [f32; 4],
+) {
+    let k = act.k;
+    let kb = k / 32;
+    let rows: [ActRow<'_>; R] = std::array::from_fn(|i| {
+        let m = m0 + i;
+        ActRow {
+            q: &act.q[m * k..(m + 1) * k],
+            d: &act.d[m * kb..(m + 1) * kb],
+            s: &act.s[m * kb..(m + 1) * kb],
+        }
+    });
+    let got: [f32; R] = match isa {
+        Isa::Scalar => blocks::dot_rows::<R>(qtype, wrow, &rows),
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `matmul` checked that this CPU has the instruction set.
+        Isa::Avx2 => unsafe { x86::dot_rows_avx2::<R>(qtype, wrow, &rows) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx512Vnni => unsafe { x86::dot_rows_vnni::<R>(qtype, wrow, &rows) },
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => unreachable!("only the scalar path exists off x86-64"),
+    };
+    res[..R].copy_from_slice(&got);
+}
+
+/// One quantized activation row: `q` [k], `d` and `s` [k / 32].
+#[derive(Clone, Copy)]
+pub(crate) struct ActRow<'a> {
+    pub q: &'a [i8],
+    pub d: &'a [f32],
+    pub s: &'a [f32],
+}
+
+/// out[i, :] = the float32 weights of row rows[i] of `w` (out: [len(rows), k]), exactly as
+/// ggml / gguf-py dequantize them.
+pub fn dequantize_rows(
+    w: QuantMatrix<'_>,
+    rows: &[i64],
+    out: &mut [f32],
+) -> Result<(), QuantError> {
+    let k = w.k();
+    if out.len() != rows.len() * k {
+        return Err(QuantError::Len {
+            name: "out",
+            got: out.len(),
+            want: rows.len() * k,
+        });
+    }
+    for &r in rows {
+        if r < 0 || r as usize >= w.rows() {
+            return Err(QuantError::RowIndex {
+                index: r,
+                rows: w.rows(),
+            });
+        }
+    }
+    for (&r, o) in rows.iter().zip(out.chunks_exact_mut(k)) {
+        blocks::dequantize_row(w.qtype, w.row(r as usize), o);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,159 @@
+use super::*;
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    fn f32(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+
+    /// A finite half in ±[2^-8, 2^-1).
+    fn half(&mut self) -> [u8; 2] {
+        let r = self.next();
+        let bits = ((r & 1) << 15) | (((r >> 1) % 7 + 7) << 10) | ((r >> 8) & 0x3ff);
+        (bits as u16).to_le_bytes()
+    }
+}
+
+/// Byte offsets of the f16 fields of a block.
+fn half_fields(qt: QuantType) -> &'static [usize] {
+    match qt {
+        QuantType::Q4_0 | QuantType::Q5_0 | QuantType::Q8_0 => &[0],
+        QuantType::Q4_1 | QuantType::Q5_1 | QuantType::Q4_K | QuantType::Q5_K => &[0, 2],
+        QuantType::Q6_K => &[208],
+    }
+}
+
+fn random_matrix(qt: QuantType, rows: usize, blocks: usize, rng: &mut Rng) -> Vec<u8> {
+    let bb = qt.block_bytes();
+    let mut data: Vec<u8> = (0..rows * blocks * bb).map(|_| rng.next() as u8).collect();
+    for block in data.chunks_exact_mut(bb) {
+        for &at in half_fields(qt) {
+            block[at..at + 2].copy_from_slice(&rng.half());
+        }
+    }
+    data
+}
+
+#[test]
+fn half_conversion_matches_f16c() {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("f16c") {
+        for h in 0..=u16::MAX {
+            // SAFETY: f16c checked above.
+            let hw = unsafe {
+                use std::arch::x86_64::*;
+                _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
+            };
+            let sw = f16_to_f32(h);
+            assert!(
+                hw.to_bits() == sw.to_bits() || (hw.is_nan() && sw.is_nan()),
+                "{h:#x}"
+            );
+        }
+    }
+    assert_eq!(f16_to_f32(0x3c00), 1.0);
+    assert_eq!(f16_to_f32(0x0001), 2f32.powi(-24));
+    assert_eq!(f16_to_f32(0xc000), -2.0);
+}
+
+#[test]
+fn every_isa_gives_identical_results() {
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    for qt in QuantType::ALL {
+        for (m, n, blocks) in [(1, 1, 1), (3, 9, 2), (5, 17, 3), (9, 8, 1)] {
+            let data = random_matrix(qt, n, blocks, &mut rng);
+            let w = QuantMatrix::new(qt, &data, blocks * qt.block_bytes()).unwrap();
+            let x: Vec<f32> = (0..m * w.k()).map(|_| rng.f32()).collect();
+            let mut want = vec![0f32; m * n];
+            matmul(&x, w, &mut want, 1, Isa::Scalar).unwrap();
+            for isa in available_isas() {
+                for threads in [1, 3] {
+                    let mut got = vec![f32::NAN; m * n];
+                    matmul(&x, w, &mut got, threads, isa).unwrap();
+                    let same = got
+                        .iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{qt:?} {isa:?} m={m} n={n}: {got:?} != {want:?}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn matmul_on_the_int8_grid_equals_the_dequantized_product() {
+    // Activations that are exactly int8 multiples of a power of two, with ±127 in every block,
+    // quantize without error: the product must equal the float64 one of the dequantized rows
+    // up to float32 rounding.
+    let mut rng = Rng(7);
+    for qt in QuantType::ALL {
+        let (m, n, blocks) = (3, 5, 2);
+        let data = random_matrix(qt, n, blocks, &mut rng);
+        let w = QuantMatrix::new(qt, &data, blocks * qt.block_bytes()).unwrap();
+        let k = w.k();
+        let x: Vec<f32> = (0..m * k)
+            .map(|i| {
+                let q = if i % 32 == 5 {
+                    127
+                } else {
+                    (rng.next() % 255) as i32 - 127
+                };
+                q as f32 / 64.0
+            })
+            .collect();
+        let mut deq = vec![0f32; n * k];
+        let rows: Vec<i64> = (0..n as i64).collect();
+        dequantize_rows(w, &rows, &mut deq).unwrap();
+        let mut got = vec![0f32; m * n];
+        matmul(&x, w, &mut got, 1, best_isa()).unwrap();
+        for i in 0..m {
+            for j in 0..n {
+                let (xr, wr) = (&x[i * k..(i + 1) * k], &deq[j * k..(j + 1) * k]);
+                let want: f64 = xr.iter().zip(wr).map(|(a, b)| *a as f64 * *b as f64).sum();
+                let mag: f64 = xr
+                    .iter()
+                    .zip(wr)
+                    .map(|(a, b)| (*a as f64 * *b as f64).abs())
+                    .sum();
+                let err = (got[i * n + j] as f64 - want).abs();
+                assert!(
+                    err <= 1e-5 * mag,
+                    "{qt:?} [{i},{j}]: {} vs {want} (err {err}, mag {mag})",
+                    got[i * n + j]
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn shape_errors_are_reported() {
+    let data = vec![0u8; 40];
+    assert_eq!(
+        QuantMatrix::new(QuantType::Q4_1, &data, 30).err(),
+        Some(QuantError::RowBytes {
+            qtype: QuantType::Q4_1,
+            row_bytes: 30
+        })
+    );
+    let w = QuantMatrix::new(QuantType::Q4_1, &data, 20).unwrap();
+    assert_eq!((w.k(), w.rows()), (32, 2));
+    let mut out = vec![0f32; 2];
+    assert_eq!(
+        matmul(&[0.0; 33], w, &mut out, 1, Isa::Scalar).err(),
+        Some(QuantError::InnerDim { x_k: 33, w_k: 32 })
+    );
+    assert_eq!(
+        dequantize_rows(w, &[2], &mut [0f32; 32]).err(),
+        Some(QuantError::RowIndex { index: 2, rows: 2 })
+    );
+}

@@ -1,0 +1,225 @@
+//! AVX2 and AVX-512 VNNI paths of the quantized dot products: the same arithmetic as
+//! `blocks::dot_rows`, eight int32 lanes per 32-weight block. Signed weights meet the unsigned
+//! operand of `maddubs` / `dpbusd` through the sign trick (`|w|` and `sign(w) * x`); with
+//! |w| <= 128 and |x| <= 127 no pair of `maddubs` saturates, so both instructions give the
+//! exact lane sums. The 32-weight formats decode straight into a register; the K-quants decode
+//! through `blocks::unpack`.
+
+use std::arch::x86_64::*;
+
+use super::blocks::{self, QuantType, Unpacked};
+use super::{reduce_lanes, ActRow};
+
+#[inline(always)]
+unsafe fn half(p: *const u8) -> f32 {
+    let h = u16::from_le_bytes([*p, *p.add(1)]);
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
+}
+
+/// 16 bytes of two 4-bit values each: low nibbles in bytes 0-15, high nibbles in 16-31.
+#[inline(always)]
+unsafe fn nibbles(p: *const u8) -> __m256i {
+    let b = _mm_loadu_si128(p as *const __m128i);
+    let mask = _mm_set1_epi8(0xf);
+    let lo = _mm_and_si128(b, mask);
+    let hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    _mm256_set_m128i(hi, lo)
+}
+
+/// 0x10 in byte i where bit i of the little-endian u32 at `p` is set.
+#[inline(always)]
+unsafe fn fifth_bits(p: *const u8) -> __m256i {
+    let qh = u32::from_le_bytes([*p, *p.add(1), *p.add(2), *p.add(3)]);
+    let idx = _mm256_setr_epi8(
+        0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3,
+        3, 3,
+    );
+    let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(qh as i32), idx);
+    let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+    let set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
+    _mm256_and_si256(set, _mm256_set1_epi8(0x10))
+}
+
+/// A 32-weight block at `p`: (signed weights, scale, min).
+#[inline(always)]
+unsafe fn unpack32(qt: QuantType, p: *const u8) -> (__m256i, f32, f32) {
+    match qt {
+        QuantType::Q4_0 => (
+            _mm256_sub_epi8(nibbles(p.add(2)), _mm256_set1_epi8(8)),
+            half(p),
+            0.0,
+        ),
+        QuantType::Q4_1 => (nibbles(p.add(4)), half(p), half(p.add(2))),
+        QuantType::Q5_0 => {
+            let q = _mm256_or_si256(nibbles(p.add(6)), fifth_bits(p.add(2)));
+            (_mm256_sub_epi8(q, _mm256_set1_epi8(16)), half(p), 0.0)
+        }
+        QuantType::Q5_1 => (
+            _mm256_or_si256(nibbles(p.add(8)), fifth_bits(p.add(4))),
+            half(p),
+            half(p.add(2)),
+        ),
+        QuantType::Q8_0 => (_mm256_loadu_si256(p.add(2) as *const __m256i), half(p), 0.0),
+        _ => unreachable!("K-quants decode through blocks::unpack"),
+    }
+}
+
+/// A K-quant super-block into `u`: the weights decoded 32 at a time, the scales by
+/// `blocks::k_scales`.
+#[inline(always)]
+unsafe fn unpack_k(qt: QuantType, b: &[u8], u: &mut Unpacked) {
+    blocks::k_scales(qt, b, u);
+    let p = b.as_ptr();
+    let w = u.w.as_mut_ptr() as *mut __m256i;
+    let load = |at: usize| _mm256_loadu_si256(p.add(at) as *const __m256i);
+    let low4 = _mm256_set1_epi8(0xf);
+    match qt {
+        QuantType::Q4_K | QuantType::Q5_K => {
+            let (qs_at, qh) = if qt == QuantType::Q5_K {
+                (48, Some(load(16)))
+            } else {
+                (16, None)
+            };
+            for pair in 0..4 {
+                let q = load(qs_at + 32 * pair);
+                let mut lo = _mm256_and_si256(q, low4);
+                let mut hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+                if let Some(qh) = qh {
+                    let fifth = |s: i32| {
+                        let bit = _mm256_set1_epi8((1u8 << s) as i8);
+                        let set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
+                        _mm256_and_si256(set, _mm256_set1_epi8(0x10))
+                    };
+                    lo = _mm256_or_si256(lo, fifth(2 * pair as i32));
+                    hi = _mm256_or_si256(hi, fifth(2 * pair as i32 + 1));
+                }
+                _mm256_storeu_si256(w.add(2 * pair), lo);
+                _mm256_storeu_si256(w.add(2 * pair + 1), hi);
+            }
+        }
+        QuantType::Q6_K => {
+            let (two_bits, offset) = (_mm256_set1_epi8(0x30), _mm256_set1_epi8(32));
+            for h in 0..2 {
+                let (ql0, ql1, qh) = (load(64 * h), load(64 * h + 32), load(128 + 32 * h));
+                let parts = [
+                    (_mm256_and_si256(ql0, low4), _mm256_slli_epi16(qh, 4)),
+                    (_mm256_and_si256(ql1, low4), _mm256_slli_epi16(qh, 2)),
+                    (_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4), qh),
+                    (
+                        _mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
+                        _mm256_srli_epi16(qh, 2),
+                    ),
+                ];
+                for (g, (low, high)) in parts.into_iter().enumerate() {
+                    let q = _mm256_or_si256(low, _mm256_and_si256(high, two_bits));
+                    _mm256_storeu_si256(w.add(4 * h + g), _mm256_sub_epi8(q, offset));
+                }
+            }
+        }
+        _ => unreachable!("only K-quants have super-blocks"),
+    }
+}
+
+/// Eight int32 sums of four consecutive products w_i * x_i; `UNSIGNED`: every w_i >= 0 (the
+/// formats with a min), which needs no sign trick.
+#[inline(always)]
+unsafe fn lane_dot<const VNNI: bool, const UNSIGNED: bool>(w: __m256i, x: __m256i) -> __m256i {
+    let (aw, sx) = if UNSIGNED {
+        (w, x)
+    } else {
+        (_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w))
+    };
+    if VNNI {
+        _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, sx)
+    } else {
+        _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1))
+    }
+}
+
+#[inline(always)]
+unsafe fn dot_rows_impl<const R: usize, const VNNI: bool>(
+    qt: QuantType,
+    wrow: &[u8],
+    rows: &[ActRow<'_>; R],
+) -> [f32; R] {
+    if qt.has_min() {
+        dot_rows_typed::<R, VNNI, true>(qt, wrow, rows)
+    } else {
+        dot_rows_typed::<R, VNNI, false>(qt, wrow, rows)
+    }
+}
+
+/// `dot_rows_impl` for the formats with (`HAS_MIN`: unsigned weights) or without a min.
+#[inline(always)]
+unsafe fn dot_rows_typed<const R: usize, const VNNI: bool, const HAS_MIN: bool>(
+    qt: QuantType,
+    wrow: &[u8],
+    rows: &[ActRow<'_>; R],
+) -> [f32; R] {
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut summ = [0f32; R];
+    let has_min = HAS_MIN;
+    let bb = qt.block_bytes();
+    let nblocks = wrow.len() / bb;
+    if qt.block_elems() == 32 {
+        for b in 0..nblocks {
+            let (w, sc, mn) = unpack32(qt, wrow.as_ptr().add(b * bb));
+            for r in 0..R {
+                let a = &rows[r];
+                let x = _mm256_loadu_si256(a.q.as_ptr().add(32 * b) as *const __m256i);
+                let lane = _mm256_cvtepi32_ps(lane_dot::<VNNI, HAS_MIN>(w, x));
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(sc * *a.d.get_unchecked(b)), lane, acc[r]);
+                if has_min {
+                    summ[r] = mn.mul_add(*a.s.get_unchecked(b), summ[r]);
+                }
+            }
+        }
+    } else {
+        let mut u = Unpacked::default();
+        for sb in 0..nblocks {
+            unpack_k(qt, &wrow[sb * bb..(sb + 1) * bb], &mut u);
+            for j in 0..8 {
+                let b = sb * 8 + j;
+                let w = _mm256_loadu_si256(u.w.as_ptr().add(32 * j) as *const __m256i);
+                let scale = _mm256_loadu_ps(u.scale[j].as_ptr());
+                for r in 0..R {
+                    let a = &rows[r];
+                    let x = _mm256_loadu_si256(a.q.as_ptr().add(32 * b) as *const __m256i);
+                    let lane = _mm256_cvtepi32_ps(lane_dot::<VNNI, HAS_MIN>(w, x));
+                    let s = _mm256_mul_ps(scale, _mm256_set1_ps(*a.d.get_unchecked(b)));
+                    acc[r] = _mm256_fmadd_ps(s, lane, acc[r]);
+                    if has_min {
+                        summ[r] = u.min[j].mul_add(*a.s.get_unchecked(b), summ[r]);
+                    }
+                }
+            }
+        }
+    }
+    std::array::from_fn(|r| {
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r]);
+        reduce_lanes(&lanes) + summ[r]
+    })
+}
+
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; each row of `rows` must hold `wrow`'s k weights.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_rows_avx2<const R: usize>(
+    qt: QuantType,
+    wrow: &[u8],
+    rows: &[ActRow<'_>; R],
+) -> [f32; R] {
+    dot_rows_impl::<R, false>(qt, wrow, rows)
+}
+
+/// # Safety
+/// As `dot_rows_avx2`, and the CPU must have AVX-512 VNNI and VL.
+#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+pub(crate) unsafe fn dot_rows_vnni<const R: usize>(
+    qt: QuantType,
+    wrow: &[u8],
+    rows: &[ActRow<'_>; R],
+) -> [f32; R] {
+    dot_rows_impl::<R, true>(qt, wrow, rows)
+}
