@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
-QUANTIZATIONS = ("auto", "none")  # model_loader/quantized.py
+QUANTIZATIONS = ("auto", "none")  # model_loader/weights.py keeps_quantized
 POOLING_MODES = ("mean", "cls", "last")  # layers/pooler.py
 ATTENTION_BACKENDS = ("auto", "torch_native", "cpu", "triton")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")

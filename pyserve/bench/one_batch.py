@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from pyserve.bench.report import write_result
+from pyserve.config import QUANTIZATIONS
 
 
 def add_one_batch_args(p: argparse.ArgumentParser) -> None:
@@ -30,7 +31,7 @@ def add_one_batch_args(p: argparse.ArgumentParser) -> None:
     a(
         "--quantization",
         default="auto",
-        choices=("auto", "none"),
+        choices=QUANTIZATIONS,
         help="auto: a GGUF's quantized weights run on the native kernels (CPU); none: dequantized",
     )
     a("--batch-size", type=int, nargs="+", default=[1])

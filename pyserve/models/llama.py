@@ -415,29 +415,25 @@ class LlamaForCausalLM(nn.Module):
         def stack(names: list[str]) -> QuantizedWeight | None:
             """The stacked blocks of `names`, their float parameters emptied; or None, the
             quantized ones among them dequantized into their parameters."""
-            parts = [quantized.get(name) for name in names]
-            if all(p is not None for p in parts) and len({(p.qtype, p.data.shape[1]) for p in parts if p}) == 1:
+            parts = {name: quantized[name] for name in names if name in quantized}
+            if len(parts) == len(names) and len({(p.qtype, p.data.shape[1]) for p in parts.values()}) == 1:
                 for name in names:
                     params[name].data = params[name].data.new_empty(0)
-                return QuantizedWeight.concat([p for p in parts if p is not None])
+                return QuantizedWeight.concat(list(parts.values()))
             with torch.no_grad():
-                for name, part in zip(names, parts):
-                    if part is not None:
-                        params[name].copy_(dequantize(part, params[name].dtype))
+                for name, part in parts.items():
+                    params[name].copy_(dequantize(part, params[name].dtype))
             return None
-
-        def empty(t: torch.Tensor) -> torch.Tensor:
-            return t.new_empty(0)
 
         for i, layer in enumerate(self.model.decoder_layers()):
             attn, mlp, pre = layer.self_attn, layer.mlp, f"model.layers.{i}."
             attn.qkv_packed = stack([f"{pre}self_attn.{p}_proj.weight" for p in "qkv"])
             if attn.qkv_packed is not None:
-                attn.qkv_weight = empty(attn.qkv_weight)
+                attn.qkv_weight = attn.qkv_weight.new_empty(0)
             attn.o_packed = stack([f"{pre}self_attn.o_proj.weight"])
             mlp.gate_up_packed = stack([f"{pre}mlp.gate_proj.weight", f"{pre}mlp.up_proj.weight"])
             if mlp.gate_up_packed is not None:
-                mlp.gate_up_weight = empty(mlp.gate_up_weight)
+                mlp.gate_up_weight = mlp.gate_up_weight.new_empty(0)
             mlp.down_packed = stack([f"{pre}mlp.down_proj.weight"])
         self.model.embed_quantized = stack(["model.embed_tokens.weight"])
         self.lm_head_packed = self.model.embed_quantized if self.lm_head is None else stack(["lm_head.weight"])

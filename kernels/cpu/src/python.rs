@@ -523,7 +523,10 @@ fn quant_dequantize_rows(
 /// The instruction sets quant_matmul can use on this CPU, the best last.
 #[pyfunction]
 fn quant_isas() -> Vec<&'static str> {
-    quant::available_isas().into_iter().map(Isa::name).collect()
+    quant::available_isas()
+        .iter()
+        .map(|isa| isa.name())
+        .collect()
 }
 
 #[pymodule]

@@ -53,8 +53,13 @@ impl Isa {
     }
 }
 
-/// The instruction sets this CPU can run, `Scalar` first, the best last.
-pub fn available_isas() -> Vec<Isa> {
+/// The instruction sets this CPU can run, `Scalar` first, the best last (detected once).
+pub fn available_isas() -> &'static [Isa] {
+    static ISAS: std::sync::OnceLock<Vec<Isa>> = std::sync::OnceLock::new();
+    ISAS.get_or_init(detect_isas)
+}
+
+fn detect_isas() -> Vec<Isa> {
     let mut isas = vec![Isa::Scalar];
     #[cfg(target_arch = "x86_64")]
     {

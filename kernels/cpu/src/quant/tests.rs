@@ -74,7 +74,7 @@ fn every_isa_gives_identical_results() {
             let x: Vec<f32> = (0..m * w.k()).map(|_| rng.f32()).collect();
             let mut want = vec![0f32; m * n];
             matmul(&x, w, &mut want, 1, Isa::Scalar).unwrap();
-            for isa in available_isas() {
+            for &isa in available_isas() {
                 for threads in [1, 3] {
                     let mut got = vec![f32::NAN; m * n];
                     matmul(&x, w, &mut got, threads, isa).unwrap();
