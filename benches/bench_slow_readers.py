@@ -11,9 +11,10 @@ reading load each time:
   * slow: the same `--slow` connections never read a byte (a small receive buffer, so their
     sockets fill at once).
 The server's peak RSS over a phase is sampled every 50 ms.
-Printed: the medians and the ratios of slow to readers (what not reading costs the others;
-goal at most 1.5x) and of slow to alone, the RSS growth of both phases (goal: under 100 MB),
-and how many extra requests the server still runs at the reading load's start and end.
+Printed: the medians and the ratios of slow to alone (what clients that do not read cost the
+others; goal at most 1.5x) and of slow to readers, the RSS growth of both phases (goal: under
+100 MB), and how many extra requests the server still runs (and of those, how many are paused
+for a client that is behind) at the reading load's start and end.
 
 Usage: python benches/bench_slow_readers.py [--model-path PATH] [--clients 8] [--slow 30]
                                             [--max-new-tokens 400] [--rounds 2]
@@ -115,7 +116,7 @@ def run_phase(url: str, args: argparse.Namespace, pid: int, slow: int, read: boo
     if slow:
         time.sleep(args.settle_s)
     info = httpx.get(url + "/get_server_info").json()
-    running_before = info["num_running_reqs"]
+    running_before, paused_before = info["num_running_reqs"], info["num_paused_reqs"]
     gaps = asyncio.run(reading_load(url, args.clients, args.max_new_tokens))
     info = httpx.get(url + "/get_server_info").json()
     stop.set()
@@ -127,6 +128,8 @@ def run_phase(url: str, args: argparse.Namespace, pid: int, slow: int, read: boo
         "peak_rss_mb": max(peak),
         "slow_running_at_start": running_before,
         "slow_running_at_end": info["num_running_reqs"],
+        "paused_at_start": paused_before,
+        "paused_at_end": info["num_paused_reqs"],
     }
 
 
@@ -163,8 +166,9 @@ def main() -> None:
                 rows.append(row)
                 print(
                     f"{name:>7}: median ITL {row['median_itl_ms']:7.2f} ms  RSS {base_rss:7.1f} -> peak "
-                    f"{row['peak_rss_mb']:7.1f} MB  extra requests running: {row['slow_running_at_start']} at "
-                    f"start, {row['slow_running_at_end']} at end",
+                    f"{row['peak_rss_mb']:7.1f} MB  extra requests running (paused): "
+                    f"{row['slow_running_at_start']} ({row['paused_at_start']}) at start, "
+                    f"{row['slow_running_at_end']} ({row['paused_at_end']}) at end",
                     flush=True,
                 )
         itl = {name: statistics.median(r["median_itl_ms"] for r in rows if r["phase"] == name) for name in phases}
@@ -174,8 +178,8 @@ def main() -> None:
         }
         print(
             f"\nmedian ITL: {itl['alone']:.2f} ms alone, {itl['readers']:.2f} ms beside {args.slow} clients that "
-            f"read, {itl['slow']:.2f} ms beside {args.slow} that do not: {itl['slow'] / itl['readers']:.2f}x the "
-            f"readers' run, {itl['slow'] / itl['alone']:.2f}x the run alone"
+            f"read, {itl['slow']:.2f} ms beside {args.slow} that do not: {itl['slow'] / itl['alone']:.2f}x the "
+            f"run alone (goal: at most 1.5x), {itl['slow'] / itl['readers']:.2f}x the readers' run"
         )
         print(
             f"RSS growth (at most, over the phase's start): {growth['slow']:.1f} MB with slow readers, "

@@ -56,6 +56,8 @@ class ServerArgs:
     # bytes of a stream's events queued for a client that does not read; past it the
     # request is aborted (its KV freed)
     max_stream_buffer_bytes: int = 2**20
+    # a streamed request pauses while its client is behind; one pause longer than this aborts it
+    stream_stall_timeout_s: float = 60.0
     # embeddings instead of generation (SGLang's flag; an encoder such as BertModel always);
     # pooling: mean, cls or last (None: the folder's sentence-transformers files, else last)
     is_embedding: bool = False
@@ -166,6 +168,8 @@ class ServerArgs:
         for name in ("max_request_body_bytes", "max_prompts_per_request", "max_stream_buffer_bytes"):
             if getattr(self, name) <= 0:
                 raise bad(name, f"got {getattr(self, name)}; must be >= 1")
+        if self.stream_stall_timeout_s <= 0:
+            raise bad("stream_stall_timeout_s", f"got {self.stream_stall_timeout_s}; must be > 0 seconds")
         if self.stats_interval_s <= 0:
             raise bad("stats_interval_s", f"got {self.stats_interval_s}; must be > 0 seconds")
         if self.stream_interval <= 0:
@@ -290,6 +294,13 @@ class ServerArgs:
             default=d["max_stream_buffer_bytes"].default,
             help="a streaming client that stops reading may have this many bytes queued; past it its "
             "request is aborted and its KV freed (default: 1 MiB)",
+        )
+        a(
+            "--stream-stall-timeout-s",
+            type=float,
+            default=d["stream_stall_timeout_s"].default,
+            help="a streamed request pauses (keeping its KV) while its client is behind; a client that "
+            "takes nothing for this long has its request aborted and its KV freed (default: %(default)s)",
         )
         a("--dtype", type=str, default="auto", choices=DTYPES, help="auto: float32 on CPU, bfloat16 on CUDA")
         a(

@@ -67,7 +67,8 @@ class Retractor:
 
     def retract(self) -> None:
         """The pool is full even after eviction: send a request back to the waiting queue,
-        by SGLang's rule the one with the fewest output tokens (of those, the longest prompt);
+        a paused one first, then by SGLang's rule the one with the fewest output tokens (of
+        those, the longest prompt);
         its computed tokens go to the radix cache, so it resumes by prefilling only what was
         evicted meanwhile. A lone request cannot be helped by retraction: it finishes with
         reason length. Only with no step in flight."""
@@ -89,7 +90,8 @@ class Retractor:
             self.pipeline.emit([token_out(live[0])])
             self.pipeline.release_finished()
             return
-        req = min(reversed(live), key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+        # a paused request first (its client is behind: nobody waits for its tokens)
+        req = min(reversed(live), key=lambda r: (not r.paused, len(r.output_ids), -len(r.origin_input_ids)))
         self.send_back(req)
         # SGLang's new estimate: what the rest decoded so far plus a few more steps each,
         # over what they may still decode in all

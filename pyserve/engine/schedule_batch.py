@@ -33,11 +33,11 @@ _RETURN_LOGPROB = attrgetter("return_logprob")
 
 
 def decodable(reqs: list[Req]) -> list[Req]:
-    """The requests of `reqs` that the next decode step should include: running, and their
-    planned tokens short of max_new_tokens (a length finish is known ahead, so it costs no
-    extra step). One comprehension, no call per request: it runs over every running request
-    each step."""
-    return [r for r in reqs if r.finish_reason is None and r.num_planned < r.max_new_tokens]
+    """The requests of `reqs` that the next decode step should include: running, not paused
+    (a streaming client that is behind), and their planned tokens short of max_new_tokens (a
+    length finish is known ahead, so it costs no extra step). One comprehension, no call per
+    request: it runs over every running request each step."""
+    return [r for r in reqs if r.finish_reason is None and r.num_planned < r.max_new_tokens and not r.paused]
 
 
 class Req:
@@ -61,6 +61,8 @@ class Req:
         one step late); their inputs' KV was stored, so the radix cache may keep it.
     logprob: what logprobs it wants; input_logprobs_done once its prompt logprobs were sent.
     num_emitted / quiet: see TokenizedGenerateReq.quiet and step_pipeline.token_out.
+    paused: its streaming client is behind (`Scheduler.pause_request`): no decode step takes
+        it until the client catches up; it keeps its KV and row meanwhile.
     generator: the seeded torch.Generator (created here on `generator_device`, the model's:
         creating one launches nothing; used only by the worker, which then draws on the
         device without a host round trip), so a retracted request continues the same stream.
@@ -98,6 +100,7 @@ class Req:
         self.num_emitted = 0  # output tokens handed to the detokenizer
         self.kv_invalid = False  # a step holding it failed: free its KV, never cache it
         self.quiet = False  # only the final output is wanted (TokenizedGenerateReq.quiet)
+        self.paused = False
         self.logprob = logprob or LogprobParams()
         # read for every request of every step: plain attributes, not properties
         self.greedy = sampling_params.is_greedy

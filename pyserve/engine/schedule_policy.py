@@ -173,12 +173,16 @@ class PrefillAdder:
     def admit_from(self, waiting: deque[Req]) -> list[Req]:
         """Admit from the head of `waiting` (removing the admitted) until one does not fit;
         a request whose prompt head a request admitted in this round shares waits a round
-        without stopping the others (in-batch prefix sharing). Returns the admitted."""
+        without stopping the others (in-batch prefix sharing), as does a paused one (see
+        Scheduler.pause_request). Returns the admitted."""
         skipped: list[Req] = []
         while waiting and self.chunked_req is None:
             if self.num_running + len(self.admitted) >= self.max_running_requests:
                 break
             req = waiting[0]
+            if req.paused:  # retracted while its client is behind: it waits for the client
+                skipped.append(waiting.popleft())
+                continue
             match = self.kv_cache.match_unlocked(req.prefix_key())
             head = self._shared_head(req, match[0])
             if head is not None and head in self._heads:

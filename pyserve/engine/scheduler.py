@@ -216,6 +216,22 @@ class Scheduler:
         self.emit([token_out(req)])
         self._wake.set()
 
+    def pause_request(self, rid: str, paused: bool) -> None:
+        """Pause (True) or resume a running request: a paused one is left out of decode steps
+        and keeps its KV and row (its streaming client is behind, so tokens made now would
+        only queue; see server/asgi_writer.py). A prefill under way finishes first; a step in
+        flight may still give it one token. Unknown or finished rids are ignored."""
+        req = self.state.reqs.get(rid)
+        if req is None or req.finished or req.paused == paused:
+            return
+        req.paused = paused
+        if not paused:
+            self._wake.set()  # the pipeline may be empty: every running request was paused
+
+    def num_paused(self) -> int:
+        """Running or retracted requests paused for a client that is behind."""
+        return sum(r.paused for r in self.state.reqs.values())
+
     def priority_of(self, priority: int | None) -> int:
         """A request's priority as the scheduler keeps it (`Retractor.priority_of`)."""
         return self.retractor.priority_of(priority)
@@ -377,8 +393,9 @@ class Scheduler:
         total, cached = kv.max_total_tokens, kv.evictable_slots()
         used = total - kv.free_slots() - cached
         logger.info(
-            "running=%d queued=%d kv_used=%d/%d (%.1f%%) kv_cached=%d gen_throughput=%.1f tok/s",
+            "running=%d (paused %d) queued=%d kv_used=%d/%d (%.1f%%) kv_cached=%d gen_throughput=%.1f tok/s",
             len(self.state.running),
+            self.num_paused(),
             len(self.state.waiting),
             used,
             total,

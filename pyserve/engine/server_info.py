@@ -54,6 +54,7 @@ def server_info(core: EngineCore) -> dict[str, Any]:
             "kv_protected_slots": kv.protected_slots(),
             "kv_cache_bytes": core.model_runner.kv_cache_bytes,
             "num_running_reqs": len(sched.running),
+            "num_paused_reqs": sched.num_paused(),
             "num_waiting_reqs": len(sched.waiting),
             "num_inflight_steps": len(sched.inflight),
             "num_req_rows_used": kv.num_reqs(),

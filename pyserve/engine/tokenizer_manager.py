@@ -390,6 +390,11 @@ class TokenizerManager:
         self.detokenizer.forget(rid)
         self.scheduler.finish_request(rid, FinishReason.abort("aborted by the client"))
 
+    def pause_request(self, rid: str, paused: bool) -> None:
+        """Its streaming client is behind (True) or caught up: the request's decoding pauses
+        meanwhile (Scheduler.pause_request)."""
+        self.scheduler.pause_request(rid, paused)
+
     def end_request(self, rid: str, message: str, reason: FinishReason | None = None) -> bool:
         """Stop a running request and free what it holds; its consumer receives a last
         output with finish reason `reason` (default: a plain abort with `message`). False for

@@ -58,7 +58,9 @@ def create_app(
         app.state.engine = None
         app.state.max_request_body_bytes = args.max_request_body_bytes
         if getattr(app.state, "stream_hub", None) is None:
-            app.state.stream_hub = StreamHub(max_buffer_bytes=args.max_stream_buffer_bytes)
+            app.state.stream_hub = StreamHub(
+                max_buffer_bytes=args.max_stream_buffer_bytes, stall_timeout_s=args.stream_stall_timeout_s
+            )
         hub: StreamHub = app.state.stream_hub
 
         async def load() -> None:

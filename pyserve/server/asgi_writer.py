@@ -10,33 +10,44 @@ write and then its queued chunks (all its chunks not written yet queue behind it
 one body message each time), and puts the rest of the step's items back ahead of those
 queued since, for the next task.
 
-A client that stops reading must not cost the server memory without bound: the chunks queued
-behind its write are capped at `max_buffer_bytes` (`--max-stream-buffer-bytes`); past it the
-stream fails (its request is aborted and its KV freed). A cumulative stream (native
-/generate: each chunk carries everything so far) keeps only its latest chunk queued, so a slow
-reader gets the newest state and holds one chunk. Loop thread only.
+A client that reads slowly or not at all must cost the others nothing: while a write of its
+stream waits, its request is paused (`stream.pause`: no decode step takes it, so it makes no
+more output and no more work) and resumes once all that waited is written. What still comes
+meanwhile (a step in flight) is capped at `max_buffer_bytes` queued (`--max-stream-buffer-bytes`);
+past it the stream fails, as it does when one wait lasts `stall_timeout_s`
+(`--stream-stall-timeout-s`): its request is aborted and its KV freed. A cumulative stream
+(native /generate: each chunk carries everything so far) keeps only its latest chunk queued,
+so a slow reader gets the newest state and holds one chunk. Loop thread only.
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from pyserve.server.stream_writer import DEFAULT_MAX_BUFFER_BYTES, StreamWriter, WrittenStream, overflow
+from pyserve.server.stream_writer import (
+    DEFAULT_MAX_BUFFER_BYTES,
+    DEFAULT_STALL_TIMEOUT_S,
+    StreamWriter,
+    WrittenStream,
+    overflow,
+    stalled,
+)
 
 Item = tuple[WrittenStream, bytes, bool]
 
 
 class _Queued:
     """A stream's chunks waiting behind its own write (`task`: the task writing it while its
-    client is slow, else None), `size` their bytes."""
+    client is slow, else None; `timer`: the stall timeout of that wait), `size` their bytes."""
 
-    __slots__ = ("chunks", "size", "final", "task")
+    __slots__ = ("chunks", "size", "final", "task", "timer")
 
     def __init__(self) -> None:
         self.chunks: list[bytes] = []
         self.size = 0
         self.final = False
         self.task: asyncio.Task | None = None
+        self.timer: asyncio.TimerHandle | None = None
 
 
 class _Run:
@@ -57,10 +68,14 @@ class _Run:
 class AsgiWriter(StreamWriter):
     """Writes streams with `stream.send` (the ASGI send their response was called with)."""
 
-    def __init__(self, max_buffer_bytes: int = DEFAULT_MAX_BUFFER_BYTES) -> None:
+    def __init__(
+        self, max_buffer_bytes: int = DEFAULT_MAX_BUFFER_BYTES, stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
+    ) -> None:
         self._items: list[Item] = []
         self.max_buffer_bytes = max_buffer_bytes
-        self.overflowed = 0  # streams failed for a client that did not read
+        self.stall_timeout_s = stall_timeout_s
+        self.overflowed = 0  # streams failed for a client that did not read (too much queued)
+        self.stalled = 0  # streams failed for a client that did not read (for too long)
 
     def attach(self, stream: WrittenStream) -> bool:
         stream.writer_state = _Queued()
@@ -96,6 +111,8 @@ class AsgiWriter(StreamWriter):
         queued: _Queued = stream.writer_state
         queued.task = run.task
         run.handed_off = True
+        queued.timer = asyncio.get_running_loop().call_later(self.stall_timeout_s, self._stall, stream, queued)
+        stream.pause(True)
         # the stream's chunks not written yet (the rest of this run's, then those queued since)
         # wait behind its task from now on, in order; the others' go back ahead of those queued
         # since (all newer), for the next task
@@ -121,7 +138,7 @@ class AsgiWriter(StreamWriter):
                 except Exception as exc:  # the connection broke: this stream ends, the others go on
                     run.current = None
                     if run.handed_off:
-                        queued.task = None
+                        self._caught_up(queued)
                         stream.fail(exc)
                         return
                     stream.fail(exc)
@@ -152,12 +169,34 @@ class AsgiWriter(StreamWriter):
         except Exception as exc:
             stream.fail(exc)
         finally:
-            queued.task = None
+            if queued.task is not None:  # (not failed meanwhile: `_stall`, an overflow)
+                self._caught_up(queued)
+                stream.pause(False)
+
+    @staticmethod
+    def _caught_up(queued: _Queued) -> None:
+        queued.task = None
+        if queued.timer is not None:
+            queued.timer.cancel()
+            queued.timer = None
+
+    def _stall(self, stream: WrittenStream, queued: _Queued) -> None:
+        """One wait of `stream` lasted `stall_timeout_s`: it fails."""
+        task = queued.task
+        if task is None:
+            return
+        self.stalled += 1
+        queued.chunks, queued.size = [], 0
+        self._caught_up(queued)
+        stalled(stream, self.stall_timeout_s)
+        task.cancel()
 
     def release(self, stream: WrittenStream) -> None:
         queued = stream.writer_state
         if isinstance(queued, _Queued) and queued.task is not None:
-            queued.task.cancel()  # its client is gone: a write waiting to drain never will
+            task = queued.task
+            self._caught_up(queued)
+            task.cancel()  # its client is gone: a write waiting to drain never will
 
     def _take(self, item: Item, stream: WrittenStream, queued: _Queued) -> bool:
         """Queue `item` behind `stream`'s write if it is one of its chunks."""
@@ -182,6 +221,7 @@ class AsgiWriter(StreamWriter):
             # (a task writes it whenever chunks queue behind it: the check is for the types)
             self.overflowed += 1
             size, queued.chunks, queued.size = queued.size, [], 0
-            task, queued.task = queued.task, None
+            task = queued.task
+            self._caught_up(queued)
             overflow(stream, size, self.max_buffer_bytes)
             task.cancel()

@@ -50,7 +50,11 @@ async def stream_response(request: Request, req: SingleReq, encode: StreamEncode
     treq = await tm.tokenize(req)
     tm.check_can_start(req)
     return StreamResponse(
-        hub, encode, lambda stream: tm.start_stream(req, treq, stream.push), lambda: tm.abort_request(req.rid)
+        hub,
+        encode,
+        lambda stream: tm.start_stream(req, treq, stream.push),
+        lambda: tm.abort_request(req.rid),
+        lambda paused: tm.pause_request(req.rid, paused),
     )
 
 

@@ -32,7 +32,7 @@ from pyserve.server.asgi_writer import AsgiWriter
 from pyserve.server.errors import error_response, exception_response
 from pyserve.server.socket_writer import SocketWriter
 from pyserve.server.sse import DONE_EVENT, SSE_HEADERS, error_event
-from pyserve.server.stream_writer import DEFAULT_MAX_BUFFER_BYTES, StreamWriter
+from pyserve.server.stream_writer import DEFAULT_MAX_BUFFER_BYTES, DEFAULT_STALL_TIMEOUT_S, StreamWriter
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +68,7 @@ class Stream:
         "coalesce",
         "held",
         "done_event",
+        "on_pause",
     )
 
     def __init__(self, encode: StreamEncoder, receive: Receive, send: Send) -> None:
@@ -87,6 +88,7 @@ class Stream:
         self.held: GenerateOutput | None = None  # (WrittenStream.take_held)
         # what ends the stream after the encoder's last events (the encoder may say: b"" for none)
         self.done_event: bytes = getattr(encode, "done_event", DONE_EVENT)
+        self.on_pause: Callable[[bool], None] | None = None  # (StreamResponse's `pause`)
 
     def push(self, out: GenerateOutput) -> None:
         """The output sink of a single request: the last output (finished) ends the stream."""
@@ -163,6 +165,10 @@ class Stream:
         self.closed = self.failed = True
         self.written()
 
+    def pause(self, paused: bool) -> None:
+        if self.on_pause is not None and not self.closed:
+            self.on_pause(paused)
+
     def take_held(self) -> bytes:
         out, self.held = self.held, None
         if out is None or self.closed:
@@ -173,11 +179,18 @@ class Stream:
 class StreamHub:
     """The writers of every stream of an app: `SocketWriter` where it can take a stream
     (`socket_writes=False`: never), else `AsgiWriter`. max_buffer_bytes: what a stream whose
-    client stops reading may have queued before it fails (`--max-stream-buffer-bytes`; see
-    asgi_writer.py: a full socket hands its stream to the AsgiWriter)."""
+    client stops reading may have queued before it fails (`--max-stream-buffer-bytes`);
+    stall_timeout_s: how long its request may stay paused before it fails
+    (`--stream-stall-timeout-s`; see asgi_writer.py: a full socket hands its stream to the
+    AsgiWriter)."""
 
-    def __init__(self, socket_writes: bool = True, max_buffer_bytes: int = DEFAULT_MAX_BUFFER_BYTES) -> None:
-        self.asgi_writer = AsgiWriter(max_buffer_bytes)
+    def __init__(
+        self,
+        socket_writes: bool = True,
+        max_buffer_bytes: int = DEFAULT_MAX_BUFFER_BYTES,
+        stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+    ) -> None:
+        self.asgi_writer = AsgiWriter(max_buffer_bytes, stall_timeout_s)
         self.socket_writer = SocketWriter(self.asgi_writer, max_buffer_bytes) if socket_writes else None
 
     def attach(self, stream: Stream) -> None:
@@ -204,16 +217,23 @@ class StreamResponse:
 
     start(stream) starts the request with its outputs going to `stream` (`Stream.push` as the
     sink, or a task calling `push_part`/`end`); abort() stops it and frees what it holds (the
-    client left, or a write failed). The 200 is sent once the first output came: a request
-    failing at its first step gets a plain error response."""
+    client left, or a write failed); pause(True / False), where given, pauses and resumes it
+    while its client is behind (`WrittenStream.pause`). The 200 is sent once the first output
+    came: a request failing at its first step gets a plain error response."""
 
     def __init__(
-        self, hub: StreamHub, encode: StreamEncoder, start: Callable[[Stream], None], abort: Callable[[], None]
+        self,
+        hub: StreamHub,
+        encode: StreamEncoder,
+        start: Callable[[Stream], None],
+        abort: Callable[[], None],
+        pause: Callable[[bool], None] | None = None,
     ) -> None:
-        self.hub, self.encode, self.start, self.abort = hub, encode, start, abort
+        self.hub, self.encode, self.start, self.abort, self.pause = hub, encode, start, abort, pause
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         stream = Stream(self.encode, receive, send)
+        stream.on_pause = self.pause
         watcher = asyncio.ensure_future(_wait_disconnect(receive))
         finished = started = False
         try:

@@ -19,6 +19,7 @@ from starlette.types import Receive, Send
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BUFFER_BYTES = 2**20  # ServerArgs.max_stream_buffer_bytes' default
+DEFAULT_STALL_TIMEOUT_S = 60.0  # ServerArgs.stream_stall_timeout_s' default
 
 
 class WrittenStream(Protocol):
@@ -41,6 +42,10 @@ class WrittenStream(Protocol):
 
     def fail(self, exc: BaseException) -> None:
         """A write failed (the client is gone): the stream ends, its request is aborted."""
+
+    def pause(self, paused: bool) -> None:
+        """Its client stopped taking chunks (True: a write waits for the socket to drain) or
+        took all that waited (False); the request producing them pauses meanwhile."""
 
     def take_held(self) -> bytes:
         """The bytes of the newest output a coalescing stream held back, unencoded, while its
@@ -87,3 +92,13 @@ def overflow(stream: WrittenStream, queued_bytes: int, max_buffer_bytes: int) ->
         max_buffer_bytes,
     )
     stream.fail(BufferError("the client does not read its stream"))
+
+
+def stalled(stream: WrittenStream, stall_timeout_s: float) -> None:
+    """Fail `stream`, whose client took nothing for `stall_timeout_s` (`--stream-stall-timeout-s`)
+    while its request was paused. One WARNING; its request is aborted and its KV freed."""
+    logger.warning(
+        "a streaming client took no output for %g s (--stream-stall-timeout-s); its request is aborted",
+        stall_timeout_s,
+    )
+    stream.fail(TimeoutError("the client does not read its stream"))

@@ -149,3 +149,57 @@ def test_a_server_whose_every_send_waits_gets_every_stream_in_order():
             assert stream.done.done() and not stream.failed and stream.writer_state.task is None
 
     asyncio.run(body())
+
+
+def test_a_slow_reader_pauses_its_request_until_it_catches_up():
+    async def body():
+        hub = StreamHub(socket_writes=False)
+        slow, fast = started(hub), started(hub)
+        pauses: dict[str, list[bool]] = {"slow": [], "fast": []}
+        slow.on_pause, fast.on_pause = pauses["slow"].append, pauses["fast"].append
+        slow.send.gate = asyncio.get_running_loop().create_future()  # the client stops reading
+        slow.push(output("s1"))
+        fast.push(output("f1"))
+        await settle()
+        assert pauses == {"slow": [True], "fast": []}
+        slow.push(output("s2"))  # (a step in flight)
+        await settle()
+        slow.send.gate.set_result(None)  # it reads again
+        slow.send.gate = None
+        await settle()
+        assert pauses == {"slow": [True, False], "fast": []} and slow.send.bodies == [b"s1", b"s2"]
+        slow.push(output("s3", last=True))
+        await settle()
+        assert slow.done.done() and not slow.failed and pauses["slow"] == [True, False]
+        hub.close()
+
+    asyncio.run(body())
+
+
+def test_a_client_that_takes_nothing_for_the_stall_timeout_fails_its_stream(caplog):
+    async def body():
+        hub = StreamHub(socket_writes=False, stall_timeout_s=0.05)
+        stuck, slow = started(hub), started(hub)
+        pauses: list[bool] = []
+        stuck.on_pause = pauses.append
+        stuck.send.gate = asyncio.get_running_loop().create_future()  # never read
+        slow.send.gate = asyncio.get_running_loop().create_future()  # read after 0.02 s
+        stuck.push(output("x1"))
+        slow.push(output("y1"))
+        await settle()
+        await asyncio.sleep(0.02)
+        slow.send.gate.set_result(None)
+        slow.send.gate = None
+        await asyncio.sleep(0.08)
+        assert stuck.failed and stuck.done.done() and stuck.writer_state.task is None and pauses == [True]
+        assert not slow.failed and slow.send.bodies == [b"y1"]  # a wait shorter than the timeout
+        assert hub.asgi_writer.stalled == 1
+        stuck.pause(False)  # (a failed stream's request is aborted: no resume reaches it)
+        assert pauses == [True]
+        hub.close()
+
+    asyncio.run(body())
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [
+        "a streaming client took no output for 0.05 s (--stream-stall-timeout-s); its request is aborted"
+    ]

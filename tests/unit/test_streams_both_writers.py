@@ -250,9 +250,9 @@ def test_a_slow_reader_holds_up_no_other_stream(served):
     diverted = served.hub.socket_writer.diverted if served.writer == "socket" else 0
     slow_body = {"text": "Lily", "stream": True, "sampling_params": {"max_new_tokens": 2500, "ignore_eos": True}}
     with httpx.Client(timeout=120) as client, client.stream("POST", served.url + "/generate", json=slow_body) as slow:
-        # not read: its cumulative events (about 25 MB) fill the socket buffers; once it is all
-        # generated, its bytes wait in the server's transport, and other streams come and go
-        while httpx.get(served.url + "/get_server_info").json()["num_running_reqs"]:
+        # not read: its cumulative events (about 25 MB in all) fill the socket buffers, its
+        # bytes wait in the server's transport and its request pauses; other streams come and go
+        while not httpx.get(served.url + "/get_server_info").json()["num_paused_reqs"]:
             time.sleep(0.05)
         if served.writer == "socket":
             assert served.hub.socket_writer.diverted == diverted + 1  # the socket writer gave it up
@@ -262,7 +262,9 @@ def test_a_slow_reader_holds_up_no_other_stream(served):
                 {"text": "Tom", "stream": True, "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}},
             )
             assert status == 200 and events[-1] == "[DONE]" and len(events[-2]["output_ids"]) == 8
-        text = slow.read().decode()
+        info = httpx.get(served.url + "/get_server_info").json()
+        assert info["num_paused_reqs"] == 1 and info["num_running_reqs"] == 1
+        text = slow.read().decode()  # read: it resumes and runs to its end
     events = [e for e in text.split("\n\n") if e]
     assert events[-1] == "data: [DONE]"
     chunks = [json.loads(e[6:]) for e in events[:-1]]

@@ -91,7 +91,13 @@ async def _stream(
 
         tm.start_stream(req, treq, sink)
 
-    return StreamResponse(stream_hub_of(request), encode, start, lambda: tm.abort_request(req.rid))
+    return StreamResponse(
+        stream_hub_of(request),
+        encode,
+        start,
+        lambda: tm.abort_request(req.rid),
+        lambda paused: tm.pause_request(req.rid, paused),
+    )
 
 
 async def stored_response(request: Request) -> Response:

@@ -144,6 +144,7 @@ async def _stream(
         encode,
         lambda stream: tm.start_stream(req, treq, lambda out: stream.push(renamed_output(out, constraint))),
         lambda: tm.abort_request(req.rid),
+        lambda paused: tm.pause_request(req.rid, paused),
     )
 
 
