@@ -10,9 +10,11 @@ write and then its queued chunks (all its chunks not written yet queue behind it
 one body message each time), and puts the rest of the step's items back ahead of those
 queued since, for the next task.
 
-A client that reads slowly or not at all must cost the others nothing: while a write of its
-stream waits, its request is paused (`stream.pause`: no decode step takes it, so it makes no
-more output and no more work) and resumes once all that waited is written. What still comes
+A client that reads slowly or not at all must cost the others nothing: once a step's chunk
+arrives while a write of its stream still waits (the client is a step behind), its request is
+paused (`stream.pause`: no decode step takes it, so it makes no more output and no more work)
+and resumes once all that waited is written. A send that merely suspends for a moment (a
+server that queues every body) pauses nothing. What still comes
 meanwhile (a step in flight) is capped at `max_buffer_bytes` queued (`--max-stream-buffer-bytes`);
 past it the stream fails, as it does when one wait lasts `stall_timeout_s`
 (`--stream-stall-timeout-s`): its request is aborted and its KV freed. A cumulative stream
@@ -38,9 +40,10 @@ Item = tuple[WrittenStream, bytes, bool]
 
 class _Queued:
     """A stream's chunks waiting behind its own write (`task`: the task writing it while its
-    client is slow, else None; `timer`: the stall timeout of that wait), `size` their bytes."""
+    client is slow, else None; `timer`: the stall timeout of that wait; `paused`: its request
+    was paused meanwhile), `size` their bytes."""
 
-    __slots__ = ("chunks", "size", "final", "task", "timer")
+    __slots__ = ("chunks", "size", "final", "task", "timer", "paused")
 
     def __init__(self) -> None:
         self.chunks: list[bytes] = []
@@ -48,6 +51,7 @@ class _Queued:
         self.final = False
         self.task: asyncio.Task | None = None
         self.timer: asyncio.TimerHandle | None = None
+        self.paused = False
 
 
 class _Run:
@@ -92,8 +96,12 @@ class AsgiWriter(StreamWriter):
         if len(items) == 1:  # the step's first: write once the step's outputs are all in
             asyncio.get_running_loop().call_soon(self._flush)
 
-    def behind(self, stream: WrittenStream) -> bool:
-        return stream.writer_state.task is not None
+    def hold_back(self, stream: WrittenStream) -> bool:
+        queued: _Queued = stream.writer_state
+        if queued.task is None:
+            return False
+        self._behind(stream, queued)
+        return True
 
     def _flush(self) -> None:
         items, self._items = self._items, []
@@ -112,7 +120,6 @@ class AsgiWriter(StreamWriter):
         queued.task = run.task
         run.handed_off = True
         queued.timer = asyncio.get_running_loop().call_later(self.stall_timeout_s, self._stall, stream, queued)
-        stream.pause(True)
         # the stream's chunks not written yet (the rest of this run's, then those queued since)
         # wait behind its task from now on, in order; the others' go back ahead of those queued
         # since (all newer), for the next task
@@ -170,12 +177,15 @@ class AsgiWriter(StreamWriter):
             stream.fail(exc)
         finally:
             if queued.task is not None:  # (not failed meanwhile: `_stall`, an overflow)
+                paused = queued.paused
                 self._caught_up(queued)
-                stream.pause(False)
+                if paused:
+                    stream.pause(False)
 
     @staticmethod
     def _caught_up(queued: _Queued) -> None:
         queued.task = None
+        queued.paused = False
         if queued.timer is not None:
             queued.timer.cancel()
             queued.timer = None
@@ -205,6 +215,14 @@ class AsgiWriter(StreamWriter):
         self._queue(stream, queued, item[1], item[2])
         return True
 
+    @staticmethod
+    def _behind(stream: WrittenStream, queued: _Queued) -> None:
+        """A step's output came while `stream`'s write still waits: its request makes nothing
+        more until it catches up."""
+        if not queued.paused:
+            queued.paused = True
+            stream.pause(True)
+
     def _queue(self, stream: WrittenStream, queued: _Queued, data: bytes, final: bool) -> None:
         """Queue a chunk behind a slow reader's write: it replaces the queued ones of a
         cumulative stream; past `max_buffer_bytes` queued the stream fails."""
@@ -212,6 +230,8 @@ class AsgiWriter(StreamWriter):
             queued.final = True
         if not data:
             return
+        if queued.task is not None:
+            self._behind(stream, queued)
         if stream.coalesce:
             queued.chunks, queued.size = [data], len(data)
         else:

@@ -93,7 +93,7 @@ class Stream:
     def push(self, out: GenerateOutput) -> None:
         """The output sink of a single request: the last output (finished) ends the stream."""
         if out.finish_reason is None and self.writer is not None and not self.closed:
-            if self.coalesce and self.writer.behind(self):
+            if self.coalesce and self.writer.hold_back(self):
                 self.held = out  # its client is slow: only the newest is ever encoded
                 return
             try:  # a running stream's chunk: `_add` without its checks

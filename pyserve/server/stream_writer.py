@@ -72,10 +72,11 @@ class StreamWriter(ABC):
         """The response of `stream` ended (written, failed, or its client left): let go of
         what is held for it."""
 
-    def behind(self, stream: WrittenStream) -> bool:
-        """Whether `stream`'s chunks now wait behind a write its client is slow to take (a
-        coalescing stream then holds its outputs back unencoded; the writer takes the newest
-        with `take_held` when it catches up)."""
+    def hold_back(self, stream: WrittenStream) -> bool:
+        """A coalescing `stream` has a step's output: True if it is to hold that output back
+        unencoded, because its chunks wait behind a write its client is slow to take (the
+        writer takes the newest with `take_held` when it catches up, and may pause the
+        request meanwhile: its client is a step behind)."""
         return False
 
     def close(self) -> None:  # noqa: B027 - most writers hold nothing to stop

@@ -161,16 +161,50 @@ def test_a_slow_reader_pauses_its_request_until_it_catches_up():
         slow.push(output("s1"))
         fast.push(output("f1"))
         await settle()
+        assert pauses == {"slow": [], "fast": []}  # a write that waits: not behind yet
+        slow.push(output("s2"))  # the next step's chunk comes while it waits: a step behind
+        fast.push(output("f2"))
+        await settle()
         assert pauses == {"slow": [True], "fast": []}
-        slow.push(output("s2"))  # (a step in flight)
+        slow.push(output("s3"))  # (a step in flight)
         await settle()
         slow.send.gate.set_result(None)  # it reads again
         slow.send.gate = None
         await settle()
-        assert pauses == {"slow": [True, False], "fast": []} and slow.send.bodies == [b"s1", b"s2"]
-        slow.push(output("s3", last=True))
+        assert pauses == {"slow": [True, False], "fast": []} and slow.send.bodies == [b"s1", b"s2s3"]
+        slow.push(output("s4", last=True))
         await settle()
         assert slow.done.done() and not slow.failed and pauses["slow"] == [True, False]
+        hub.close()
+
+    asyncio.run(body())
+
+
+def test_a_slow_cumulative_stream_holds_its_newest_output_and_pauses():
+    """A cumulative stream (each chunk holds all before it) keeps only its newest output back
+    while its write waits, unencoded; that output coming is what pauses its request."""
+
+    async def body():
+        hub = StreamHub(socket_writes=False)
+        stream = started(hub)
+        stream.coalesce = True
+        pauses: list[bool] = []
+        stream.on_pause = pauses.append
+        stream.send.gate = asyncio.get_running_loop().create_future()  # the client stops reading
+        stream.push(output("a"))
+        await settle()
+        assert pauses == []
+        stream.push(output("ab"))
+        stream.push(output("abc"))
+        await settle()
+        assert pauses == [True] and stream.held is not None and stream.held.text_delta == "abc"
+        stream.send.gate.set_result(None)
+        stream.send.gate = None
+        await settle()
+        assert pauses == [True, False] and stream.send.bodies == [b"a", b"abc"] and stream.held is None
+        stream.push(output("abcd", last=True))
+        await settle()
+        assert stream.send.bodies[-1] == b"abcd" + DONE_EVENT and stream.done.done() and pauses == [True, False]
         hub.close()
 
     asyncio.run(body())
@@ -187,6 +221,7 @@ def test_a_client_that_takes_nothing_for_the_stall_timeout_fails_its_stream(capl
         stuck.push(output("x1"))
         slow.push(output("y1"))
         await settle()
+        stuck.push(output("x2"))
         await asyncio.sleep(0.02)
         slow.send.gate.set_result(None)
         slow.send.gate = None
