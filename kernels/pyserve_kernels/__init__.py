@@ -4,7 +4,7 @@ Each op family has a slow fp32 torch reference in `reference.py` that defines it
 The top-level ops run the Triton launchers (`pyserve_kernels.triton_ops`) on CUDA tensors
 when triton is installed, the native CPU kernels (Rust, kernels/cpu, module
 `pyserve_kernels._cpu`) on float32 CPU tensors, and the reference otherwise;
-`decode_attention` is the native CPU kernel only (on CUDA pyserve's triton attention backend
+`decode_attention` and `varlen_attention` are the native CPU kernels only (on CUDA pyserve's triton attention backend
 calls `triton_ops` itself). Tests check the kernels against the references (the Triton ones on
 CPU under TRITON_INTERPRET=1). This package never imports pyserve.
 """
@@ -17,6 +17,7 @@ from pyserve_kernels.layernorm import fused_add_rms_norm, rms_norm
 from pyserve_kernels.reference import apply_rotary_pos_emb, rotate_half
 from pyserve_kernels.rotary import rotary_embedding_
 from pyserve_kernels.token_bitmask import apply_token_bitmask_
+from pyserve_kernels.varlen_attention import varlen_attention
 
 __version__ = "0.1.0"
 
@@ -31,5 +32,6 @@ __all__ = [
     "rotate_half",
     "silu_and_mul",
     "store_kv",
+    "varlen_attention",
     "__version__",
 ]

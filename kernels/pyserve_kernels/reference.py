@@ -196,6 +196,28 @@ def extend_attention(
     return out.to(q.dtype)
 
 
+def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, num_heads: int, scaling: float) -> torch.Tensor:
+    """Bidirectional attention within each sequence of a ragged batch, one sequence at a time.
+
+    Algorithm: scaled dot-product attention (Vaswani et al., "Attention Is All You Need",
+    2017) without a causal mask, as an encoder (BERT) attends.
+
+    qkv:        [num_tokens, 3 * hidden] (q | k | v per token), hidden = num_heads * head_dim
+    cu_seqlens: [batch + 1] integer; sequence b is tokens cu_seqlens[b]:cu_seqlens[b + 1]
+    Returns [num_tokens, hidden] in qkv.dtype: softmax(q k^T * scaling) v per sequence and head.
+    """
+    num_tokens, width = qkv.shape
+    hidden = width // 3
+    head_dim = hidden // num_heads
+    out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=qkv.device)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds, bounds[1:]):
+        q, k, v = qkv[start:end].float().view(end - start, 3, num_heads, head_dim).unbind(1)
+        scores = torch.einsum("thd,nhd->htn", q, k) * scaling
+        out[start:end] = torch.einsum("htn,nhd->thd", torch.softmax(scores, dim=-1), v).reshape(end - start, hidden)
+    return out.to(qkv.dtype)
+
+
 def check_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
     """The argument contract of every `apply_token_bitmask_` (reference, native, Triton):
     shapes, dtypes, devices and layout only, so it reads no tensor data (no host sync on CUDA).

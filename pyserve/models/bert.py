@@ -19,6 +19,7 @@ from torch import nn
 from pyserve.forward_batch_info import ForwardBatch
 from pyserve.layers.linear import linear, linear_gelu, prepack, prepack_supported
 from pyserve.models.checkpoint import copy_checkpoint
+from pyserve_kernels.varlen_attention import varlen_attention, varlen_attention_applies
 
 # checkpoint tensors an encoder does not use: the NSP pooler, MLM heads, the position-id buffer
 _IGNORED_PREFIXES = ("pooler.", "cls.")
@@ -31,21 +32,26 @@ GROUP_SIZE = 16
 
 
 class RaggedLayout:
-    """Where a ragged batch's tokens go in the padded blocks of `ragged_attention`, computed
-    once per forward for every layer.
+    """Where a ragged batch's tokens go for `ragged_attention`, computed once per forward for
+    every layer.
 
-    seq_lens: B host ints (>= 1). For each group of up to GROUP_SIZE sequences of similar
-    length (sorted), `gather` [g, L_g] int64 token rows (a padding position repeats the
-    group's first token: its key is masked, so its value weighs exactly 0), `keep` [g, 1, 1,
-    L_g] bool (real keys), `valid` [n_g] int64 positions of the real tokens in the flattened
-    [g * L_g] block and `dest` [n_g] int64 their token rows."""
+    seq_lens: B host ints (>= 1). native: the batch is float32 on CPU, where the native
+    varlen kernel reads the sequences in place: only `cu_seqlens` [B + 1] int32 (their token
+    offsets) is kept. Else, for each group of up to GROUP_SIZE sequences of similar length
+    (sorted), `gather` [g, L_g] int64 token rows (a padding position repeats the group's first
+    token: its key is masked, so its value weighs exactly 0), `keep` [g, 1, 1, L_g] bool (real
+    keys), `valid` [n_g] int64 positions of the real tokens in the flattened [g * L_g] block
+    and `dest` [n_g] int64 their token rows."""
 
-    def __init__(self, seq_lens: list[int], device: torch.device) -> None:
+    def __init__(self, seq_lens: list[int], device: torch.device, native: bool = False) -> None:
         starts = [0]
         for n in seq_lens:
             starts.append(starts[-1] + n)
-        order = sorted(range(len(seq_lens)), key=lambda i: seq_lens[i])
+        self.cu_seqlens = torch.tensor(starts, dtype=torch.int32) if native else None
         self.groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        if native:
+            return
+        order = sorted(range(len(seq_lens)), key=lambda i: seq_lens[i])
         for g in range(0, len(order), GROUP_SIZE):
             members = order[g : g + GROUP_SIZE]
             longest = max(seq_lens[i] for i in members)
@@ -70,9 +76,12 @@ def ragged_attention(qkv: torch.Tensor, layout: RaggedLayout, num_heads: int) ->
 
     qkv: [T, 3 * H] (q | k | v, H = num_heads * head_dim) of B sequences laid end to end;
     layout: their RaggedLayout. Returns [T, H]: softmax(q k^T / sqrt(head_dim)) v over the
-    sequence's own tokens. Each group of similar-length sequences is gathered into a padded
-    [g, L_g] block and attended in one SDPA call whose mask hides the padding keys; padding
-    query rows are computed and dropped."""
+    sequence's own tokens. On the native path (float32 CPU) the varlen kernel reads the
+    sequences in place, unpadded. Else each group of similar-length sequences is gathered into
+    a padded [g, L_g] block and attended in one SDPA call whose mask hides the padding keys;
+    padding query rows are computed and dropped."""
+    if layout.cu_seqlens is not None:
+        return varlen_attention(qkv, layout.cu_seqlens, num_heads)
     total, width = qkv.shape
     hidden = width // 3
     head_dim = hidden // num_heads
@@ -219,8 +228,9 @@ class BertModel(nn.Module):
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch, attn_backend: Any = None) -> torch.Tensor:
         assert forward_batch.extend_seq_lens is not None  # an encoder step is an EXTEND of whole prompts
-        layout = RaggedLayout(forward_batch.extend_seq_lens.tolist(), forward_batch.input_ids.device)
         x = self.embeddings(forward_batch.input_ids.long(), forward_batch.positions.long())
+        native = varlen_attention_applies(x)
+        layout = RaggedLayout(forward_batch.extend_seq_lens.tolist(), x.device, native=native)
         for layer in self.layers():
             x = layer(x, layout)
         return x

@@ -78,13 +78,15 @@ def test_bert_matches_transformers_on_a_ragged_batch(prepacked: bool) -> None:
         start += len(prompt)
 
 
-@pytest.mark.parametrize("group_size", [1, 2, 16])
-def test_ragged_attention_is_per_sequence_sdpa(monkeypatch, group_size: int) -> None:
+@pytest.mark.parametrize(("group_size", "native"), [(1, False), (2, False), (16, False), (16, True)])
+def test_ragged_attention_is_per_sequence_sdpa(monkeypatch, group_size: int, native: bool) -> None:
     monkeypatch.setattr(bert, "GROUP_SIZE", group_size)
     torch.manual_seed(1)
     lens, heads, dim = [3, 1, 6, 2, 5], 2, 4
     qkv = torch.randn(sum(lens), 3 * heads * dim)
-    out = ragged_attention(qkv, RaggedLayout(lens, qkv.device), heads)
+    layout = RaggedLayout(lens, qkv.device, native=native)
+    assert (layout.cu_seqlens is not None) == native and (not layout.groups) == native
+    out = ragged_attention(qkv, layout, heads)
     start = 0
     for n in lens:
         q, k, v = (t.view(n, heads, dim).transpose(0, 1) for t in qkv[start : start + n].split(heads * dim, dim=1))

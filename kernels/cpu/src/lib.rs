@@ -1,6 +1,7 @@
 //! CPU kernels of `pyserve-kernels`, for the float32 CPU path of pyserve: paged decode
-//! attention, storing new K/V rows into the pool, RMSNorm (plain and with the residual add
-//! fused), rotary embedding, SwiGLU, and the grammar token-bitmask mask of structured output.
+//! attention, encoders' bidirectional attention over ragged batches, storing new K/V rows
+//! into the pool, RMSNorm (plain and with the residual add fused), rotary embedding, SwiGLU,
+//! and the grammar token-bitmask mask of structured output.
 //!
 //! The kernels are plain Rust on slices (tested with `cargo test`); `python` (feature
 //! "python") is the thin pyo3 binding imported as `pyserve_kernels._cpu`. Inner loops exist in
@@ -16,8 +17,10 @@ pub mod rotary;
 mod simd;
 pub mod store_kv;
 pub mod token_bitmask;
+pub mod varlen_attention;
 
 pub use decode_attention::{decode_attention, DecodeAttentionError, DecodeAttentionShape};
+pub use varlen_attention::{varlen_attention, VarlenAttentionError};
 
 #[cfg(feature = "python")]
 mod python;

@@ -18,6 +18,7 @@ use pyo3::prelude::*;
 
 use crate::decode_attention::{self as kernel, DecodeAttentionError, DecodeAttentionShape};
 use crate::quant::{self, Isa, QuantError, QuantMatrix, QuantType};
+use crate::varlen_attention::{self as varlen, VarlenAttentionError};
 use crate::{activation, norm, rotary, store_kv as kv_store, token_bitmask};
 
 fn not_c_contiguous(name: &str) -> PyErr {
@@ -153,6 +154,44 @@ fn decode_attention(
         DecodeAttentionError::Shape(m) => PyValueError::new_err(m),
         DecodeAttentionError::Index(m) => PyIndexError::new_err(m),
     })
+}
+
+/// varlen_attention(qkv, cu_seqlens, out, num_heads, scaling, num_threads=1)
+///
+/// qkv: [num_tokens, 3 * hidden] float32 (q | k | v); cu_seqlens: [batch + 1] int32;
+/// out: [num_tokens, hidden] float32, hidden = num_heads * head_dim. Writes `out`:
+/// bidirectional attention within each sequence. Raises ValueError (shapes, dtypes,
+/// non-contiguous or overlapping arrays) or IndexError (bad cu_seqlens); `out` is untouched then.
+#[pyfunction]
+#[pyo3(signature = (qkv, cu_seqlens, out, num_heads, scaling, num_threads=1))]
+fn varlen_attention(
+    py: Python<'_>,
+    qkv: PyReadonlyArray2<'_, f32>,
+    cu_seqlens: PyReadonlyArray1<'_, i32>,
+    mut out: PyReadwriteArray2<'_, f32>,
+    num_heads: usize,
+    scaling: f32,
+    num_threads: usize,
+) -> PyResult<()> {
+    let (qs, os) = (qkv.shape(), out.shape());
+    if num_heads == 0 || qs[0] != os[0] || qs[1] != 3 * os[1] || !os[1].is_multiple_of(num_heads) {
+        return Err(PyValueError::new_err(format!(
+            "varlen_attention: qkv {qs:?} and out {os:?} do not fit {num_heads} heads"
+        )));
+    }
+    let head_dim = os[1] / num_heads;
+    let qkv = c_slice("qkv", &qkv)?;
+    let cu = c_slice("cu_seqlens", &cu_seqlens)?;
+    let out = c_slice_mut("out", &mut out)?;
+    check_disjoint(
+        &[("out", span(out))],
+        &[("qkv", span(qkv)), ("cu_seqlens", span(cu))],
+    )?;
+    py.detach(|| varlen::varlen_attention(qkv, cu, out, num_heads, head_dim, scaling, num_threads))
+        .map_err(|e| match e {
+            VarlenAttentionError::Shape(m) => PyValueError::new_err(m),
+            VarlenAttentionError::Index(m) => PyIndexError::new_err(m),
+        })
 }
 
 fn last_dim(name: &str, shape: &[usize]) -> PyResult<usize> {
@@ -534,6 +573,7 @@ fn _cpu(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_use_openmp, m)?)?;
     m.add_function(wrap_pyfunction!(_uses_openmp, m)?)?;
     m.add_function(wrap_pyfunction!(decode_attention, m)?)?;
+    m.add_function(wrap_pyfunction!(varlen_attention, m)?)?;
     m.add_function(wrap_pyfunction!(store_kv, m)?)?;
     m.add_function(wrap_pyfunction!(rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(fused_add_rms_norm, m)?)?;
