@@ -25,6 +25,7 @@ mod x86;
 pub use blocks::{f16_to_f32, QuantType};
 
 use crate::parallel;
+use crate::simd::avx2_dispatch;
 
 /// The instruction sets a kernel can run with, best last.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -190,27 +191,33 @@ impl QuantActivations {
             d: vec![0.0; blocks],
             s: vec![0.0; blocks],
         };
-        for (b, (xb, qb)) in x
-            .chunks_exact(32)
-            .zip(act.q.chunks_exact_mut(32))
-            .enumerate()
-        {
-            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let d = amax / 127.0;
-            let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-            let mut sum = 0i32;
-            for (q, &v) in qb.iter_mut().zip(xb) {
-                *q = (v * id).round_ties_even() as i8;
-                sum += *q as i32;
-            }
-            act.d[b] = d;
-            act.s[b] = d * sum as f32;
-        }
+        quantize_blocks(x, &mut act.q, &mut act.d, &mut act.s);
         act
     }
 
     fn rows(&self) -> usize {
         self.q.len() / self.k
+    }
+}
+
+avx2_dispatch! {
+    /// Each block of 32 of `x` to int8 `q` with its scale `d` (max|x| / 127) and `s` = d * sum(q).
+    /// Compiled with AVX2 where the CPU has it, so the rounding is a vector instruction rather
+    /// than a call per value (the results are the same bits).
+    fn quantize_blocks(x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [f32]) {
+        for (b, (xb, qb)) in x.chunks_exact(32).zip(q.chunks_exact_mut(32)).enumerate() {
+            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let scale = amax / 127.0;
+            let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+            let mut sum = 0i32;
+            for (q, &v) in qb.iter_mut().zip(xb) {
+                // |v * inv| <= 127, so the cast through i32 never saturates
+                *q = (v * inv).round_ties_even() as i32 as i8;
+                sum += *q as i32;
+            }
+            d[b] = scale;
+            s[b] = scale * sum as f32;
+        }
     }
 }
 
