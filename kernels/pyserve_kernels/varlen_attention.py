@@ -38,8 +38,12 @@ def varlen_attention(
         raise RuntimeError("pyserve_kernels._cpu is not built; reinstall pyserve-kernels")
     if not varlen_attention_applies(qkv):
         raise ValueError(f"qkv must be a C-contiguous float32 cpu tensor, got {qkv.dtype} on {qkv.device}")
-    if qkv.dim() != 2 or qkv.shape[1] % (3 * num_heads):
+    if num_heads < 1:
+        raise ValueError(f"num_heads must be positive, got {num_heads}")
+    if qkv.dim() != 2 or qkv.shape[1] == 0 or qkv.shape[1] % (3 * num_heads):
         raise ValueError(f"qkv {tuple(qkv.shape)} is not [num_tokens, 3 * {num_heads} * head_dim]")
+    if cu_seqlens.dim() != 1 or cu_seqlens.device.type != "cpu":
+        raise ValueError(f"cu_seqlens must be a 1-D cpu tensor, got {tuple(cu_seqlens.shape)} on {cu_seqlens.device}")
     hidden = qkv.shape[1] // 3
     if scaling is None:
         scaling = 1.0 / math.sqrt(hidden // num_heads)

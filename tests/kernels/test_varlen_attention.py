@@ -67,3 +67,9 @@ def test_bad_calls_raise() -> None:
         varlen_attention(qkv.double(), cu, 2)
     with pytest.raises(ValueError, match="cu_seqlens must hold integers"):
         varlen_attention(qkv, cu.float(), 2)
+    with pytest.raises(ValueError, match=r"cu_seqlens must be a 1-D cpu tensor, got \(1, 3\)"):
+        varlen_attention(qkv, cu.view(1, 3), 2)
+    with pytest.raises(ValueError, match="num_heads must be positive, got 0"):
+        varlen_attention(qkv, cu, 0)
+    with pytest.raises(ValueError, match=r"qkv \(8, 0\) is not"):
+        varlen_attention(qkv[:, :0].contiguous(), cu, 2)

@@ -160,8 +160,9 @@ fn decode_attention(
 ///
 /// qkv: [num_tokens, 3 * hidden] float32 (q | k | v); cu_seqlens: [batch + 1] int32;
 /// out: [num_tokens, hidden] float32, hidden = num_heads * head_dim. Writes `out`:
-/// bidirectional attention within each sequence. Raises ValueError (shapes, dtypes,
-/// non-contiguous or overlapping arrays) or IndexError (bad cu_seqlens); `out` is untouched then.
+/// bidirectional attention within each sequence. Raises TypeError (an array's dtype or number
+/// of dimensions), ValueError (shapes, non-contiguous or overlapping arrays) or IndexError (bad
+/// cu_seqlens); `out` is untouched then.
 #[pyfunction]
 #[pyo3(signature = (qkv, cu_seqlens, out, num_heads, scaling, num_threads=1))]
 fn varlen_attention(

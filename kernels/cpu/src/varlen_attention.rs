@@ -9,13 +9,15 @@
 //!
 //! Work is split into units of up to `QUERY_BLOCK` consecutive query rows of one sequence, all
 //! heads; each unit writes a contiguous block of `out`, so the units of a thread's range form
-//! one slice of it. Per head a unit packs the sequence's keys transposed (`head_dim x L`,
-//! padded to 16 columns) and its values (`L x head_dim`, padded to 16) into scratch rows that
-//! stay in L1/L2, then takes `QUERY_GROUP` query rows at a time: their scores against 16 keys
-//! at once in registers, an exact max-subtracted softmax, and the value sum with the group's
-//! accumulators in registers. Nothing is padded to the batch's longest sequence; the torch
-//! reference gathers similar-length sequences into padded blocks for `scaled_dot_product_attention`
-//! (`pyserve_kernels/reference.py`).
+//! one slice of it. A unit first packs the sequence's keys of every head transposed
+//! (`head_dim x L` per head, padded to 16 columns), its values (`L x head_dim`, padded to 16)
+//! and its own queries (scaled), into scratch rows that stay in L2 (a sequence longer than
+//! QUERY_BLOCK is packed once per unit); then, head by head, it takes `QUERY_GROUP` query rows
+//! at a time: their scores against 16 keys at once in registers, an exact max-subtracted
+//! softmax, and the value sum with the group's accumulators in registers. Nothing is padded to
+//! the batch's longest sequence. The torch reference (`pyserve_kernels/reference.py`) attends
+//! one sequence at a time; without this kernel, pyserve's BERT gathers similar-length
+//! sequences into padded blocks for `scaled_dot_product_attention` (`pyserve/models/bert.py`).
 //!
 //! The loops are written once and compiled twice: with AVX2 + FMA (chosen at run time when the
 //! CPU has them; 16-float arrays become two 8-float registers and `mul_add` one FMA) and for any
@@ -72,7 +74,7 @@ pub fn varlen_attention(
     scaling: f32,
     num_threads: usize,
 ) -> Result<(), VarlenAttentionError> {
-    let hidden = num_heads * head_dim;
+    let hidden = num_heads.checked_mul(head_dim).unwrap_or(0);
     if hidden == 0 {
         return Err(VarlenAttentionError::Shape(format!(
             "num_heads {num_heads} and head_dim {head_dim} must be positive"
@@ -205,9 +207,9 @@ impl Ctx<'_> {
         }
     }
 
-    /// One unit: packs the sequence's keys (transposed) and values and the unit's queries of
-    /// every head, reading each token's q, k and v rows once and in order, then attends each
-    /// head's query rows QUERY_GROUP at a time, writing their columns of `block`.
+    /// One unit: packs the sequence's keys (transposed, one head's columns at a time) and
+    /// values and the unit's queries of every head, then attends each head's query rows
+    /// QUERY_GROUP at a time, writing their columns of `block`.
     #[inline(always)]
     fn unit<const FMA: bool>(&self, unit: &Unit, block: &mut [f32], s: &mut Scratch) {
         let d = self.head_dim;

@@ -211,8 +211,9 @@ avx2_dispatch! {
             let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
             let mut sum = 0i32;
             for (q, &v) in qb.iter_mut().zip(xb) {
-                // |v * inv| <= 127, so the cast through i32 never saturates
-                *q = (v * inv).round_ties_even() as i32 as i8;
+                // |v * inv| <= 127, except where inv overflowed (a subnormal block): the
+                // saturating cast then keeps each value's sign
+                *q = (v * inv).round_ties_even() as i8;
                 sum += *q as i32;
             }
             d[b] = scale;
