@@ -23,7 +23,7 @@ use std::fmt;
 use std::sync::Mutex;
 
 use crate::exp::exp;
-use crate::parallel::run_tasks;
+use crate::parallel::{balanced_bounds, run_tasks};
 use crate::simd::{lane_sum, Portable, RowOps};
 #[cfg(target_arch = "x86_64")]
 use crate::simd::{Avx2, Avx512};
@@ -127,16 +127,11 @@ pub fn decode_attention(
     }
     // Contiguous unit ranges of about total_rows / threads rows each.
     let num_units = ranges.len() * ctx.units_per_request();
-    let mut bounds = vec![0usize];
-    let mut acc = 0usize;
-    for u in 0..num_units {
-        acc += ranges[u / ctx.units_per_request()].len() * kv_heads_per_unit;
-        if acc * threads >= total_rows * bounds.len() && bounds.len() < threads {
-            bounds.push(u + 1);
-        }
-    }
-    bounds.push(num_units);
-    bounds.dedup();
+    let bounds = balanced_bounds(
+        (0..num_units).map(|u| ranges[u / ctx.units_per_request()].len() * kv_heads_per_unit),
+        total_rows,
+        threads,
+    );
     let mut chunks = Vec::with_capacity(bounds.len());
     let mut rest = &mut *out;
     for w in bounds.windows(2) {

@@ -117,6 +117,29 @@ pub fn run_tasks(num_tasks: usize, task: &(dyn Fn(usize) + Sync)) {
     });
 }
 
+/// Cuts consecutive units of work, of the given `weights` summing to `total`, into at most
+/// `parts` contiguous ranges of about total / parts each. Returns the range bounds: rising
+/// from 0 to the number of units, no range empty.
+pub fn balanced_bounds(
+    weights: impl IntoIterator<Item = usize>,
+    total: usize,
+    parts: usize,
+) -> Vec<usize> {
+    let mut bounds = vec![0usize];
+    let mut acc = 0usize;
+    let mut count = 0usize;
+    for (u, w) in weights.into_iter().enumerate() {
+        acc += w;
+        count = u + 1;
+        if acc * parts >= total * bounds.len() && bounds.len() < parts {
+            bounds.push(u + 1);
+        }
+    }
+    bounds.push(count);
+    bounds.dedup();
+    bounds
+}
+
 /// Calls `f(first_row, rows)` on consecutive chunks of `out`'s rows (`row_len` floats each),
 /// one chunk per thread (at most `threads`), all done before returning.
 pub fn for_row_chunks<F>(out: &mut [f32], row_len: usize, threads: usize, f: F)
@@ -187,6 +210,14 @@ mod tests {
         assert_eq!(threads_for(1000, 8), 1);
         assert_eq!(threads_for(3 * MIN_FLOATS_PER_THREAD, 2), 2);
         assert_eq!(threads_for(3 * MIN_FLOATS_PER_THREAD, 0), 1);
+    }
+
+    #[test]
+    fn balanced_bounds_cut_by_weight_into_nonempty_ranges() {
+        assert_eq!(balanced_bounds([1, 1, 1, 1], 4, 2), vec![0, 2, 4]);
+        assert_eq!(balanced_bounds([9, 1, 1, 1], 12, 2), vec![0, 1, 4]);
+        assert_eq!(balanced_bounds([5], 5, 4), vec![0, 1]);
+        assert_eq!(balanced_bounds([], 0, 3), vec![0]);
     }
 
     #[test]

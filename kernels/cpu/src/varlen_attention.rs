@@ -27,7 +27,7 @@ use std::fmt;
 use std::sync::Mutex;
 
 use crate::exp::exp_with;
-use crate::parallel::run_tasks;
+use crate::parallel::{balanced_bounds, run_tasks};
 
 /// Query rows of one sequence in a unit of work.
 const QUERY_BLOCK: usize = 64;
@@ -127,16 +127,7 @@ pub fn varlen_attention(
         return Ok(());
     }
     // contiguous unit ranges of about work / threads each
-    let mut bounds = vec![0usize];
-    let mut acc = 0usize;
-    for (u, unit) in units.iter().enumerate() {
-        acc += unit.rows * unit.len;
-        if acc * threads >= work * bounds.len() && bounds.len() < threads {
-            bounds.push(u + 1);
-        }
-    }
-    bounds.push(units.len());
-    bounds.dedup();
+    let bounds = balanced_bounds(units.iter().map(|u| u.rows * u.len), work, threads);
     let mut chunks = Vec::with_capacity(bounds.len());
     let mut rest = &mut *out;
     for w in bounds.windows(2) {
