@@ -106,13 +106,17 @@ pub(crate) struct Unpacked {
     pub min: [f32; 8],
 }
 
+impl Unpacked {
+    pub const ZERO: Unpacked = Unpacked {
+        w: [0; 256],
+        scale: [[0.0; 8]; 8],
+        min: [0.0; 8],
+    };
+}
+
 impl Default for Unpacked {
     fn default() -> Self {
-        Unpacked {
-            w: [0; 256],
-            scale: [[0.0; 8]; 8],
-            min: [0.0; 8],
-        }
+        Unpacked::ZERO
     }
 }
 

@@ -288,7 +288,10 @@ impl SharedOut {
     }
 }
 
-/// Columns `cols` of out ([m, n]) from activation rows in tiles of 4.
+/// Columns `cols` of out ([m, n]), weight rows outermost (each read from memory once, the
+/// activations staying in cache): groups of `C` weight rows against activation rows in tiles
+/// of up to 4; C is 4 for the one- or two-row products of decode and 2 otherwise (what fits
+/// the 16 AVX2 registers), the last weight rows one at a time.
 fn matmul_rows(
     act: &QuantActivations,
     w: QuantMatrix<'_>,
@@ -298,35 +301,41 @@ fn matmul_rows(
     isa: Isa,
 ) {
     let m = act.rows();
-    for col in cols {
-        let wrow = w.row(col);
+    let group = if m <= 2 { 4 } else { 2 };
+    let mut col = cols.start;
+    while col < cols.end {
+        let c = if col + group <= cols.end { group } else { 1 };
         let mut m0 = 0;
         while m0 < m {
             let r = (m - m0).min(4);
-            let mut res = [0f32; 4];
-            match r {
-                4 => tile::<4>(act, m0, w.qtype, wrow, isa, &mut res),
-                3 => tile::<3>(act, m0, w.qtype, wrow, isa, &mut res),
-                2 => tile::<2>(act, m0, w.qtype, wrow, isa, &mut res),
-                _ => tile::<1>(act, m0, w.qtype, wrow, isa, &mut res),
-            }
-            for (i, v) in res[..r].iter().enumerate() {
-                out[(m0 + i) * n + col] = *v;
+            match (c, r) {
+                (4, 2) => tile_at::<4, 2>(act, m0, w, col, out, n, isa),
+                (4, _) => tile_at::<4, 1>(act, m0, w, col, out, n, isa),
+                (2, 4) => tile_at::<2, 4>(act, m0, w, col, out, n, isa),
+                (2, 3) => tile_at::<2, 3>(act, m0, w, col, out, n, isa),
+                (2, 2) => tile_at::<2, 2>(act, m0, w, col, out, n, isa),
+                (2, _) => tile_at::<2, 1>(act, m0, w, col, out, n, isa),
+                (_, 4) => tile_at::<1, 4>(act, m0, w, col, out, n, isa),
+                (_, 3) => tile_at::<1, 3>(act, m0, w, col, out, n, isa),
+                (_, 2) => tile_at::<1, 2>(act, m0, w, col, out, n, isa),
+                _ => tile_at::<1, 1>(act, m0, w, col, out, n, isa),
             }
             m0 += r;
         }
+        col += c;
     }
 }
 
-/// res[i] = dot(weight row, activation row m0 + i) for i < R.
+/// out[m0 + r, col + c] for the R activation rows from m0 and the C weight rows from col.
 #[inline(always)]
-fn tile<const R: usize>(
+fn tile_at<const C: usize, const R: usize>(
     act: &QuantActivations,
     m0: usize,
-    qtype: QuantType,
-    wrow: &[u8],
+    w: QuantMatrix<'_>,
+    col: usize,
+    out: &mut [f32],
+    n: usize,
     isa: Isa,
-    res: &mut [f32; 4],
 ) {
     let k = act.k;
     let kb = k / 32;
@@ -338,18 +347,33 @@ fn tile<const R: usize>(
             s: &act.s[m * kb..(m + 1) * kb],
         }
     });
-    let got: [f32; R] = match isa {
-        Isa::Scalar => blocks::dot_rows::<R>(qtype, wrow, &rows),
+    let got = tile::<C, R>(w.qtype, std::array::from_fn(|c| w.row(col + c)), &rows, isa);
+    for (c, res) in got.iter().enumerate() {
+        for (i, v) in res.iter().enumerate() {
+            out[(m0 + i) * n + col + c] = *v;
+        }
+    }
+}
+
+/// res[c][r] = dot(weight row `wrows[c]`, activation row `rows[r]`).
+#[inline(always)]
+fn tile<const C: usize, const R: usize>(
+    qtype: QuantType,
+    wrows: [&[u8]; C],
+    rows: &[ActRow<'_>; R],
+    isa: Isa,
+) -> [[f32; R]; C] {
+    match isa {
+        Isa::Scalar => wrows.map(|wrow| blocks::dot_rows::<R>(qtype, wrow, rows)),
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `matmul` checked that this CPU has the instruction set.
-        Isa::Avx2 => unsafe { x86::dot_rows_avx2::<R>(qtype, wrow, &rows) },
+        Isa::Avx2 => unsafe { x86::dot_tile_avx2::<C, R>(qtype, &wrows, rows) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        Isa::Avx512Vnni => unsafe { x86::dot_rows_vnni::<R>(qtype, wrow, &rows) },
+        Isa::Avx512Vnni => unsafe { x86::dot_tile_vnni::<C, R>(qtype, &wrows, rows) },
         #[cfg(not(target_arch = "x86_64"))]
         _ => unreachable!("only the scalar path exists off x86-64"),
-    };
-    res[..R].copy_from_slice(&got);
+    }
 }
 
 /// One quantized activation row: `q` [k], `d` and `s` [k / 32].

@@ -68,7 +68,14 @@ fn half_conversion_matches_f16c() {
 fn every_isa_gives_identical_results() {
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     for qt in QuantType::ALL {
-        for (m, n, blocks) in [(1, 1, 1), (3, 9, 2), (5, 17, 3), (9, 8, 1)] {
+        for (m, n, blocks) in [
+            (1, 1, 1),
+            (1, 13, 2),
+            (2, 7, 1),
+            (3, 9, 2),
+            (5, 17, 3),
+            (9, 8, 1),
+        ] {
             let data = random_matrix(qt, n, blocks, &mut rng);
             let w = QuantMatrix::new(qt, &data, blocks * qt.block_bytes()).unwrap();
             let x: Vec<f32> = (0..m * w.k()).map(|_| rng.f32()).collect();
