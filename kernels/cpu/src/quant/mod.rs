@@ -305,24 +305,36 @@ fn matmul_rows(
     let mut col = cols.start;
     while col < cols.end {
         let c = if col + group <= cols.end { group } else { 1 };
-        let mut m0 = 0;
-        while m0 < m {
-            let r = (m - m0).min(4);
-            match (c, r) {
-                (4, 2) => tile_at::<4, 2>(act, m0, w, col, out, n, isa),
-                (4, _) => tile_at::<4, 1>(act, m0, w, col, out, n, isa),
-                (2, 4) => tile_at::<2, 4>(act, m0, w, col, out, n, isa),
-                (2, 3) => tile_at::<2, 3>(act, m0, w, col, out, n, isa),
-                (2, 2) => tile_at::<2, 2>(act, m0, w, col, out, n, isa),
-                (2, _) => tile_at::<2, 1>(act, m0, w, col, out, n, isa),
-                (_, 4) => tile_at::<1, 4>(act, m0, w, col, out, n, isa),
-                (_, 3) => tile_at::<1, 3>(act, m0, w, col, out, n, isa),
-                (_, 2) => tile_at::<1, 2>(act, m0, w, col, out, n, isa),
-                _ => tile_at::<1, 1>(act, m0, w, col, out, n, isa),
-            }
-            m0 += r;
+        match c {
+            4 => weight_rows_at::<4>(act, w, col, out, n, isa),
+            2 => weight_rows_at::<2>(act, w, col, out, n, isa),
+            _ => weight_rows_at::<1>(act, w, col, out, n, isa),
         }
         col += c;
+    }
+}
+
+/// The C weight rows from `col` against every activation row, in tiles of up to 4.
+#[inline(always)]
+fn weight_rows_at<const C: usize>(
+    act: &QuantActivations,
+    w: QuantMatrix<'_>,
+    col: usize,
+    out: &mut [f32],
+    n: usize,
+    isa: Isa,
+) {
+    let m = act.rows();
+    let mut m0 = 0;
+    while m0 < m {
+        let r = (m - m0).min(4);
+        match r {
+            4 => tile_at::<C, 4>(act, m0, w, col, out, n, isa),
+            3 => tile_at::<C, 3>(act, m0, w, col, out, n, isa),
+            2 => tile_at::<C, 2>(act, m0, w, col, out, n, isa),
+            _ => tile_at::<C, 1>(act, m0, w, col, out, n, isa),
+        }
+        m0 += r;
     }
 }
 
