@@ -64,15 +64,12 @@ def _attach_openmp() -> None:
         return
     try:
         lib = ctypes.CDLL(path)  # the already-loaded copy: dlopen returns its handle
-        addr = [
-            ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
-            for name in ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads")
-        ]
+        addr = ctypes.cast(lib.GOMP_parallel, ctypes.c_void_p).value
     except (OSError, AttributeError) as e:
         logger.debug("native kernels keep their own threads: %s", e)
         return
-    if all(addr):
-        _cpu._use_openmp(*addr)
+    if addr:
+        _cpu._use_openmp(addr)
 
 
 _attach_openmp()

@@ -22,6 +22,7 @@ from pyserve.config import ServerArgs
 from pyserve.constrained import GrammarBackend, grammar_stop_ids
 from pyserve.engine import parallel_sampling, server_info
 from pyserve.engine.detokenizer import token_deltas
+from pyserve.engine.own_thread import run_in_own_thread
 from pyserve.engine.scheduler import Scheduler
 from pyserve.engine.tokenizer_manager import TokenizerManager, failure_of
 from pyserve.engine.worker import ModelWorker
@@ -67,7 +68,7 @@ class EngineCore:
         # the loop its own. An explicit setting wins.
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self._load)
+        await run_in_own_thread(self._load)
         args = self.server_args
         runner = self.model_runner
         # an embedding server runs each prompt as one whole prefill step (never cut: an
@@ -87,8 +88,8 @@ class EngineCore:
         )
         mc = runner.model_config
         # on CUDA the worker captures the decode graphs before it is ready: not on the loop
-        self.worker = await loop.run_in_executor(
-            None, ModelWorker, runner, self.kv_cache.num_rows, self.kv_cache.max_context_len, mc.vocab_size
+        self.worker = await run_in_own_thread(
+            ModelWorker, runner, self.kv_cache.num_rows, self.kv_cache.max_context_len, mc.vocab_size
         )
         self.grammar_backend = await loop.run_in_executor(None, self._grammar_backend)
         self.scheduler = Scheduler(

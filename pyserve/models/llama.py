@@ -28,6 +28,7 @@ from pyserve.layers.logits_processor import LogitsProcessor
 from pyserve.layers.rotary_embedding import RotaryEmbedding
 from pyserve.model_loader.config import rope_parameters
 from pyserve.models.checkpoint import copy_checkpoint
+from pyserve.models.native_decode import build_native_layers, native_decode
 from pyserve_kernels import apply_rotary_pos_emb, rotary_embedding_
 from pyserve_kernels.quant import QuantizedWeight, dequantize, quantized_embedding
 
@@ -255,6 +256,8 @@ class LlamaModel(nn.Module):
         )
         # the checkpoint's quantized embedding (only the rows looked up are dequantized), else None
         self.embed_quantized: QuantizedWeight | None = None
+        # built on the first DECODE batch (False: not yet; None: not possible)
+        self._native_layers: list[Any] | None | bool = False
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, dtype, device, spec) for i in range(config.num_hidden_layers)
         )
@@ -263,6 +266,14 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(
             head_dim, config.max_position_embeddings, rope_parameters(config), device=device
         )
+
+    def native_layers(self) -> list[Any] | None:
+        """The layers as native `QuantDecoderLayer`s (`pyserve.models.native_decode`), built on
+        first use; None when the model cannot run that way. `LlamaForCausalLM` drops them when
+        its weights change."""
+        if self._native_layers is False:
+            self._native_layers = build_native_layers(self)
+        return self._native_layers if isinstance(self._native_layers, list) and self._native_layers else None
 
     def decoder_layers(self) -> list[LlamaDecoderLayer]:
         """The decoder layers, typed (nn.ModuleList yields plain Modules)."""
@@ -274,6 +285,9 @@ class LlamaModel(nn.Module):
         else:
             hidden = self.embed_tokens(forward_batch.input_ids)
         cos, sin = self.rotary_emb.get_cos_sin(forward_batch.positions)
+        metadata = attn_backend.native_decode_metadata()
+        if metadata is not None and (native := self.native_layers()) is not None:
+            return native_decode(self, native, hidden, cos, sin, metadata)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, cos, sin, forward_batch, attn_backend)
@@ -342,6 +356,7 @@ class LlamaForCausalLM(nn.Module):
         return [w for w in found if isinstance(w, QuantizedWeight)]
 
     def _drop_packed_weights(self) -> None:
+        self.model._native_layers = False
         for layer in self.model.decoder_layers():
             layer.self_attn.qkv_packed = layer.self_attn.o_packed = None
             layer.mlp.gate_up_packed = layer.mlp.down_packed = None

@@ -61,13 +61,13 @@ def k_quant_bytes(rows: int, cols: int, qtype: str, gen: np.random.Generator) ->
     return data.reshape(rows, -1)
 
 
-def write_tiny_gguf(path, qtype: str) -> dict[str, torch.Tensor]:
-    """Write a 1-layer Llama; returns the HF-named float32 weights the file decodes to."""
+def write_tiny_gguf(path, qtype: str, layers: int = 1) -> dict[str, torch.Tensor]:
+    """Write a Llama of `layers` layers; returns the HF-named float32 weights the file decodes to."""
     config = transformers.LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=HIDDEN,
         intermediate_size=HIDDEN,
-        num_hidden_layers=1,
+        num_hidden_layers=layers,
         num_attention_heads=HEADS,
         num_key_value_heads=KV_HEADS,
         tie_word_embeddings=False,
@@ -75,7 +75,7 @@ def write_tiny_gguf(path, qtype: str) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     state = transformers.LlamaForCausalLM(config).state_dict()
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(1)
+    writer.add_block_count(layers)
     writer.add_context_length(128)
     writer.add_embedding_length(HIDDEN)
     writer.add_feed_forward_length(HIDDEN)

@@ -59,7 +59,7 @@ impl std::error::Error for DecodeAttentionError {}
 
 /// Below this many (key, KV head) rows in a call, one thread does everything: handing work to
 /// other threads costs more than it saves.
-const MIN_ROWS_PER_THREAD: usize = 4096;
+const MIN_ROWS_PER_THREAD: usize = 1024;
 
 /// Computes softmax(q k^T * scaling) v for every request's new token (see the module doc).
 ///

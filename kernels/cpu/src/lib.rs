@@ -9,6 +9,7 @@
 
 pub mod activation;
 pub mod decode_attention;
+pub mod decoder_layer;
 pub mod exp;
 pub mod norm;
 pub mod parallel;
@@ -24,3 +25,5 @@ pub use varlen_attention::{varlen_attention, VarlenAttentionError};
 
 #[cfg(feature = "python")]
 mod python;
+#[cfg(feature = "python")]
+mod python_layer;

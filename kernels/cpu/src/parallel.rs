@@ -8,9 +8,9 @@
 //! This is what a C++ kernel gets from `at::parallel_for` (as SGLang's and IPEX's CPU kernels
 //! use); from Rust we call libgomp's `GOMP_parallel` ourselves.
 
-use std::ffi::{c_int, c_uint, c_void};
+use std::ffi::{c_uint, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 /// Below this many floats per thread, extra threads cost more than they save.
@@ -23,28 +23,22 @@ pub fn threads_for(work: usize, num_threads: usize) -> usize {
 
 type GompParallel =
     unsafe extern "C" fn(unsafe extern "C" fn(*mut c_void), *mut c_void, c_uint, c_uint);
-type OmpQuery = unsafe extern "C" fn() -> c_int;
 
 #[derive(Clone, Copy)]
 struct OpenMp {
     parallel: GompParallel,
-    thread_num: OmpQuery,
-    num_threads: OmpQuery,
 }
 
 static OPENMP: OnceLock<OpenMp> = OnceLock::new();
 
-/// Makes every later parallel kernel run on the calling thread's OpenMP team through these
-/// libgomp functions (`GOMP_parallel`, `omp_get_thread_num`, `omp_get_num_threads`). Returns
-/// false (and changes nothing) if entry points were already set.
+/// Makes every later parallel kernel run on the calling thread's OpenMP team through libgomp's
+/// `GOMP_parallel`. Returns false (and changes nothing) if it was already set.
 ///
 /// # Safety
-/// The three addresses must be those functions of the libgomp loaded in this process.
-pub unsafe fn use_openmp(parallel: usize, thread_num: usize, num_threads: usize) -> bool {
+/// The address must be `GOMP_parallel` of the libgomp loaded in this process.
+pub unsafe fn use_openmp(parallel: usize) -> bool {
     let omp = OpenMp {
         parallel: std::mem::transmute::<usize, GompParallel>(parallel),
-        thread_num: std::mem::transmute::<usize, OmpQuery>(thread_num),
-        num_threads: std::mem::transmute::<usize, OmpQuery>(num_threads),
     };
     OPENMP.set(omp).is_ok()
 }
@@ -56,42 +50,64 @@ pub fn uses_openmp() -> bool {
 
 struct Job<'a> {
     num_tasks: usize,
+    /// The next task not yet claimed.
+    next: AtomicUsize,
     task: &'a (dyn Fn(usize) + Sync),
-    omp: OpenMp,
     panicked: AtomicBool,
 }
 
 unsafe extern "C" fn run_job(data: *mut c_void) {
     // SAFETY: `data` is the `Job` that `run_tasks` keeps alive until GOMP_parallel returns.
     let job = &*(data as *const Job<'_>);
-    let (first, stride) = (
-        (job.omp.thread_num)() as usize,
-        ((job.omp.num_threads)() as usize).max(1),
-    );
     // A panic must not unwind into C; it is re-raised on the calling thread.
     let result = catch_unwind(AssertUnwindSafe(|| {
-        for i in (first..job.num_tasks).step_by(stride) {
-            (job.task)(i);
-        }
+        claim_tasks(&job.next, job.num_tasks, job.task)
     }));
     if result.is_err() {
         job.panicked.store(true, Ordering::Relaxed);
     }
 }
 
+/// Runs tasks in claim order until none is left: each thread takes the next unclaimed one.
+fn claim_tasks(next: &AtomicUsize, num_tasks: usize, task: &(dyn Fn(usize) + Sync)) {
+    loop {
+        let i = next.fetch_add(1, Ordering::Relaxed);
+        if i >= num_tasks {
+            return;
+        }
+        task(i);
+    }
+}
+
 /// Calls `task(i)` once for each i in 0..num_tasks, on up to num_tasks threads (the calling
 /// thread among them), and returns when all are done.
 pub fn run_tasks(num_tasks: usize, task: &(dyn Fn(usize) + Sync)) {
+    run_tasks_on(num_tasks, num_tasks, task)
+}
+
+/// Calls `task(i)` once for each i in 0..num_tasks on up to `num_threads` threads (the
+/// calling thread among them), each thread claiming the next task when it finishes one, and
+/// returns when all are done.
+///
+/// Why claimed, not dealt out in advance: on a machine whose cores are shared (the event loop
+/// and the HTTP client run beside the model on the 2-core test machine), a thread descheduled
+/// for a while would hold up the whole call with its share; cut into several tasks per thread,
+/// the running threads take over its remaining ones.
+pub fn run_tasks_on(num_tasks: usize, num_threads: usize, task: &(dyn Fn(usize) + Sync)) {
+    let num_threads = num_threads.clamp(1, num_tasks.max(1));
     match num_tasks {
         0 => return,
         1 => return task(0),
         _ => {}
     }
+    if num_threads == 1 {
+        return (0..num_tasks).for_each(task);
+    }
     if let Some(&omp) = OPENMP.get() {
         let job = Job {
             num_tasks,
+            next: AtomicUsize::new(0),
             task,
-            omp,
             panicked: AtomicBool::new(false),
         };
         // SAFETY: entry points from `use_openmp`'s contract; `job` outlives the call.
@@ -99,7 +115,7 @@ pub fn run_tasks(num_tasks: usize, task: &(dyn Fn(usize) + Sync)) {
             (omp.parallel)(
                 run_job,
                 &job as *const Job<'_> as *mut c_void,
-                num_tasks as c_uint,
+                num_threads as c_uint,
                 0,
             )
         };
@@ -109,11 +125,12 @@ pub fn run_tasks(num_tasks: usize, task: &(dyn Fn(usize) + Sync)) {
         );
         return;
     }
+    let next = AtomicUsize::new(0);
     std::thread::scope(|scope| {
-        for i in 1..num_tasks {
-            scope.spawn(move || task(i));
+        for _ in 1..num_threads {
+            scope.spawn(|| claim_tasks(&next, num_tasks, task));
         }
-        task(0);
+        claim_tasks(&next, num_tasks, task);
     });
 }
 

@@ -27,7 +27,7 @@ fn not_c_contiguous(name: &str) -> PyErr {
 
 /// The elements of a C-contiguous array (rust-numpy's `as_slice` also takes Fortran order,
 /// which the kernels would misread).
-fn c_slice<'a, T: Element, D: Dimension>(
+pub(crate) fn c_slice<'a, T: Element, D: Dimension>(
     name: &str,
     a: &'a PyReadonlyArray<'_, T, D>,
 ) -> PyResult<&'a [T]> {
@@ -37,7 +37,7 @@ fn c_slice<'a, T: Element, D: Dimension>(
     a.as_slice().map_err(|_| not_c_contiguous(name))
 }
 
-fn c_slice_mut<'a, T: Element, D: Dimension>(
+pub(crate) fn c_slice_mut<'a, T: Element, D: Dimension>(
     name: &str,
     a: &'a mut PyReadwriteArray<'_, T, D>,
 ) -> PyResult<&'a mut [T]> {
@@ -48,7 +48,7 @@ fn c_slice_mut<'a, T: Element, D: Dimension>(
 }
 
 /// Byte addresses a slice covers.
-fn span<T>(s: &[T]) -> Range<usize> {
+pub(crate) fn span<T>(s: &[T]) -> Range<usize> {
     let start = s.as_ptr() as usize;
     start..start + std::mem::size_of_val(s)
 }
@@ -64,7 +64,10 @@ fn rows_span<T>(rows: &[&[T]]) -> Range<usize> {
 }
 
 /// ValueError unless each written range is disjoint from every other argument's range.
-fn check_disjoint(written: &[(&str, Range<usize>)], read: &[(&str, Range<usize>)]) -> PyResult<()> {
+pub(crate) fn check_disjoint(
+    written: &[(&str, Range<usize>)],
+    read: &[(&str, Range<usize>)],
+) -> PyResult<()> {
     for (i, (w_name, w)) in written.iter().enumerate() {
         let others = written
             .iter()
@@ -327,19 +330,18 @@ fn silu_and_mul(
     Ok(())
 }
 
-/// _use_openmp(parallel, thread_num, num_threads) -> bool: run parallel kernels on the
-/// calling thread's OpenMP team through these libgomp functions (addresses of
-/// `GOMP_parallel`, `omp_get_thread_num`, `omp_get_num_threads` of the libgomp torch uses).
-/// Called once by `pyserve_kernels._native` at import. Returns False if already set.
+/// _use_openmp(parallel) -> bool: run parallel kernels on the calling thread's OpenMP team
+/// through libgomp's `GOMP_parallel` (its address, in the libgomp torch uses). Called once by
+/// `pyserve_kernels._native` at import. Returns False if already set.
 ///
-/// Private: wrong addresses crash the process.
+/// Private: a wrong address crashes the process.
 #[pyfunction]
-fn _use_openmp(parallel: usize, thread_num: usize, num_threads: usize) -> PyResult<bool> {
-    if parallel == 0 || thread_num == 0 || num_threads == 0 {
+fn _use_openmp(parallel: usize) -> PyResult<bool> {
+    if parallel == 0 {
         return Err(PyValueError::new_err("null libgomp entry point"));
     }
-    // SAFETY: the caller passes the libgomp functions named above (private API).
-    Ok(unsafe { crate::parallel::use_openmp(parallel, thread_num, num_threads) })
+    // SAFETY: the caller passes the libgomp function named above (private API).
+    Ok(unsafe { crate::parallel::use_openmp(parallel) })
 }
 
 /// _uses_openmp() -> bool: whether parallel kernels run on the OpenMP team.
@@ -469,7 +471,7 @@ fn apply_token_bitmask(
     .map_err(|e| PyValueError::new_err(e.0))
 }
 
-fn quant_error(e: QuantError) -> PyErr {
+pub(crate) fn quant_error(e: QuantError) -> PyErr {
     match e {
         QuantError::RowIndex { .. } => PyIndexError::new_err(e.to_string()),
         _ => PyValueError::new_err(e.to_string()),
@@ -477,7 +479,10 @@ fn quant_error(e: QuantError) -> PyErr {
 }
 
 /// A [rows, row_bytes] uint8 array of `qtype` (a ggml type id) blocks as a QuantMatrix.
-fn quant_matrix<'a>(weight: &'a PyReadonlyArray2<'_, u8>, qtype: u32) -> PyResult<QuantMatrix<'a>> {
+pub(crate) fn quant_matrix<'a>(
+    weight: &'a PyReadonlyArray2<'_, u8>,
+    qtype: u32,
+) -> PyResult<QuantMatrix<'a>> {
     let qt = QuantType::from_ggml(qtype).ok_or_else(|| {
         PyValueError::new_err(format!("ggml type {qtype} has no quantized kernel"))
     })?;
@@ -584,5 +589,6 @@ fn _cpu(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(quant_matmul, m)?)?;
     m.add_function(wrap_pyfunction!(quant_dequantize_rows, m)?)?;
     m.add_function(wrap_pyfunction!(quant_isas, m)?)?;
+    m.add_class::<crate::python_layer::QuantDecoderLayer>()?;
     Ok(())
 }

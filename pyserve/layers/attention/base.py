@@ -14,7 +14,7 @@ CUDA-graph hooks (`init_cuda_graph_state`, `init_forward_metadata_capture/replay
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -52,6 +52,12 @@ class AttentionBackend(abc.ABC):
     @abc.abstractmethod
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Precompute what every layer of `forward_batch` shares (once per batch)."""
+
+    def native_decode_metadata(self) -> Any:
+        """What a whole native decoder layer needs of the current batch
+        (`pyserve.models.native_decode`), or None: the batch is not a pure DECODE batch this
+        backend can hand over (the default)."""
+        return None
 
     @abc.abstractmethod
     def forward(

@@ -15,6 +15,7 @@ of a prefill next to its GEMMs, so EXTEND keeps the reference. Only the worker t
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -22,6 +23,20 @@ from pyserve.forward_batch_info import ForwardBatch, ForwardMode, kv_indptr_of
 from pyserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from pyserve_kernels import native_available
 from pyserve_kernels._native import _cpu, as_int_array
+
+
+@dataclasses.dataclass(frozen=True)
+class NativeDecodeMetadata:
+    """A DECODE batch as the native decoder layer takes it: per layer the pool's K and V numpy
+    views [num_slots, num_kv_heads, head_dim]; out_cache_loc [B], kv_indptr [B + 1] and
+    kv_indices int32; the thread count of the kernels."""
+
+    k_views: list[Any]
+    v_views: list[Any]
+    out_cache_loc: Any
+    kv_indptr: Any
+    kv_indices: Any
+    num_threads: int
 
 
 class CpuAttnBackend(TorchNativeAttnBackend):
@@ -67,6 +82,14 @@ class CpuAttnBackend(TorchNativeAttnBackend):
             self._init_split(forward_batch, single)
             return
         self._init_decode(forward_batch)
+
+    def native_decode_metadata(self) -> NativeDecodeMetadata | None:
+        """The current batch's `NativeDecodeMetadata` when it is a pure DECODE batch, else None."""
+        if not self.decode:
+            return None
+        return NativeDecodeMetadata(
+            self._k_views, self._v_views, self._out_cache_loc, self._kv_indptr, self._kv_indices, self._num_threads
+        )
 
     def _init_split(self, forward_batch: ForwardBatch, single: torch.Tensor) -> None:
         """A mixed EXTEND batch: the reference's metadata for its longer rows, the decode

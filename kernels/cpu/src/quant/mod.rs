@@ -19,6 +19,9 @@
 //! a fixed tree. See `blocks` for the formats, `x86` for the SIMD paths.
 
 mod blocks;
+mod nibble;
+#[cfg(target_arch = "x86_64")]
+mod nibble_x86;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
@@ -262,20 +265,36 @@ pub fn matmul(
         return Ok(());
     }
     let act = QuantActivations::new(x, k);
-    // Rows per task: enough work per thread to be worth a thread, a multiple of 8 rows.
+    let tiles = (nibble::applies(w.qtype) && m > 1 && isa != Isa::Scalar)
+        .then(|| nibble::ActTiles::new(&act));
+    // Rows per task: a multiple of 8, about TASKS_PER_THREAD tasks per thread (claimed, see
+    // `parallel::run_tasks_on`); threads only where the work is worth one.
     let work = m * n * k / 4; // bytes of int8 products, roughly
     let threads = parallel::threads_for(work, num_threads).min(n.div_ceil(8));
-    let per = n.div_ceil(threads).next_multiple_of(8).min(n);
+    let per = if threads == 1 {
+        n
+    } else {
+        n.div_ceil(threads * TASKS_PER_THREAD)
+            .next_multiple_of(8)
+            .min(n)
+    };
     let tasks = n.div_ceil(per);
     let out_ptr = SharedOut(out.as_mut_ptr());
-    parallel::run_tasks(tasks, &|t| {
+    parallel::run_tasks_on(tasks, threads, &|t| {
         let rows = t * per..((t + 1) * per).min(n);
         // SAFETY: tasks write the disjoint columns `rows` of `out`, which outlives run_tasks.
         let out = unsafe { std::slice::from_raw_parts_mut(out_ptr.get(), m * n) };
-        matmul_rows(&act, w, rows, out, n, isa);
+        if nibble::applies(w.qtype) {
+            nibble::matmul_rows(&act, tiles.as_ref(), w, rows, out, n, isa);
+        } else {
+            matmul_rows(&act, w, rows, out, n, isa);
+        }
     });
     Ok(())
 }
+
+/// Tasks a product's weight rows are cut into per thread.
+const TASKS_PER_THREAD: usize = 4;
 
 #[derive(Clone, Copy)]
 struct SharedOut(*mut f32);

@@ -75,6 +75,9 @@ fn every_isa_gives_identical_results() {
             (3, 9, 2),
             (5, 17, 3),
             (9, 8, 1),
+            (8, 5, 2),
+            (17, 13, 2),
+            (43, 6, 2),
         ] {
             let data = random_matrix(qt, n, blocks, &mut rng);
             let w = QuantMatrix::new(qt, &data, blocks * qt.block_bytes()).unwrap();
@@ -91,6 +94,33 @@ fn every_isa_gives_identical_results() {
                         .all(|(a, b)| a.to_bits() == b.to_bits());
                     assert!(same, "{qt:?} {isa:?} m={m} n={n}: {got:?} != {want:?}");
                 }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_row_gives_the_same_bits_in_any_batch() {
+    // decode runs one row, prefill and batched decode many: a request's numbers must not
+    // depend on the rows it is multiplied with
+    let mut rng = Rng(11);
+    for qt in QuantType::ALL {
+        let (m, n, blocks) = (35, 9, 3);
+        let data = random_matrix(qt, n, blocks, &mut rng);
+        let w = QuantMatrix::new(qt, &data, blocks * qt.block_bytes()).unwrap();
+        let k = w.k();
+        let x: Vec<f32> = (0..m * k).map(|_| rng.f32()).collect();
+        for &isa in available_isas() {
+            let mut batch = vec![0f32; m * n];
+            matmul(&x, w, &mut batch, 2, isa).unwrap();
+            for r in 0..m {
+                let mut one = vec![0f32; n];
+                matmul(&x[r * k..(r + 1) * k], w, &mut one, 1, isa).unwrap();
+                let same = one
+                    .iter()
+                    .zip(&batch[r * n..(r + 1) * n])
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{qt:?} {isa:?} row {r}");
             }
         }
     }

@@ -11,7 +11,7 @@ use super::blocks::{self, QuantType, Unpacked};
 use super::{reduce_lanes, ActRow};
 
 #[inline(always)]
-unsafe fn half(p: *const u8) -> f32 {
+pub(crate) unsafe fn half(p: *const u8) -> f32 {
     let h = u16::from_le_bytes([*p, *p.add(1)]);
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
 }
@@ -24,13 +24,13 @@ const PREFETCH_BYTES: usize = 1024;
 
 /// Asks for the cache line `PREFETCH_BYTES` past `p` (no fault past the end of the weights).
 #[inline(always)]
-unsafe fn prefetch(p: *const u8) {
+pub(crate) unsafe fn prefetch(p: *const u8) {
     _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES) as *const i8);
 }
 
 /// 16 bytes of two 4-bit values each: low nibbles in bytes 0-15, high nibbles in 16-31.
 #[inline(always)]
-unsafe fn nibbles(p: *const u8) -> __m256i {
+pub(crate) unsafe fn nibbles(p: *const u8) -> __m256i {
     let b = _mm_loadu_si128(p as *const __m128i);
     let mask = _mm_set1_epi8(0xf);
     let lo = _mm_and_si128(b, mask);
@@ -40,7 +40,7 @@ unsafe fn nibbles(p: *const u8) -> __m256i {
 
 /// 0x10 in byte i where bit i of the little-endian u32 at `p` is set.
 #[inline(always)]
-unsafe fn fifth_bits(p: *const u8) -> __m256i {
+pub(crate) unsafe fn fifth_bits(p: *const u8) -> __m256i {
     let qh = u32::from_le_bytes([*p, *p.add(1), *p.add(2), *p.add(3)]);
     let idx = _mm256_setr_epi8(
         0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3,

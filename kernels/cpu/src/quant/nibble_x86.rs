@@ -1,0 +1,202 @@
+//! AVX2 and AVX-512 VNNI products of the 4- and 5-bit 32-weight formats (arithmetic in
+//! `nibble`'s module doc). Weights are unsigned and below 32 and activations int8, so AVX2's
+//! `maddubs` never saturates (2 x 31 x 128 < 2^15) and both paths give the exact int32 sums.
+
+use std::arch::x86_64::*;
+
+use super::blocks::QuantType;
+use super::x86::{fifth_bits, half, nibbles, prefetch};
+use super::ActRow;
+
+/// A block at `p`: (32 unsigned codes, scale, min), as `nibble::unpack`.
+#[inline(always)]
+unsafe fn unpack(qt: QuantType, p: *const u8) -> (__m256i, f32, f32) {
+    let sc = half(p);
+    match qt {
+        QuantType::Q4_0 => (nibbles(p.add(2)), sc, -8.0 * sc),
+        QuantType::Q4_1 => (nibbles(p.add(4)), sc, half(p.add(2))),
+        QuantType::Q5_0 => (
+            _mm256_or_si256(nibbles(p.add(6)), fifth_bits(p.add(2))),
+            sc,
+            -16.0 * sc,
+        ),
+        QuantType::Q5_1 => (
+            _mm256_or_si256(nibbles(p.add(8)), fifth_bits(p.add(4))),
+            sc,
+            half(p.add(2)),
+        ),
+        _ => unreachable!("not a 4- or 5-bit 32-weight format"),
+    }
+}
+
+/// acc + the eight int32 sums of four consecutive products u_i * x_i (u unsigned).
+#[inline(always)]
+unsafe fn dot_add<const VNNI: bool>(acc: __m256i, u: __m256i, x: __m256i) -> __m256i {
+    if VNNI {
+        _mm256_dpbusd_epi32(acc, u, x)
+    } else {
+        let pairs = _mm256_maddubs_epi16(u, x);
+        _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+    }
+}
+
+/// The sums of the eight lanes of each of four vectors.
+#[inline(always)]
+unsafe fn sum_lanes4(v: [__m256i; 4]) -> __m128i {
+    let h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h))
+}
+
+#[inline(always)]
+unsafe fn row4_impl<const VNNI: bool>(
+    qt: QuantType,
+    wrows: &[&[u8]; 4],
+    a: &ActRow<'_>,
+) -> [f32; 4] {
+    let bb = qt.block_bytes();
+    let mut acc = _mm_setzero_ps();
+    for b in 0..wrows[0].len() / bb {
+        let x = _mm256_loadu_si256(a.q.as_ptr().add(32 * b) as *const __m256i);
+        let mut lanes = [_mm256_setzero_si256(); 4];
+        let (mut sc, mut mn) = ([0f32; 4], [0f32; 4]);
+        for c in 0..4 {
+            let p = wrows[c].as_ptr().add(b * bb);
+            prefetch(p);
+            let (u, s, m) = unpack(qt, p);
+            lanes[c] = dot_add::<VNNI>(_mm256_setzero_si256(), u, x);
+            (sc[c], mn[c]) = (s, m);
+        }
+        let isum = _mm_cvtepi32_ps(sum_lanes4(lanes));
+        let scale = _mm_mul_ps(
+            _mm_loadu_ps(sc.as_ptr()),
+            _mm_set1_ps(*a.d.get_unchecked(b)),
+        );
+        acc = _mm_fmadd_ps(scale, isum, acc);
+        acc = _mm_fmadd_ps(
+            _mm_loadu_ps(mn.as_ptr()),
+            _mm_set1_ps(*a.s.get_unchecked(b)),
+            acc,
+        );
+    }
+    let mut out = [0f32; 4];
+    _mm_storeu_ps(out.as_mut_ptr(), acc);
+    out
+}
+
+/// One tile of eight activation rows as `ActTiles::tile` gives it: (q, d, s).
+pub(crate) type Tile<'a> = (&'a [i8], &'a [f32], &'a [f32]);
+
+#[inline(always)]
+unsafe fn tiles_impl<const T: usize, const VNNI: bool>(
+    qt: QuantType,
+    wrows: &[&[u8]; 4],
+    tiles: &[Tile<'_>; T],
+) -> [[[f32; 8]; T]; 4] {
+    let bb = qt.block_bytes();
+    let mut acc = [[_mm256_setzero_ps(); T]; 4];
+    for b in 0..wrows[0].len() / bb {
+        for c in 0..4 {
+            let p = wrows[c].as_ptr().add(b * bb);
+            prefetch(p);
+            let (u, sc, mn) = unpack(qt, p);
+            // codes 4i..4i + 4 in every lane, once for all the tiles
+            let mut wi = [_mm256_setzero_si256(); 8];
+            for (i, w) in wi.iter_mut().enumerate() {
+                *w = _mm256_permutevar8x32_epi32(u, _mm256_set1_epi32(i as i32));
+            }
+            let (scale, min) = (_mm256_set1_ps(sc), _mm256_set1_ps(mn));
+            for t in 0..T {
+                let (q, d, s) = tiles[t];
+                let xq = q.as_ptr().add(256 * b) as *const __m256i;
+                // two chains: eight dependent dot instructions would wait on each other
+                let mut isum = [_mm256_setzero_si256(); 2];
+                for i in 0..8 {
+                    isum[i % 2] =
+                        dot_add::<VNNI>(isum[i % 2], wi[i], _mm256_loadu_si256(xq.add(i)));
+                }
+                let isum = _mm256_add_epi32(isum[0], isum[1]);
+                let (d8, s8) = (
+                    _mm256_loadu_ps(d.as_ptr().add(8 * b)),
+                    _mm256_loadu_ps(s.as_ptr().add(8 * b)),
+                );
+                acc[c][t] = _mm256_fmadd_ps(
+                    _mm256_mul_ps(scale, d8),
+                    _mm256_cvtepi32_ps(isum),
+                    acc[c][t],
+                );
+                acc[c][t] = _mm256_fmadd_ps(min, s8, acc[c][t]);
+            }
+        }
+    }
+    let mut out = [[[0f32; 8]; T]; 4];
+    for c in 0..4 {
+        for t in 0..T {
+            _mm256_storeu_ps(out[c][t].as_mut_ptr(), acc[c][t]);
+        }
+    }
+    out
+}
+
+/// The products of four weight rows with one activation row.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C, and with `vnni` AVX-512 VNNI and VL; the weight rows
+/// must be equally long and hold the activation row's k weights.
+pub(crate) unsafe fn row4(
+    qt: QuantType,
+    wrows: &[&[u8]; 4],
+    a: &ActRow<'_>,
+    vnni: bool,
+) -> [f32; 4] {
+    if vnni {
+        row4_vnni(qt, wrows, a)
+    } else {
+        row4_avx2(qt, wrows, a)
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn row4_avx2(qt: QuantType, wrows: &[&[u8]; 4], a: &ActRow<'_>) -> [f32; 4] {
+    row4_impl::<false>(qt, wrows, a)
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+unsafe fn row4_vnni(qt: QuantType, wrows: &[&[u8]; 4], a: &ActRow<'_>) -> [f32; 4] {
+    row4_impl::<true>(qt, wrows, a)
+}
+
+/// The products of four weight rows with T tiles of eight activation rows (`nibble::ActTiles`
+/// layout): `out[c][t][r]`. Two tiles share each weight block's decoding.
+///
+/// # Safety
+/// As `row4`; each tile must hold as many blocks as each weight row.
+pub(crate) unsafe fn tiles<const T: usize>(
+    qt: QuantType,
+    wrows: &[&[u8]; 4],
+    tiles: &[Tile<'_>; T],
+    vnni: bool,
+) -> [[[f32; 8]; T]; 4] {
+    if vnni {
+        tiles_vnni::<T>(qt, wrows, tiles)
+    } else {
+        tiles_avx2::<T>(qt, wrows, tiles)
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tiles_avx2<const T: usize>(
+    qt: QuantType,
+    wrows: &[&[u8]; 4],
+    tiles: &[Tile<'_>; T],
+) -> [[[f32; 8]; T]; 4] {
+    tiles_impl::<T, false>(qt, wrows, tiles)
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+unsafe fn tiles_vnni<const T: usize>(
+    qt: QuantType,
+    wrows: &[&[u8]; 4],
+    tiles: &[Tile<'_>; T],
+) -> [[[f32; 8]; T]; 4] {
+    tiles_impl::<T, true>(qt, wrows, tiles)
+}
