@@ -18,10 +18,10 @@
 //! min terms in one scalar `fma(w_min, x_sum, acc)` per block, and the eight lanes are reduced in
 //! a fixed tree. See `blocks` for the formats, `x86` for the SIMD paths.
 
-mod blocks;
-mod nibble;
+mod block32;
 #[cfg(target_arch = "x86_64")]
-mod nibble_x86;
+mod block32_x86;
+mod blocks;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
@@ -265,8 +265,8 @@ pub fn matmul(
         return Ok(());
     }
     let act = QuantActivations::new(x, k);
-    let tiles = (nibble::applies(w.qtype) && m > 1 && isa != Isa::Scalar)
-        .then(|| nibble::ActTiles::new(&act));
+    let tiles = (block32::applies(w.qtype) && m > block32::ROW_BY_ROW && isa != Isa::Scalar)
+        .then(|| block32::ActTiles::new(&act));
     // Rows per task: a multiple of 8, about TASKS_PER_THREAD tasks per thread (claimed, see
     // `parallel::run_tasks_on`); threads only where the work is worth one.
     let work = m * n * k / 4; // bytes of int8 products, roughly
@@ -284,8 +284,8 @@ pub fn matmul(
         let rows = t * per..((t + 1) * per).min(n);
         // SAFETY: tasks write the disjoint columns `rows` of `out`, which outlives run_tasks.
         let out = unsafe { std::slice::from_raw_parts_mut(out_ptr.get(), m * n) };
-        if nibble::applies(w.qtype) {
-            nibble::matmul_rows(&act, tiles.as_ref(), w, rows, out, n, isa);
+        if block32::applies(w.qtype) {
+            block32::matmul_rows(&act, tiles.as_ref(), w, rows, out, n, isa);
         } else {
             matmul_rows(&act, w, rows, out, n, isa);
         }

@@ -1,6 +1,7 @@
-//! AVX2 and AVX-512 VNNI products of the 4- and 5-bit 32-weight formats (arithmetic in
-//! `nibble`'s module doc). Weights are unsigned and below 32 and activations int8, so AVX2's
-//! `maddubs` never saturates (2 x 31 x 128 < 2^15) and both paths give the exact int32 sums.
+//! AVX2 and AVX-512 VNNI products of the 32-weight formats (arithmetic in `block32`'s module
+//! doc). The 4- and 5-bit codes are unsigned and below 32, so AVX2's `maddubs` never saturates
+//! (2 x 31 x 128 < 2^15); Q8_0's signed codes go through the sign trick. Both paths give the
+//! exact int32 sums.
 
 use std::arch::x86_64::*;
 
@@ -8,7 +9,7 @@ use super::blocks::QuantType;
 use super::x86::{fifth_bits, half, nibbles, prefetch};
 use super::ActRow;
 
-/// A block at `p`: (32 unsigned codes, scale, min), as `nibble::unpack`.
+/// A block at `p`: (32 unsigned codes, scale, min), as `block32::unpack`.
 #[inline(always)]
 unsafe fn unpack(qt: QuantType, p: *const u8) -> (__m256i, f32, f32) {
     let sc = half(p);
@@ -25,7 +26,24 @@ unsafe fn unpack(qt: QuantType, p: *const u8) -> (__m256i, f32, f32) {
             sc,
             half(p.add(2)),
         ),
-        _ => unreachable!("not a 4- or 5-bit 32-weight format"),
+        QuantType::Q8_0 => (_mm256_loadu_si256(p.add(2) as *const __m256i), sc, 0.0),
+        _ => unreachable!("not a 32-weight format"),
+    }
+}
+
+/// acc + the eight int32 sums of four consecutive products w_i * x_i; `SIGNED`: w signed
+/// (Q8_0), multiplied through the sign trick (|w| times x with w's sign; |w| <= 128 keeps
+/// `maddubs` from saturating); else w unsigned.
+#[inline(always)]
+unsafe fn dot_add_w<const VNNI: bool, const SIGNED: bool>(
+    acc: __m256i,
+    w: __m256i,
+    x: __m256i,
+) -> __m256i {
+    if SIGNED {
+        dot_add::<VNNI>(acc, _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w))
+    } else {
+        dot_add::<VNNI>(acc, w, x)
     }
 }
 
@@ -48,7 +66,7 @@ unsafe fn sum_lanes4(v: [__m256i; 4]) -> __m128i {
 }
 
 #[inline(always)]
-unsafe fn row4_impl<const VNNI: bool>(
+unsafe fn row4_impl<const VNNI: bool, const SIGNED: bool>(
     qt: QuantType,
     wrows: &[&[u8]; 4],
     a: &ActRow<'_>,
@@ -63,7 +81,7 @@ unsafe fn row4_impl<const VNNI: bool>(
             let p = wrows[c].as_ptr().add(b * bb);
             prefetch(p);
             let (u, s, m) = unpack(qt, p);
-            lanes[c] = dot_add::<VNNI>(_mm256_setzero_si256(), u, x);
+            lanes[c] = dot_add_w::<VNNI, SIGNED>(_mm256_setzero_si256(), u, x);
             (sc[c], mn[c]) = (s, m);
         }
         let isum = _mm_cvtepi32_ps(sum_lanes4(lanes));
@@ -87,7 +105,7 @@ unsafe fn row4_impl<const VNNI: bool>(
 pub(crate) type Tile<'a> = (&'a [i8], &'a [f32], &'a [f32]);
 
 #[inline(always)]
-unsafe fn tiles_impl<const T: usize, const VNNI: bool>(
+unsafe fn tiles_impl<const T: usize, const VNNI: bool, const SIGNED: bool>(
     qt: QuantType,
     wrows: &[&[u8]; 4],
     tiles: &[Tile<'_>; T],
@@ -101,8 +119,15 @@ unsafe fn tiles_impl<const T: usize, const VNNI: bool>(
             let (u, sc, mn) = unpack(qt, p);
             // codes 4i..4i + 4 in every lane, once for all the tiles
             let mut wi = [_mm256_setzero_si256(); 8];
-            for (i, w) in wi.iter_mut().enumerate() {
-                *w = _mm256_permutevar8x32_epi32(u, _mm256_set1_epi32(i as i32));
+            let mut wu = [_mm256_setzero_si256(); 8];
+            for i in 0..8 {
+                wi[i] = _mm256_permutevar8x32_epi32(u, _mm256_set1_epi32(i as i32));
+                // the unsigned operand: |w| for the signed format (its sign goes onto x)
+                wu[i] = if SIGNED {
+                    _mm256_sign_epi8(wi[i], wi[i])
+                } else {
+                    wi[i]
+                };
             }
             let (scale, min) = (_mm256_set1_ps(sc), _mm256_set1_ps(mn));
             for t in 0..T {
@@ -111,8 +136,13 @@ unsafe fn tiles_impl<const T: usize, const VNNI: bool>(
                 // two chains: eight dependent dot instructions would wait on each other
                 let mut isum = [_mm256_setzero_si256(); 2];
                 for i in 0..8 {
-                    isum[i % 2] =
-                        dot_add::<VNNI>(isum[i % 2], wi[i], _mm256_loadu_si256(xq.add(i)));
+                    let x = _mm256_loadu_si256(xq.add(i));
+                    let x = if SIGNED {
+                        _mm256_sign_epi8(x, wi[i])
+                    } else {
+                        x
+                    };
+                    isum[i % 2] = dot_add::<VNNI>(isum[i % 2], wu[i], x);
                 }
                 let isum = _mm256_add_epi32(isum[0], isum[1]);
                 let (d8, s8) = (
@@ -157,15 +187,23 @@ pub(crate) unsafe fn row4(
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn row4_avx2(qt: QuantType, wrows: &[&[u8]; 4], a: &ActRow<'_>) -> [f32; 4] {
-    row4_impl::<false>(qt, wrows, a)
+    if qt == QuantType::Q8_0 {
+        row4_impl::<false, true>(qt, wrows, a)
+    } else {
+        row4_impl::<false, false>(qt, wrows, a)
+    }
 }
 
 #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
 unsafe fn row4_vnni(qt: QuantType, wrows: &[&[u8]; 4], a: &ActRow<'_>) -> [f32; 4] {
-    row4_impl::<true>(qt, wrows, a)
+    if qt == QuantType::Q8_0 {
+        row4_impl::<true, true>(qt, wrows, a)
+    } else {
+        row4_impl::<true, false>(qt, wrows, a)
+    }
 }
 
-/// The products of four weight rows with T tiles of eight activation rows (`nibble::ActTiles`
+/// The products of four weight rows with T tiles of eight activation rows (`block32::ActTiles`
 /// layout): `out[c][t][r]`. Two tiles share each weight block's decoding.
 ///
 /// # Safety
@@ -189,7 +227,11 @@ unsafe fn tiles_avx2<const T: usize>(
     wrows: &[&[u8]; 4],
     tiles: &[Tile<'_>; T],
 ) -> [[[f32; 8]; T]; 4] {
-    tiles_impl::<T, false>(qt, wrows, tiles)
+    if qt == QuantType::Q8_0 {
+        tiles_impl::<T, false, true>(qt, wrows, tiles)
+    } else {
+        tiles_impl::<T, false, false>(qt, wrows, tiles)
+    }
 }
 
 #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
@@ -198,5 +240,9 @@ unsafe fn tiles_vnni<const T: usize>(
     wrows: &[&[u8]; 4],
     tiles: &[Tile<'_>; T],
 ) -> [[[f32; 8]; T]; 4] {
-    tiles_impl::<T, true>(qt, wrows, tiles)
+    if qt == QuantType::Q8_0 {
+        tiles_impl::<T, true, true>(qt, wrows, tiles)
+    } else {
+        tiles_impl::<T, true, false>(qt, wrows, tiles)
+    }
 }
