@@ -249,10 +249,15 @@ class LlamaModel(nn.Module):
         self, config: Any, dtype: torch.dtype, device: torch.device | str, spec: DecoderSpec = DecoderSpec()
     ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device="meta")
-        # allocated, not initialised (as `_linear`'s parameters)
-        self.embed_tokens.weight = nn.Parameter(
-            torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device), requires_grad=False
+        # allocated, not initialised (as `_linear`'s parameters); given as `_weight`, not made
+        # on "meta" and replaced: initialising a meta embedding runs torch's Python
+        # decompositions, which import torch._dynamo and with it triton (~70 MB resident in a
+        # CPU server that never uses it)
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size,
+            config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device),
+            _freeze=True,
         )
         # the checkpoint's quantized embedding (only the rows looked up are dequantized), else None
         self.embed_quantized: QuantizedWeight | None = None
