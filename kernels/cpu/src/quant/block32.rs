@@ -19,7 +19,8 @@
 //! the lanes), and the float work per block is one multiply-add per row instead of one per
 //! four weights. A result does not depend on how many rows are multiplied together: products
 //! of up to three rows (decode) run row by row (`block32_x86::row4`, four weight rows' lanes
-//! reduced to the same integer sums), larger ones in tiles of eight rows, two tiles at a time.
+//! reduced to the same integer sums), larger ones in tiles of eight rows, two tiles at a time
+//! (one 512-bit register of sixteen rows where the CPU has AVX-512).
 
 #[cfg(target_arch = "x86_64")]
 use super::block32_x86;
@@ -191,8 +192,11 @@ pub(crate) fn matmul_rows(
                         // SAFETY (each call): as above; each tile holds the k of every weight row.
                         let step = if t + 2 <= num_tiles {
                             let group = [tiles.tile(t), tiles.tile(t + 1)];
-                            let got =
-                                unsafe { block32_x86::tiles::<2>(w.qtype, &wrows, &group, vnni) };
+                            let got = if vnni {
+                                unsafe { block32_x86::tiles16(w.qtype, &wrows, &group) }
+                            } else {
+                                unsafe { block32_x86::tiles::<2>(w.qtype, &wrows, &group, false) }
+                            };
                             store_tiles(&got, t, valid, &mut store);
                             2
                         } else {

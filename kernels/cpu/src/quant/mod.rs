@@ -37,7 +37,8 @@ pub enum Isa {
     Scalar,
     /// AVX2 + FMA + F16C: `maddubs` / `madd` integer dots.
     Avx2,
-    /// AVX2 with AVX-512 VNNI's 256-bit `dpbusd` (needs avx512vnni + avx512vl).
+    /// AVX-512 VNNI's `dpbusd`, on 256-bit vectors and, for tiles of 16 activation rows, on
+    /// 512-bit ones (needs avx512f, avx512bw, avx512vl and avx512vnni).
     Avx512Vnni,
 }
 
@@ -74,6 +75,8 @@ fn detect_isas() -> Vec<Isa> {
             isas.push(Isa::Avx2);
             if std::is_x86_feature_detected!("avx512vnni")
                 && std::is_x86_feature_detected!("avx512vl")
+                && std::is_x86_feature_detected!("avx512f")
+                && std::is_x86_feature_detected!("avx512bw")
             {
                 isas.push(Isa::Avx512Vnni);
             }
