@@ -26,6 +26,7 @@
 use super::block32_x86;
 use super::blocks::{half, QuantType};
 use super::{ActRow, Isa, QuantActivations};
+use crate::parallel;
 
 /// Whether `qt` is one of the formats of this module.
 pub(crate) fn applies(qt: QuantType) -> bool {
@@ -96,7 +97,8 @@ pub(crate) struct ActTiles {
 }
 
 impl ActTiles {
-    pub fn new(act: &QuantActivations) -> ActTiles {
+    /// Regroups `act`, tiles spread over up to `num_threads` threads.
+    pub fn new(act: &QuantActivations, num_threads: usize) -> ActTiles {
         let (k, m) = (act.k, act.rows());
         let kb = k / 32;
         let tiles = m.div_ceil(8);
@@ -106,19 +108,29 @@ impl ActTiles {
             d: vec![0.0; tiles * kb * 8],
             s: vec![0.0; tiles * kb * 8],
         };
-        for r in 0..m {
-            let (tile, lane) = (r / 8, r % 8);
-            for b in 0..kb {
-                let at = (tile * kb + b) * 8 + lane;
-                t.d[at] = act.d[r * kb + b];
-                t.s[at] = act.s[r * kb + b];
-                for i in 0..8 {
-                    let dst = ((tile * kb + b) * 8 + i) * 32 + 4 * lane;
-                    let src = r * k + 32 * b + 4 * i;
-                    t.q[dst..dst + 4].copy_from_slice(&act.q[src..src + 4]);
+        let chunks: Vec<_> =
+            t.q.chunks_mut(kb * 256)
+                .zip(t.d.chunks_mut(kb * 8).zip(t.s.chunks_mut(kb * 8)))
+                .map(std::sync::Mutex::new)
+                .collect();
+        let threads = parallel::threads_for(m * k, num_threads);
+        parallel::run_tasks_on(tiles, threads, &|tile| {
+            let mut chunk = chunks[tile].lock().unwrap();
+            let (q, (d, s)) = &mut *chunk;
+            for r in 8 * tile..(8 * tile + 8).min(m) {
+                let lane = r % 8;
+                for b in 0..kb {
+                    d[b * 8 + lane] = act.d[r * kb + b];
+                    s[b * 8 + lane] = act.s[r * kb + b];
+                    for i in 0..8 {
+                        let dst = (b * 8 + i) * 32 + 4 * lane;
+                        let src = r * k + 32 * b + 4 * i;
+                        q[dst..dst + 4].copy_from_slice(&act.q[src..src + 4]);
+                    }
                 }
             }
-        }
+        });
+        drop(chunks);
         t
     }
 

@@ -28,7 +28,6 @@ mod x86;
 pub use blocks::{f16_to_f32, QuantType};
 
 use crate::parallel;
-use crate::simd::avx2_dispatch;
 
 /// The instruction sets a kernel can run with, best last.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -184,8 +183,9 @@ pub struct QuantActivations {
 }
 
 impl QuantActivations {
-    /// Quantizes `x` ([m, k] float32, k a multiple of 32). Panics otherwise.
-    pub fn new(x: &[f32], k: usize) -> QuantActivations {
+    /// Quantizes `x` ([m, k] float32, k a multiple of 32) on up to `num_threads` threads.
+    /// Panics otherwise.
+    pub fn new(x: &[f32], k: usize, num_threads: usize) -> QuantActivations {
         assert!(
             k.is_multiple_of(32) && x.len().is_multiple_of(k),
             "k must be a multiple of 32"
@@ -197,7 +197,21 @@ impl QuantActivations {
             d: vec![0.0; blocks],
             s: vec![0.0; blocks],
         };
-        quantize_blocks(x, &mut act.q, &mut act.d, &mut act.s);
+        // a prefill's activations are worth threads (1024 rows of 1536: 7 ms on one)
+        let threads = parallel::threads_for(x.len(), num_threads);
+        let per = blocks.div_ceil(threads);
+        let chunks: Vec<_> = x
+            .chunks(32 * per)
+            .zip(act.q.chunks_mut(32 * per))
+            .zip(act.d.chunks_mut(per).zip(act.s.chunks_mut(per)))
+            .map(std::sync::Mutex::new)
+            .collect();
+        parallel::run_tasks_on(chunks.len(), threads, &|i| {
+            let mut chunk = chunks[i].lock().unwrap();
+            let ((x, q), (d, s)) = &mut *chunk;
+            quantize_blocks(x, q, d, s);
+        });
+        drop(chunks);
         act
     }
 
@@ -206,25 +220,33 @@ impl QuantActivations {
     }
 }
 
-avx2_dispatch! {
-    /// Each block of 32 of `x` to int8 `q` with its scale `d` (max|x| / 127) and `s` = d * sum(q).
-    /// Compiled with AVX2 where the CPU has it, so the rounding is a vector instruction rather
-    /// than a call per value (the results are the same bits).
-    fn quantize_blocks(x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [f32]) {
-        for (b, (xb, qb)) in x.chunks_exact(32).zip(q.chunks_exact_mut(32)).enumerate() {
-            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let scale = amax / 127.0;
-            let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-            let mut sum = 0i32;
-            for (q, &v) in qb.iter_mut().zip(xb) {
-                // |v * inv| <= 127, except where inv overflowed (a subnormal block): the
-                // saturating cast then keeps each value's sign
-                *q = (v * inv).round_ties_even() as i8;
-                sum += *q as i32;
-            }
-            d[b] = scale;
-            s[b] = scale * sum as f32;
+/// Each block of 32 of `x` to int8 `q` with its scale `d` (max|x| / 127) and `s` = d * sum(q):
+/// `x86::quantize_blocks_avx2` where the CPU has AVX2 (the same bits for finite x), else
+/// `quantize_blocks_portable`.
+fn quantize_blocks(x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU has the features the function is compiled for.
+        return unsafe { x86::quantize_blocks_avx2(x, q, d, s) };
+    }
+    quantize_blocks_portable(x, q, d, s)
+}
+
+/// `quantize_blocks` in portable Rust, the reference of the SIMD version.
+pub(crate) fn quantize_blocks_portable(x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [f32]) {
+    for (b, (xb, qb)) in x.chunks_exact(32).zip(q.chunks_exact_mut(32)).enumerate() {
+        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let scale = amax / 127.0;
+        let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+        let mut sum = 0i32;
+        for (q, &v) in qb.iter_mut().zip(xb) {
+            // |v * inv| <= 127, except where inv overflowed (a subnormal block): the
+            // saturating cast then keeps each value's sign
+            *q = (v * inv).round_ties_even() as i8;
+            sum += *q as i32;
         }
+        d[b] = scale;
+        s[b] = scale * sum as f32;
     }
 }
 
@@ -267,9 +289,9 @@ pub fn matmul(
     if m == 0 || n == 0 {
         return Ok(());
     }
-    let act = QuantActivations::new(x, k);
+    let act = QuantActivations::new(x, k, num_threads);
     let tiles = (block32::applies(w.qtype) && m > block32::ROW_BY_ROW && isa != Isa::Scalar)
-        .then(|| block32::ActTiles::new(&act));
+        .then(|| block32::ActTiles::new(&act, num_threads));
     // Rows per task: a multiple of 8, about TASKS_PER_THREAD tasks per thread (claimed, see
     // `parallel::run_tasks_on`); threads only where the work is worth one.
     let work = m * n * k / 4; // bytes of int8 products, roughly

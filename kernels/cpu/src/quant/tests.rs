@@ -100,6 +100,32 @@ fn every_isa_gives_identical_results() {
 }
 
 #[test]
+fn simd_activation_quantization_equals_the_portable_one() {
+    let mut rng = Rng(5);
+    // ordinary blocks, an all-zero block, tiny and huge magnitudes, exact halves (ties)
+    let mut x: Vec<f32> = (0..32 * 61).map(|_| rng.f32() * 3.0).collect();
+    x[32..64].fill(0.0);
+    for (i, v) in x[64..96].iter_mut().enumerate() {
+        *v = (i as f32 - 16.0) * 1e-30;
+    }
+    for (i, v) in x[96..128].iter_mut().enumerate() {
+        *v = (i as f32 - 16.0) * 1e30;
+    }
+    for (i, v) in x[128..160].iter_mut().enumerate() {
+        *v = i as f32 - 15.5; // q = round(v * 127 / 15.5): several land on .5
+    }
+    x[160..192].fill(f32::MIN_POSITIVE / 4.0); // subnormal: 1 / scale overflows
+    let (blocks, n) = (x.len() / 32, x.len());
+    let (mut q1, mut d1, mut s1) = (vec![0i8; n], vec![0f32; blocks], vec![0f32; blocks]);
+    quantize_blocks_portable(&x, &mut q1, &mut d1, &mut s1);
+    let (mut q2, mut d2, mut s2) = (vec![0i8; n], vec![0f32; blocks], vec![0f32; blocks]);
+    quantize_blocks(&x, &mut q2, &mut d2, &mut s2);
+    assert_eq!(q1, q2);
+    assert!(d1.iter().zip(&d2).all(|(a, b)| a.to_bits() == b.to_bits()));
+    assert!(s1.iter().zip(&s2).all(|(a, b)| a.to_bits() == b.to_bits()));
+}
+
+#[test]
 fn a_row_gives_the_same_bits_in_any_batch() {
     // decode runs one row, prefill and batched decode many: a request's numbers must not
     // depend on the rows it is multiplied with

@@ -258,3 +258,60 @@ pub(crate) unsafe fn dot_tile_vnni<const C: usize, const R: usize>(
 ) -> [[f32; R]; C] {
     dot_tile_impl::<C, R, true>(qt, wrows, rows)
 }
+
+/// `quantize_blocks_portable` with AVX2, the same bits for finite x: the block's max|x| is exact
+/// in any order, the product and the round to nearest-even are the scalar ones, and a value
+/// beyond int8 (a block whose 1 / scale overflowed) saturates as Rust's cast does. (A NaN makes
+/// the block's values unspecified, as it makes the product meaningless.) A prefill's
+/// activations are ~10^6 values a product: scalar, this took 4-5 ns a value.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA; `q` as long as `x`, `d` and `s` one per 32 values.
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn quantize_blocks_avx2(x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [f32]) {
+    let nb = x.len() / 32;
+    assert!(q.len() == x.len() && d.len() >= nb && s.len() >= nb);
+    let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
+    let (lo, hi) = (_mm256_set1_ps(-128.0), _mm256_set1_ps(127.0));
+    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for b in 0..nb {
+        let p = x.as_ptr().add(32 * b);
+        let mut v = [_mm256_setzero_ps(); 4];
+        for (i, v) in v.iter_mut().enumerate() {
+            *v = _mm256_loadu_ps(p.add(8 * i));
+        }
+        let a = |i: usize| _mm256_and_ps(v[i], abs_mask);
+        let mut m = _mm256_max_ps(_mm256_max_ps(a(0), a(1)), _mm256_max_ps(a(2), a(3)));
+        m = _mm256_max_ps(m, _mm256_permute2f128_ps::<1>(m, m));
+        m = _mm256_max_ps(m, _mm256_permute_ps::<0b0100_1110>(m));
+        m = _mm256_max_ps(m, _mm256_permute_ps::<0b1011_0001>(m));
+        let scale = _mm256_cvtss_f32(m) / 127.0;
+        let inv = _mm256_set1_ps(if scale > 0.0 { 1.0 / scale } else { 0.0 });
+        let mut qi = [_mm256_setzero_si256(); 4];
+        for i in 0..4 {
+            let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                _mm256_mul_ps(v[i], inv),
+            );
+            qi[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+        }
+        let total = _mm256_add_epi32(
+            _mm256_add_epi32(qi[0], qi[1]),
+            _mm256_add_epi32(qi[2], qi[3]),
+        );
+        let t = _mm_add_epi32(
+            _mm256_castsi256_si128(total),
+            _mm256_extracti128_si256::<1>(total),
+        );
+        let t = _mm_add_epi32(t, _mm_shuffle_epi32::<0b0100_1110>(t));
+        let t = _mm_add_epi32(t, _mm_shuffle_epi32::<0b1011_0001>(t));
+        let sum = _mm_cvtsi128_si32(t);
+        let bytes = _mm256_packs_epi16(
+            _mm256_packs_epi32(qi[0], qi[1]),
+            _mm256_packs_epi32(qi[2], qi[3]),
+        );
+        let bytes = _mm256_permutevar8x32_epi32(bytes, order);
+        _mm256_storeu_si256(q.as_mut_ptr().add(32 * b) as *mut __m256i, bytes);
+        d[b] = scale;
+        s[b] = scale * sum as f32;
+    }
+}
