@@ -31,16 +31,21 @@ async def run_in_own_thread(fn: Callable[..., T], *args: Any, name: str = "pyser
             return
         if ok:
             done.set_result(value)
+        elif isinstance(value, StopIteration):  # a future refuses it as an exception
+            done.set_exception(RuntimeError(f"{fn!r} raised StopIteration"))
         else:
             done.set_exception(value)
 
     def run() -> None:
+        outcome: tuple[bool, Any]
         try:
-            result = fn(*args)
+            outcome = (True, fn(*args))
         except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
-            loop.call_soon_threadsafe(settle, False, exc)
-        else:
-            loop.call_soon_threadsafe(settle, True, result)
+            outcome = (False, exc)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:  # the loop closed meanwhile (start-up was cancelled): nobody waits
+            pass
 
     threading.Thread(target=run, name=name, daemon=True).start()
     return await done

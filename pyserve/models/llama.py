@@ -12,6 +12,7 @@ as the matmul library allows.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -31,6 +32,8 @@ from pyserve.models.checkpoint import copy_checkpoint
 from pyserve.models.native_decode import build_native_layers, native_decode
 from pyserve_kernels import apply_rotary_pos_emb, rotary_embedding_
 from pyserve_kernels.quant import QuantizedWeight, dequantize, quantized_embedding
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -277,7 +280,11 @@ class LlamaModel(nn.Module):
         first use; None when the model cannot run that way. `LlamaForCausalLM` drops them when
         its weights change."""
         if self._native_layers is False:
-            self._native_layers = build_native_layers(self)
+            try:
+                self._native_layers = build_native_layers(self)
+            except ValueError as exc:  # a layer the native code refuses: the Python layers run
+                logger.warning("decode steps keep the Python layers: %s", exc)
+                self._native_layers = None
         return self._native_layers if isinstance(self._native_layers, list) and self._native_layers else None
 
     def decoder_layers(self) -> list[LlamaDecoderLayer]:

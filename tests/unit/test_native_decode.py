@@ -25,7 +25,6 @@ def decode_both_ways(runner: ModelRunner, requests: Requests, tokens: dict[int, 
     for native in (True, False):
         model._native_layers = False if native else None  # False: build on first use
         batch = requests.decode(tokens)
-        # the second run writes the same slots again: give them back first
         logits = runner.forward(batch)
         k = torch.stack([runner.kv_pool.get_key_buffer(i)[batch.out_cache_loc] for i in range(2)])
         v = torch.stack([runner.kv_pool.get_value_buffer(i)[batch.out_cache_loc] for i in range(2)])
@@ -42,8 +41,11 @@ def test_native_decode_equals_the_python_layers(tmp_path, qtype: str) -> None:
     write_tiny_gguf(path, qtype, layers=2)
     runner = ModelRunner(str(path), max_total_tokens=64, load_progress=False, quantization="auto")
     requests = Requests(list(range(1, 64)))
-    runner.forward(requests.extend({0: [3, 17, 40, 9], 1: [5, 2], 2: [60, 61, 62, 1, 7, 8, 9]}))
-    for step, tokens in enumerate([{0: 11, 1: 12, 2: 13}, {0: 20}, {2: 4, 1: 33}]):
+    prompts = {0: [3, 17, 40, 9], 1: [5, 2], 2: [60, 61, 62, 1, 7, 8, 9], 3: [8], 4: [2, 4, 6], 5: [1, 1]}
+    runner.forward(requests.extend(prompts))
+    # one request (a one-row product), three (row by row), six (a tile of activation rows)
+    steps = [{0: 11, 1: 12, 2: 13}, {0: 20}, {2: 4, 1: 33}, {r: 40 + r for r in range(6)}]
+    for step, tokens in enumerate(steps):
         (nl, nk, nv, used), (pl, pk, pv, _) = decode_both_ways(runner, requests, tokens)
         assert used, "the quantized model should run its decode steps natively"
         assert torch.equal(nl, pl), (step, (nl - pl).abs().max())

@@ -104,14 +104,16 @@ impl LayerWeights<'_> {
             }
         }
         if self.post_norm.len() != hidden
+            || !self.head_dim.is_multiple_of(2)
             || self.num_kv_heads == 0
             || !self.num_heads.is_multiple_of(self.num_kv_heads)
         {
             return Err(LayerError::Shape(format!(
-                "norm weights of {hidden} and {}, or {} heads over {} KV heads, do not fit",
+                "norm weights of {hidden} and {}, or {} heads over {} KV heads of {}, do not fit",
                 self.post_norm.len(),
                 self.num_heads,
-                self.num_kv_heads
+                self.num_kv_heads,
+                self.head_dim
             )));
         }
         Ok(hidden)

@@ -176,6 +176,13 @@ impl QuantDecoderLayer {
                     ("sin", span(step.sin)),
                     ("input_norm", span(w.input_norm)),
                     ("post_norm", span(w.post_norm)),
+                    ("out_cache_loc", span(step.out_cache_loc)),
+                    ("kv_indptr", span(step.kv_indptr)),
+                    ("kv_indices", span(step.kv_indices)),
+                    ("qkv", span(w.qkv.data)),
+                    ("o", span(w.o.data)),
+                    ("gate_up", span(w.gate_up.data)),
+                    ("down", span(w.down.data)),
                 ],
             )?;
             py.detach(|| decode_layer(w, &step, hidden, residual, first, kb, vb))

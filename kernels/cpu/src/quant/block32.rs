@@ -25,7 +25,7 @@
 #[cfg(target_arch = "x86_64")]
 use super::block32_x86;
 use super::blocks::{half, QuantType};
-use super::{ActRow, Isa, QuantActivations};
+use super::{ActRow, Isa, OutColumns, QuantActivations};
 use crate::parallel;
 
 /// Whether `qt` is one of the formats of this module.
@@ -158,7 +158,7 @@ pub(crate) fn matmul_rows(
     tiles: Option<&ActTiles>,
     w: super::QuantMatrix<'_>,
     cols: std::ops::Range<usize>,
-    out: &mut [f32],
+    out: OutColumns,
     n: usize,
     isa: Isa,
 ) {
@@ -178,7 +178,7 @@ pub(crate) fn matmul_rows(
             Isa::Scalar => {
                 for r in 0..m {
                     for (c, wrow) in wrows.iter().take(valid).enumerate() {
-                        out[r * n + col + c] = dot_row(w.qtype, wrow, &row(r));
+                        out.set(r * n + col + c, dot_row(w.qtype, wrow, &row(r)));
                     }
                 }
             }
@@ -189,14 +189,16 @@ pub(crate) fn matmul_rows(
                     for r in 0..m {
                         // SAFETY: `matmul` checked that this CPU has the instruction set.
                         let got = unsafe { block32_x86::row4(w.qtype, &wrows, &row(r), vnni) };
-                        out[r * n + col..r * n + col + valid].copy_from_slice(&got[..valid]);
+                        for (c, v) in got.iter().take(valid).enumerate() {
+                            out.set(r * n + col + c, *v);
+                        }
                     }
                 } else {
                     let tiles = tiles.expect("tiles are built for products of several rows");
                     let num_tiles = m.div_ceil(8);
                     let mut store = |t: usize, c: usize, lanes: &[f32; 8]| {
                         for (r, v) in lanes.iter().enumerate().take((m - 8 * t).min(8)) {
-                            out[(8 * t + r) * n + col + c] = *v;
+                            out.set((8 * t + r) * n + col + c, *v);
                         }
                     };
                     let mut t = 0;

@@ -197,6 +197,9 @@ impl QuantActivations {
             d: vec![0.0; blocks],
             s: vec![0.0; blocks],
         };
+        if blocks == 0 {
+            return act;
+        }
         // a prefill's activations are worth threads (1024 rows of 1536: 7 ms on one)
         let threads = parallel::threads_for(x.len(), num_threads);
         let per = blocks.div_ceil(threads);
@@ -241,8 +244,9 @@ pub(crate) fn quantize_blocks_portable(x: &[f32], q: &mut [i8], d: &mut [f32], s
         let mut sum = 0i32;
         for (q, &v) in qb.iter_mut().zip(xb) {
             // |v * inv| <= 127, except where inv overflowed (a subnormal block): the
-            // saturating cast then keeps each value's sign
-            *q = (v * inv).round_ties_even() as i8;
+            // saturating cast then keeps each value's sign, and the clamp keeps -128 out
+            // (the sign trick of the signed weight formats cannot negate it)
+            *q = ((v * inv).round_ties_even() as i8).max(-127);
             sum += *q as i32;
         }
         d[b] = scale;
@@ -304,11 +308,12 @@ pub fn matmul(
             .min(n)
     };
     let tasks = n.div_ceil(per);
-    let out_ptr = SharedOut(out.as_mut_ptr());
+    let out = OutColumns {
+        ptr: out.as_mut_ptr(),
+        len: out.len(),
+    };
     parallel::run_tasks_on(tasks, threads, &|t| {
         let rows = t * per..((t + 1) * per).min(n);
-        // SAFETY: tasks write the disjoint columns `rows` of `out`, which outlives run_tasks.
-        let out = unsafe { std::slice::from_raw_parts_mut(out_ptr.get(), m * n) };
         if block32::applies(w.qtype) {
             block32::matmul_rows(&act, tiles.as_ref(), w, rows, out, n, isa);
         } else {
@@ -321,14 +326,26 @@ pub fn matmul(
 /// Tasks a product's weight rows are cut into per thread.
 const TASKS_PER_THREAD: usize = 4;
 
+/// A product's output [m, n] as its tasks share it: each task writes only the elements of its
+/// own columns, one at a time through the pointer, so no task holds a `&mut` over elements
+/// another one writes.
 #[derive(Clone, Copy)]
-struct SharedOut(*mut f32);
-// SAFETY: shared only so tasks can write disjoint elements (see `matmul`).
-unsafe impl Sync for SharedOut {}
-unsafe impl Send for SharedOut {}
-impl SharedOut {
-    fn get(self) -> *mut f32 {
-        self.0
+pub(crate) struct OutColumns {
+    ptr: *mut f32,
+    len: usize,
+}
+// SAFETY: shared so that tasks can write disjoint elements (see `set`).
+unsafe impl Sync for OutColumns {}
+unsafe impl Send for OutColumns {}
+impl OutColumns {
+    /// Element `i` = v. Panics if i is out of bounds. The caller's task must be the only one
+    /// that touches element i during the product (tasks own disjoint columns).
+    #[inline(always)]
+    pub(crate) fn set(self, i: usize, v: f32) {
+        assert!(i < self.len, "output element {i} of {}", self.len);
+        // SAFETY: in bounds (checked), and the element is this task's alone (above); the
+        // buffer outlives the product's tasks (`matmul` returns after they all end).
+        unsafe { *self.ptr.add(i) = v }
     }
 }
 
@@ -340,7 +357,7 @@ fn matmul_rows(
     act: &QuantActivations,
     w: QuantMatrix<'_>,
     cols: std::ops::Range<usize>,
-    out: &mut [f32],
+    out: OutColumns,
     n: usize,
     isa: Isa,
 ) {
@@ -364,7 +381,7 @@ fn weight_rows_at<const C: usize>(
     act: &QuantActivations,
     w: QuantMatrix<'_>,
     col: usize,
-    out: &mut [f32],
+    out: OutColumns,
     n: usize,
     isa: Isa,
 ) {
@@ -389,7 +406,7 @@ fn tile_at<const C: usize, const R: usize>(
     m0: usize,
     w: QuantMatrix<'_>,
     col: usize,
-    out: &mut [f32],
+    out: OutColumns,
     n: usize,
     isa: Isa,
 ) {
@@ -406,7 +423,7 @@ fn tile_at<const C: usize, const R: usize>(
     let got = tile::<C, R>(w.qtype, std::array::from_fn(|c| w.row(col + c)), &rows, isa);
     for (c, res) in got.iter().enumerate() {
         for (i, v) in res.iter().enumerate() {
-            out[(m0 + i) * n + col + c] = *v;
+            out.set((m0 + i) * n + col + c, *v);
         }
     }
 }

@@ -115,12 +115,22 @@ fn simd_activation_quantization_equals_the_portable_one() {
         *v = i as f32 - 15.5; // q = round(v * 127 / 15.5): several land on .5
     }
     x[160..192].fill(f32::MIN_POSITIVE / 4.0); // subnormal: 1 / scale overflows
+    x[192..224].fill(0.0); // ... and with zeros (0 * inf is NaN) and a negative one
+    x[192] = -1e-38;
+    x[200] = 1e-38;
+    x[224..256].fill(1.0);
+    x[230] = f32::NAN; // a NaN input
+    x[231] = -f32::NAN;
     let (blocks, n) = (x.len() / 32, x.len());
     let (mut q1, mut d1, mut s1) = (vec![0i8; n], vec![0f32; blocks], vec![0f32; blocks]);
     quantize_blocks_portable(&x, &mut q1, &mut d1, &mut s1);
     let (mut q2, mut d2, mut s2) = (vec![0i8; n], vec![0f32; blocks], vec![0f32; blocks]);
     quantize_blocks(&x, &mut q2, &mut d2, &mut s2);
     assert_eq!(q1, q2);
+    assert!(
+        q1.iter().all(|&q| q >= -127),
+        "-128 would defeat the sign trick"
+    );
     assert!(d1.iter().zip(&d2).all(|(a, b)| a.to_bits() == b.to_bits()));
     assert!(s1.iter().zip(&s2).all(|(a, b)| a.to_bits() == b.to_bits()));
 }

@@ -259,10 +259,10 @@ pub(crate) unsafe fn dot_tile_vnni<const C: usize, const R: usize>(
     dot_tile_impl::<C, R, true>(qt, wrows, rows)
 }
 
-/// `quantize_blocks_portable` with AVX2, the same bits for finite x: the block's max|x| is exact
-/// in any order, the product and the round to nearest-even are the scalar ones, and a value
-/// beyond int8 (a block whose 1 / scale overflowed) saturates as Rust's cast does. (A NaN makes
-/// the block's values unspecified, as it makes the product meaningless.) A prefill's
+/// `quantize_blocks_portable` with AVX2, the same bits for every input: the block's max|x| is
+/// exact in any order (NaN skipped, as `f32::max` does), the product and the round to
+/// nearest-even are the scalar ones, a NaN product (0 times an overflowed 1 / scale, or a NaN
+/// input) becomes 0 as Rust's cast makes it, and values beyond int8 clamp to +-127. A prefill's
 /// activations are ~10^6 values a product: scalar, this took 4-5 ns a value.
 ///
 /// # Safety
@@ -272,7 +272,9 @@ pub(crate) unsafe fn quantize_blocks_avx2(x: &[f32], q: &mut [i8], d: &mut [f32]
     let nb = x.len() / 32;
     assert!(q.len() == x.len() && d.len() >= nb && s.len() >= nb);
     let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
-    let (lo, hi) = (_mm256_set1_ps(-128.0), _mm256_set1_ps(127.0));
+    let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
+    // NaN lanes to 0: the portable max skips a NaN, and its cast turns NaN into 0
+    let no_nan = |v: __m256| _mm256_and_ps(v, _mm256_cmp_ps::<_CMP_ORD_Q>(v, v));
     let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for b in 0..nb {
         let p = x.as_ptr().add(32 * b);
@@ -280,7 +282,7 @@ pub(crate) unsafe fn quantize_blocks_avx2(x: &[f32], q: &mut [i8], d: &mut [f32]
         for (i, v) in v.iter_mut().enumerate() {
             *v = _mm256_loadu_ps(p.add(8 * i));
         }
-        let a = |i: usize| _mm256_and_ps(v[i], abs_mask);
+        let a = |i: usize| no_nan(_mm256_and_ps(v[i], abs_mask));
         let mut m = _mm256_max_ps(_mm256_max_ps(a(0), a(1)), _mm256_max_ps(a(2), a(3)));
         m = _mm256_max_ps(m, _mm256_permute2f128_ps::<1>(m, m));
         m = _mm256_max_ps(m, _mm256_permute_ps::<0b0100_1110>(m));
@@ -289,9 +291,9 @@ pub(crate) unsafe fn quantize_blocks_avx2(x: &[f32], q: &mut [i8], d: &mut [f32]
         let inv = _mm256_set1_ps(if scale > 0.0 { 1.0 / scale } else { 0.0 });
         let mut qi = [_mm256_setzero_si256(); 4];
         for i in 0..4 {
-            let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(no_nan(
                 _mm256_mul_ps(v[i], inv),
-            );
+            ));
             qi[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
         }
         let total = _mm256_add_epi32(
