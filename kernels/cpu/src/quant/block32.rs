@@ -178,7 +178,8 @@ pub(crate) fn matmul_rows(
             Isa::Scalar => {
                 for r in 0..m {
                     for (c, wrow) in wrows.iter().take(valid).enumerate() {
-                        out.set(r * n + col + c, dot_row(w.qtype, wrow, &row(r)));
+                        // SAFETY: r < m, col + c < n, and these columns are this task's
+                        unsafe { out.set(r * n + col + c, dot_row(w.qtype, wrow, &row(r))) };
                     }
                 }
             }
@@ -190,7 +191,8 @@ pub(crate) fn matmul_rows(
                         // SAFETY: `matmul` checked that this CPU has the instruction set.
                         let got = unsafe { block32_x86::row4(w.qtype, &wrows, &row(r), vnni) };
                         for (c, v) in got.iter().take(valid).enumerate() {
-                            out.set(r * n + col + c, *v);
+                            // SAFETY: as above
+                            unsafe { out.set(r * n + col + c, *v) };
                         }
                     }
                 } else {
@@ -198,7 +200,8 @@ pub(crate) fn matmul_rows(
                     let num_tiles = m.div_ceil(8);
                     let mut store = |t: usize, c: usize, lanes: &[f32; 8]| {
                         for (r, v) in lanes.iter().enumerate().take((m - 8 * t).min(8)) {
-                            out.set((8 * t + r) * n + col + c, *v);
+                            // SAFETY: 8t + r < m (the take), col + c < n (valid), this task's
+                            unsafe { out.set((8 * t + r) * n + col + c, *v) };
                         }
                     };
                     let mut t = 0;

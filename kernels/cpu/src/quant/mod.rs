@@ -338,14 +338,18 @@ pub(crate) struct OutColumns {
 unsafe impl Sync for OutColumns {}
 unsafe impl Send for OutColumns {}
 impl OutColumns {
-    /// Element `i` = v. Panics if i is out of bounds. The caller's task must be the only one
-    /// that touches element i during the product (tasks own disjoint columns).
+    /// Element `i` = v.
+    ///
+    /// # Safety
+    /// `i` must be in bounds (checked only in debug builds: a check per element halved the
+    /// speed of the tiled products, 2.4-2.7 against 1.1-1.3 cycles a block and row at 1024
+    /// rows), and the caller's task the only one that touches
+    /// element i during the product (tasks own disjoint columns). The buffer outlives the
+    /// product's tasks (`matmul` returns after they all end).
     #[inline(always)]
-    pub(crate) fn set(self, i: usize, v: f32) {
-        assert!(i < self.len, "output element {i} of {}", self.len);
-        // SAFETY: in bounds (checked), and the element is this task's alone (above); the
-        // buffer outlives the product's tasks (`matmul` returns after they all end).
-        unsafe { *self.ptr.add(i) = v }
+    pub(crate) unsafe fn set(self, i: usize, v: f32) {
+        debug_assert!(i < self.len, "output element {i} of {}", self.len);
+        *self.ptr.add(i) = v
     }
 }
 
@@ -423,7 +427,9 @@ fn tile_at<const C: usize, const R: usize>(
     let got = tile::<C, R>(w.qtype, std::array::from_fn(|c| w.row(col + c)), &rows, isa);
     for (c, res) in got.iter().enumerate() {
         for (i, v) in res.iter().enumerate() {
-            out.set((m0 + i) * n + col + c, *v);
+            // SAFETY: m0 + i < m and col + c < n (the tile's rows and columns), and these
+            // columns are this task's
+            unsafe { out.set((m0 + i) * n + col + c, *v) };
         }
     }
 }
