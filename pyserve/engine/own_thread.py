@@ -12,6 +12,7 @@ SmolLM2-135M decode step on the 2-core test machine. A thread that ends frees it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -42,10 +43,9 @@ async def run_in_own_thread(fn: Callable[..., T], *args: Any, name: str = "pyser
             outcome = (True, fn(*args))
         except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
             outcome = (False, exc)
-        try:
+        # a loop closed meanwhile (start-up was cancelled) raises RuntimeError: nobody waits
+        with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(settle, *outcome)
-        except RuntimeError:  # the loop closed meanwhile (start-up was cancelled): nobody waits
-            pass
 
     threading.Thread(target=run, name=name, daemon=True).start()
     return await done

@@ -297,8 +297,8 @@ class LlamaModel(nn.Module):
         else:
             hidden = self.embed_tokens(forward_batch.input_ids)
         cos, sin = self.rotary_emb.get_cos_sin(forward_batch.positions)
-        metadata = attn_backend.native_decode_metadata()
-        if metadata is not None and (native := self.native_layers()) is not None:
+        native = self.native_layers()  # cached: None for a model that cannot run natively
+        if native is not None and (metadata := attn_backend.native_decode_metadata()) is not None:
             return native_decode(self, native, hidden, cos, sin, metadata)
         residual = None
         for layer in self.layers:

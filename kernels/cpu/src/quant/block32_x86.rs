@@ -31,6 +31,18 @@ unsafe fn unpack(qt: QuantType, p: *const u8) -> (__m256i, f32, f32) {
     }
 }
 
+/// `$f::<consts.., SIGNED>(args)` with SIGNED = whether `qt` is the signed format (Q8_0): the
+/// kernels are compiled once per sign handling.
+macro_rules! by_sign {
+    ($qt:expr, $f:ident $(::<$($c:tt),*>)? ($($a:expr),*)) => {
+        if $qt == QuantType::Q8_0 {
+            $f::<$($($c,)*)? true>($($a),*)
+        } else {
+            $f::<$($($c,)*)? false>($($a),*)
+        }
+    };
+}
+
 /// acc + the eight int32 sums of four consecutive products w_i * x_i; `SIGNED`: w signed
 /// (Q8_0), multiplied through the sign trick (|w| times x with w's sign; |w| <= 128 keeps
 /// `maddubs` from saturating); else w unsigned.
@@ -246,25 +258,13 @@ unsafe fn tiles16_impl<const SIGNED: bool>(
 ///
 /// # Safety
 /// As `tiles`, and the CPU must have AVX-512 F, BW, VL and VNNI.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni,avx512vl")]
 pub(crate) unsafe fn tiles16(
     qt: QuantType,
     wrows: &[&[u8]; 4],
     tiles: &[Tile<'_>; 2],
 ) -> [[[f32; 8]; 2]; 4] {
-    tiles16_vnni(qt, wrows, tiles)
-}
-
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni,avx512vl")]
-unsafe fn tiles16_vnni(
-    qt: QuantType,
-    wrows: &[&[u8]; 4],
-    tiles: &[Tile<'_>; 2],
-) -> [[[f32; 8]; 2]; 4] {
-    if qt == QuantType::Q8_0 {
-        tiles16_impl::<true>(qt, wrows, tiles)
-    } else {
-        tiles16_impl::<false>(qt, wrows, tiles)
-    }
+    by_sign!(qt, tiles16_impl(qt, wrows, tiles))
 }
 
 /// The products of four weight rows with one activation row.
@@ -287,20 +287,12 @@ pub(crate) unsafe fn row4(
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn row4_avx2(qt: QuantType, wrows: &[&[u8]; 4], a: &ActRow<'_>) -> [f32; 4] {
-    if qt == QuantType::Q8_0 {
-        row4_impl::<false, true>(qt, wrows, a)
-    } else {
-        row4_impl::<false, false>(qt, wrows, a)
-    }
+    by_sign!(qt, row4_impl::<false>(qt, wrows, a))
 }
 
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni,avx512vl")]
 unsafe fn row4_vnni(qt: QuantType, wrows: &[&[u8]; 4], a: &ActRow<'_>) -> [f32; 4] {
-    if qt == QuantType::Q8_0 {
-        row4_impl::<true, true>(qt, wrows, a)
-    } else {
-        row4_impl::<true, false>(qt, wrows, a)
-    }
+    by_sign!(qt, row4_impl::<true>(qt, wrows, a))
 }
 
 /// The products of four weight rows with T tiles of eight activation rows (`block32::ActTiles`
@@ -327,11 +319,7 @@ unsafe fn tiles_avx2<const T: usize>(
     wrows: &[&[u8]; 4],
     tiles: &[Tile<'_>; T],
 ) -> [[[f32; 8]; T]; 4] {
-    if qt == QuantType::Q8_0 {
-        tiles_impl::<T, false, true>(qt, wrows, tiles)
-    } else {
-        tiles_impl::<T, false, false>(qt, wrows, tiles)
-    }
+    by_sign!(qt, tiles_impl::<T, false>(qt, wrows, tiles))
 }
 
 #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
@@ -340,9 +328,5 @@ unsafe fn tiles_vnni<const T: usize>(
     wrows: &[&[u8]; 4],
     tiles: &[Tile<'_>; T],
 ) -> [[[f32; 8]; T]; 4] {
-    if qt == QuantType::Q8_0 {
-        tiles_impl::<T, true, true>(qt, wrows, tiles)
-    } else {
-        tiles_impl::<T, true, false>(qt, wrows, tiles)
-    }
+    by_sign!(qt, tiles_impl::<T, true>(qt, wrows, tiles))
 }

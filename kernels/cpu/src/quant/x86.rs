@@ -1,9 +1,10 @@
-//! AVX2 and AVX-512 VNNI paths of the quantized dot products: the same arithmetic as
-//! `blocks::dot_rows`, eight int32 lanes per 32-weight block. Signed weights meet the unsigned
-//! operand of `maddubs` / `dpbusd` through the sign trick (`|w|` and `sign(w) * x`); with
-//! |w| <= 128 and |x| <= 127 no pair of `maddubs` saturates, so both instructions give the
-//! exact lane sums. The 32-weight formats decode straight into a register; the K-quants decode
-//! through `blocks::unpack`.
+//! AVX2 and AVX-512 VNNI paths of the K-quants' dot products (Q4_K, Q5_K, Q6_K; the 32-weight
+//! formats run in `block32_x86`): the same arithmetic as `blocks::dot_rows`, eight int32 lanes
+//! per 32 weights. Signed weights meet the unsigned operand of `maddubs` / `dpbusd` through the
+//! sign trick (`|w|` and `sign(w) * x`); with |w| <= 128 and |x| <= 127 no pair of `maddubs`
+//! saturates, so both instructions give the exact lane sums. Also the block helpers
+//! `block32_x86` shares (half, nibbles, fifth bits, prefetch) and the AVX2 activation
+//! quantizer.
 
 use std::arch::x86_64::*;
 
@@ -50,30 +51,6 @@ pub(crate) unsafe fn fifth_bits(p: *const u8) -> __m256i {
     let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
     let set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
     _mm256_and_si256(set, _mm256_set1_epi8(0x10))
-}
-
-/// A 32-weight block at `p`: (signed weights, scale, min).
-#[inline(always)]
-unsafe fn unpack32(qt: QuantType, p: *const u8) -> (__m256i, f32, f32) {
-    match qt {
-        QuantType::Q4_0 => (
-            _mm256_sub_epi8(nibbles(p.add(2)), _mm256_set1_epi8(8)),
-            half(p),
-            0.0,
-        ),
-        QuantType::Q4_1 => (nibbles(p.add(4)), half(p), half(p.add(2))),
-        QuantType::Q5_0 => {
-            let q = _mm256_or_si256(nibbles(p.add(6)), fifth_bits(p.add(2)));
-            (_mm256_sub_epi8(q, _mm256_set1_epi8(16)), half(p), 0.0)
-        }
-        QuantType::Q5_1 => (
-            _mm256_or_si256(nibbles(p.add(8)), fifth_bits(p.add(4))),
-            half(p),
-            half(p.add(2)),
-        ),
-        QuantType::Q8_0 => (_mm256_loadu_si256(p.add(2) as *const __m256i), half(p), 0.0),
-        _ => unreachable!("K-quants decode through blocks::unpack"),
-    }
 }
 
 /// A K-quant super-block into `u`: the weights decoded 32 at a time, the scales by
@@ -165,7 +142,7 @@ unsafe fn dot_tile_impl<const C: usize, const R: usize, const VNNI: bool>(
     }
 }
 
-/// `dot_tile_impl` for the formats with (`HAS_MIN`: unsigned weights) or without a min.
+/// `dot_tile_impl` for the K-quants with (`HAS_MIN`: unsigned weights) or without a min.
 #[inline(always)]
 unsafe fn dot_tile_typed<const C: usize, const R: usize, const VNNI: bool, const HAS_MIN: bool>(
     qt: QuantType,
@@ -176,50 +153,25 @@ unsafe fn dot_tile_typed<const C: usize, const R: usize, const VNNI: bool, const
     let mut summ = [[0f32; R]; C];
     let bb = qt.block_bytes();
     let nblocks = wrows[0].len() / bb;
-    if qt.block_elems() == 32 {
-        for b in 0..nblocks {
-            // a loop, not `array::from_fn`: a closure would not inherit the target features
-            let mut unpacked = [(_mm256_setzero_si256(), 0f32, 0f32); C];
-            for c in 0..C {
-                let p = wrows[c].as_ptr().add(b * bb);
-                prefetch(p);
-                unpacked[c] = unpack32(qt, p);
-            }
+    let mut u: [Unpacked; C] = [const { Unpacked::ZERO }; C];
+    for sb in 0..nblocks {
+        for c in 0..C {
+            prefetch(wrows[c].as_ptr().add(sb * bb));
+            unpack_k(qt, &wrows[c][sb * bb..(sb + 1) * bb], &mut u[c]);
+        }
+        for j in 0..8 {
+            let b = sb * 8 + j;
             for r in 0..R {
                 let a = &rows[r];
                 let x = _mm256_loadu_si256(a.q.as_ptr().add(32 * b) as *const __m256i);
-                let (d, s) = (*a.d.get_unchecked(b), *a.s.get_unchecked(b));
+                let (d, s) = (_mm256_set1_ps(*a.d.get_unchecked(b)), *a.s.get_unchecked(b));
                 for c in 0..C {
-                    let (w, sc, mn) = unpacked[c];
+                    let w = _mm256_loadu_si256(u[c].w.as_ptr().add(32 * j) as *const __m256i);
+                    let scale = _mm256_loadu_ps(u[c].scale[j].as_ptr());
                     let lane = _mm256_cvtepi32_ps(lane_dot::<VNNI, HAS_MIN>(w, x));
-                    acc[c][r] = _mm256_fmadd_ps(_mm256_set1_ps(sc * d), lane, acc[c][r]);
+                    acc[c][r] = _mm256_fmadd_ps(_mm256_mul_ps(scale, d), lane, acc[c][r]);
                     if HAS_MIN {
-                        summ[c][r] = mn.mul_add(s, summ[c][r]);
-                    }
-                }
-            }
-        }
-    } else {
-        let mut u: [Unpacked; C] = [const { Unpacked::ZERO }; C];
-        for sb in 0..nblocks {
-            for c in 0..C {
-                prefetch(wrows[c].as_ptr().add(sb * bb));
-                unpack_k(qt, &wrows[c][sb * bb..(sb + 1) * bb], &mut u[c]);
-            }
-            for j in 0..8 {
-                let b = sb * 8 + j;
-                for r in 0..R {
-                    let a = &rows[r];
-                    let x = _mm256_loadu_si256(a.q.as_ptr().add(32 * b) as *const __m256i);
-                    let (d, s) = (_mm256_set1_ps(*a.d.get_unchecked(b)), *a.s.get_unchecked(b));
-                    for c in 0..C {
-                        let w = _mm256_loadu_si256(u[c].w.as_ptr().add(32 * j) as *const __m256i);
-                        let scale = _mm256_loadu_ps(u[c].scale[j].as_ptr());
-                        let lane = _mm256_cvtepi32_ps(lane_dot::<VNNI, HAS_MIN>(w, x));
-                        acc[c][r] = _mm256_fmadd_ps(_mm256_mul_ps(scale, d), lane, acc[c][r]);
-                        if HAS_MIN {
-                            summ[c][r] = u[c].min[j].mul_add(s, summ[c][r]);
-                        }
+                        summ[c][r] = u[c].min[j].mul_add(s, summ[c][r]);
                     }
                 }
             }
