@@ -49,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
             args = ServerArgs.from_cli_args(ns)
         except ServerArgsError as exc:
             _subparser(parser, "serve").error(str(exc))
+        if args.node_rank > 0:  # a further machine of a tensor-parallel group: ranks only
+            from pyserve.distributed.launch import serve_node
+
+            return serve_node(args)
         from pyserve.server.launch import StartupError, launch_server
 
         try:

@@ -94,6 +94,13 @@ class ServerArgs:
     stream_interval: int = 1
     max_queued_requests: int | None = None
     disable_cuda_graph: bool = False
+    # tensor parallelism (pyserve.distributed): the model split over tp_size ranks, nnodes
+    # machines of tp_size / nnodes ranks each; rank 0 (node 0) serves, and its store listens
+    # at dist_init_addr ("host:port"; None: 127.0.0.1, a free port, one node only)
+    tp_size: int = 1
+    dist_init_addr: str | None = None
+    nnodes: int = 1
+    node_rank: int = 0
     cuda_graph_max_bs: int | None = None
     cuda_graph_bs: list[int] | None = None
     # structured output: "none" refuses any grammar with a 400
@@ -185,6 +192,7 @@ class ServerArgs:
         if not self.grammar_compile_timeout_s > 0:
             raise bad("grammar_compile_timeout_s", f"got {self.grammar_compile_timeout_s}; must be > 0 seconds")
         self._check_parsers(bad)
+        self._check_parallel(bad)
         if self.gc_threshold is not None:
             values = list(self.gc_threshold)
             if not 1 <= len(values) <= 3 or any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in values):
@@ -194,6 +202,22 @@ class ServerArgs:
                     "(gc.set_threshold's; 0 first turns automatic collection off)",
                 )
             self.gc_threshold = tuple(values)
+
+    def _check_parallel(self, bad: Callable[[str, str], ServerArgsError]) -> None:
+        if self.tp_size < 1:
+            raise bad("tp_size", f"got {self.tp_size}; must be >= 1")
+        if self.nnodes < 1 or self.tp_size % self.nnodes:
+            raise bad("nnodes", f"got {self.nnodes}; must be >= 1 and divide --tp-size {self.tp_size}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise bad("node_rank", f"got {self.node_rank}; must be in 0..{self.nnodes - 1}")
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            raise bad("dist_init_addr", "is needed with --nnodes > 1 (host:port of node 0, reachable from every node)")
+        if self.dist_init_addr is not None:
+            host, sep, port = self.dist_init_addr.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise bad("dist_init_addr", f"got {self.dist_init_addr!r}; must be host:port")
+        if self.tp_size > 1 and self.is_embedding:
+            raise bad("tp_size", "embedding models run with --tp-size 1")
 
     def _check_parsers(self, bad: Callable[[str, str], ServerArgsError]) -> None:
         if self.tool_call_parser is None and self.reasoning_parser is None:
@@ -459,6 +483,21 @@ class ServerArgs:
             help="refuse new requests with 503 while this many wait for admission (default: no limit)",
         )
         a("--disable-cuda-graph", action="store_true", help="run decode steps eagerly on CUDA")
+        a(
+            "--tp-size",
+            "--tensor-parallel-size",
+            type=int,
+            default=1,
+            help="split the model over this many ranks (one per GPU; gloo processes on CPU)",
+        )
+        a(
+            "--dist-init-addr",
+            type=str,
+            default=None,
+            help="host:port where node 0 serves the ranks' rendezvous (default: 127.0.0.1, a free port)",
+        )
+        a("--nnodes", type=int, default=1, help="machines the --tp-size ranks are spread over")
+        a("--node-rank", type=int, default=0, help="this machine's index, 0..nnodes-1 (0 serves HTTP)")
         a(
             "--cuda-graph-max-bs",
             type=int,

@@ -20,13 +20,17 @@
 #   (d) pyserve bench host                 the host path on a simulated 2 ms device, 64 and
 #                                          256 clients streamed, overlap on, the client on
 #                                          cores of its own                  (cap HOST_S=100)
+#   (e) benches/gpu/check_tp.py            tp 2 gives tp 1's greedy ids, graphs on and off,
+#                                          and bench one-batch at tp 1 and 2 (cap TP_S=90);
+#                                          on a one-GPU machine skipped, with a note
 # Logs and results go under ${OUT:-/tmp/out} (at most 8 files: what the device tool returns);
 # the summary table is printed last, one line per step. benches/gpu/README.md tells the rest.
 #
 # --dry-run (here, with the project's venv): installs into a temporary --target (the whole
 # set for CPython 3.12, as there, and separately the same pins for this interpreter, which
 # pyserve is then imported from), collects the GPU tests without running them, and runs (b)
-# and (c) with --device cpu --tiny and (d) with 4 clients, short requests and overlap on.
+# and (c) with --device cpu --tiny, (d) with 4 clients, short requests and overlap on, and (e)
+# on CPU (gloo).
 set -uo pipefail
 
 cd "$(dirname "$0")/../.."
@@ -121,6 +125,8 @@ fi
 export PYSERVE_SHARED=$REPO/.gpu/shared
 say "$("$PY" -c 'import sys, torch, triton, transformers; print(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}, cuda {torch.cuda.is_available()}")' 2>&1)"
 
+# the device returns 8 files at most: a passed install's log gives its place to check_tp's
+[[ $DRY == 0 ]] && rm -f "$OUT/install.log"
 NAMES+=("install"); RCS+=(0); SECS+=($(( SECONDS - install_t0 ))); STATES+=("passed ($install_note)")
 
 # ---------------------------------------------------------------- steps
@@ -169,6 +175,8 @@ if [[ $DRY == 1 ]]; then
         "$PY" benches/gpu/bench_decode.py --device cpu --tiny
     run_step "bench host (tiny, CPU)" "${HOST_S:-100}" "$OUT/bench_host.log" \
         "$PY" -m pyserve bench host "${host_args[@]}" --overlap on --clients 4 --input-len 32 --output-len 16
+    run_step "check_tp --device cpu" "${TP_S:-90}" "$OUT/check_tp.log" \
+        "$PY" benches/gpu/check_tp.py --device cpu
 else
     run_step "pytest -m gpu" "${PYTEST_S:-60}" "$OUT/pytest.log" \
         "$PY" -m pytest -q -m gpu -p no:cacheprovider $GPU_TESTS
@@ -179,6 +187,13 @@ else
     run_step "bench host" "${HOST_S:-100}" "$OUT/bench_host.log" \
         "$PY" -m pyserve bench host "${host_args[@]}" --overlap on --clients 64 256 \
         "${client_cpus[@]}" --requests-per-client 2
+    gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+    if (( gpus >= 2 )); then
+        run_step "check_tp (tp 2)" "${TP_S:-90}" "$OUT/check_tp.log" "$PY" benches/gpu/check_tp.py
+    else
+        NAMES+=("check_tp (tp 2)"); RCS+=("-"); SECS+=(0)
+        STATES+=("skipped: $gpus GPU(s); tensor parallelism 2 needs two")
+    fi
 fi
 
 # ---------------------------------------------------------------- summary
@@ -197,6 +212,10 @@ table_of() {  # table_of LOG TITLE: the table a script printed last, or its prog
     echo
     table_of "$OUT/bench_decode.log" "bench_decode on"
     echo
+    if [[ -f $OUT/check_tp.log ]]; then
+        grep -v -e '^nanobind' -e '^ - ' -e '^See https://nanobind' -e '^  ' "$OUT/check_tp.log" | tail -n 14
+        echo
+    fi
     if [[ -f $OUT/bench_host.log ]]; then
         echo "== bench host (simulated device; loop and writer CPU per generated token)"
         grep -v -e '^nanobind' -e '^ - ' -e '^See https://nanobind' "$OUT/bench_host.log" | tail -n 12
@@ -209,5 +228,5 @@ table_of() {  # table_of LOG TITLE: the table a script printed last, or its prog
     done
 } | tee -a "$SUMMARY"
 for s in "${STATES[@]}"; do
-    [[ $s == passed* || $s == "no test selected"* ]] || exit 1
+    [[ $s == passed* || $s == "no test selected"* || $s == skipped* ]] || exit 1
 done

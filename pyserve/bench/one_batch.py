@@ -8,6 +8,9 @@ each add one token per request. Reported: prefill latency (ms) and throughput
 (batch_size * input_len / prefill time), median decode step latency (ms) and decode
 throughput (batch_size / step time), and the total. A short warm-up pass of every case
 (output_len capped at 4) runs first and is not reported. On CUDA each timing is bracketed by torch.cuda.synchronize().
+With `--tp-size N` the model is split over N ranks (`pyserve.distributed`), this process
+being rank 0: each step's plan goes to the other ranks and its sampled ids after it, as the
+server's worker sends them.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ def add_one_batch_args(p: argparse.ArgumentParser) -> None:
     a("--input-len", type=int, nargs="+", default=[1024])
     a("--output-len", type=int, nargs="+", default=[16])
     a("--seed", type=int, default=1)
+    a("--tp-size", type=int, default=1, help="split the model over this many ranks (tensor parallelism)")
     a("--output-file", default=None, help="append one JSON line per case")
 
 
@@ -48,13 +52,17 @@ def _check(args: Any) -> None:
         for v in getattr(args, name):
             if v < 1:
                 raise BenchError(f"--{name.replace('_', '-')}: got {v}; must be >= 1")
+    if args.tp_size < 1:
+        raise BenchError(f"--tp-size: got {args.tp_size}; must be >= 1")
 
 
 def run_case(runner: Any, batch_size: int, input_len: int, output_len: int, seed: int) -> dict[str, Any]:
-    """Time one static batch on `runner` (a fresh KVCache over its pool). Returns the figures."""
+    """Time one static batch on `runner` (a fresh KVCache over its pool; with a `runner.tp`
+    group, the other ranks mirror each step). Returns the figures."""
     import numpy as np
     import torch
 
+    from pyserve.distributed.messages import RankStart, rank_plan
     from pyserve.forward_batch_info import ForwardMode, SamplingRow, StepPlan
     from pyserve.mem_cache.kv_cache import KVCache
     from pyserve.model_executor.device_state import DeviceState
@@ -65,6 +73,9 @@ def run_case(runner: Any, batch_size: int, input_len: int, output_len: int, seed
     kv = KVCache(runner.max_total_num_tokens, batch_size, input_len + output_len, disable_radix_cache=True)
     # the worker's device tables, driven here on the calling thread as the worker does
     state = DeviceState(kv.num_rows, kv.max_context_len, vocab, device)
+    tp = getattr(runner, "tp", None)
+    if tp is not None:
+        tp.send_object(RankStart(kv.num_rows, kv.max_context_len, vocab))
     gen = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, vocab, (batch_size, input_len), generator=gen)
     req_ids = []
@@ -78,9 +89,13 @@ def run_case(runner: Any, batch_size: int, input_len: int, output_len: int, seed
             torch.cuda.synchronize()
 
     def step(plan: StepPlan) -> None:
+        if tp is not None:
+            tp.send_object(rank_plan(plan))
         batch = state.forward_batch(plan)
         next_ids, _ = runner.sample_next(runner.forward(batch), batch)
-        state.record_sampled(plan, batch, next_ids)
+        ids = state.record_sampled(plan, batch, next_ids)
+        if tp is not None:
+            tp.broadcast(ids)
 
     arrays = kv.prepare_extend(req_ids, [input_len] * batch_size)
     if arrays is None:
@@ -149,8 +164,25 @@ def run_one_batch(args: Any) -> list[dict[str, Any]]:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    model_path = args.model_path or default_model_path()
+    ranks = None
     try:
-        model_path = args.model_path or default_model_path()
+        tp = None
+        if args.tp_size > 1:
+            from pyserve.config import ServerArgs
+            from pyserve.distributed.launch import start_first_rank
+
+            server_args = ServerArgs(
+                model_path=model_path,
+                dtype=args.dtype,
+                device=device,
+                context_length=args.context_length,
+                max_total_tokens=pool_tokens,
+                random_seed=args.seed,
+                quantization=args.quantization,
+                tp_size=args.tp_size,
+            )
+            tp, ranks = start_first_rank(server_args, device, on_death=lambda rank, message: print(message))
         runner = ModelRunner(
             model_path,
             dtype=args.dtype,
@@ -160,9 +192,25 @@ def run_one_batch(args: Any) -> list[dict[str, Any]]:
             random_seed=args.seed,
             load_progress=False,
             quantization=args.quantization,
+            tp=tp,
         )
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, RuntimeError) as exc:
+        if ranks is not None:
+            ranks.stop()
         raise BenchError(f"cannot load the model: {exc}") from None
+    try:
+        return _run_cases(args, runner, cases, model_path)
+    finally:
+        if runner.tp is not None and ranks is not None:
+            from pyserve.distributed.messages import STOP_RANKS
+
+            runner.tp.send_object(STOP_RANKS)
+            ranks.stop()
+
+
+def _run_cases(args: Any, runner: Any, cases: list[tuple[int, int, int]], model_path: str) -> list[dict[str, Any]]:
+    from pyserve.bench.serve import BenchError
+
     context_len = runner.model_config.context_len
     for _, i, o in cases:
         if i + o > context_len:
@@ -173,7 +221,8 @@ def run_one_batch(args: Any) -> list[dict[str, Any]]:
         f"{'batch':>6}{'input':>7}{'output':>7}{'prefill ms':>12}{'prefill tok/s':>15}"
         f"{'decode ms':>11}{'decode tok/s':>14}{'total ms':>11}"
     )
-    print(f"pyserve bench one-batch: {model_path} on {runner.device} ({str(runner.dtype).removeprefix('torch.')})")
+    tp = f", {args.tp_size} tensor-parallel ranks" if args.tp_size > 1 else ""
+    print(f"pyserve bench one-batch: {model_path} on {runner.device} ({str(runner.dtype).removeprefix('torch.')}{tp})")
     print(header)
     results = []
     for b, i, o in cases:

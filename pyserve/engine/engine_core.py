@@ -13,7 +13,7 @@ import gc
 import logging
 import os
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any, cast
 
 import torch
@@ -27,6 +27,7 @@ from pyserve.engine.scheduler import Scheduler
 from pyserve.engine.tokenizer_manager import TokenizerManager, failure_of
 from pyserve.engine.worker import ModelWorker
 from pyserve.errors import InvalidRequestError
+from pyserve.forward_batch_info import FinishReason
 from pyserve.io_struct import GenerateOutput, SingleReq, TokenizedGenerateReq, new_rid
 from pyserve.mem_cache.kv_cache import KVCache
 from pyserve.metrics import RequestMetrics
@@ -55,6 +56,11 @@ class EngineCore:
         self.started = False
         self._tasks: list[asyncio.Task] = []
         self.grammar_backend: GrammarBackend | None = None
+        # tensor parallelism: the other ranks' processes (None at --tp-size 1), the failure
+        # that ended serving (a rank died) and who is told of it (`on_failure`)
+        self.ranks: Any = None
+        self.failure: str | None = None
+        self._failure_listeners: list[Callable[[str], None]] = []
         # rid -> the rids running for it (a batch's prompts, n > 1 samples and their prefill)
         self._derived: dict[str, set[str]] = {}
 
@@ -67,8 +73,13 @@ class EngineCore:
         # at 256 clients). Single-threaded, the tokenizer thread takes one core and leaves
         # the loop its own. An explicit setting wins.
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        loop = asyncio.get_running_loop()
-        await run_in_own_thread(self._load)
+        loop = self._loop = asyncio.get_running_loop()
+        try:
+            await run_in_own_thread(self._load)
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.stop()
+            raise
         args = self.server_args
         runner = self.model_runner
         # an embedding server runs each prompt as one whole prefill step (never cut: an
@@ -191,6 +202,12 @@ class EngineCore:
             self.model_runner = self._given_runner
             self._describe_model()
             return
+        tp = None
+        if args.tp_size > 1:
+            from pyserve.distributed.launch import start_first_rank
+
+            logger.info("starting tensor-parallel ranks 1..%d", args.tp_size - 1)
+            tp, self.ranks = start_first_rank(args, args.resolved_device, self._rank_died_threadsafe)
         logger.info("loading model from %s", self.model_path)
         self.model_runner = ModelRunner(
             self.model_path,
@@ -210,6 +227,7 @@ class EngineCore:
             max_running_requests=args.max_running_requests,
             is_embedding=args.is_embedding,
             pooling=args.pooling,
+            tp=tp,
         )
         self._describe_model()
 
@@ -252,6 +270,8 @@ class EngineCore:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.get_running_loop().run_in_executor(None, self.worker.shutdown)
+        if self.ranks is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.ranks.stop)
         if self.grammar_backend is not None:
             self.grammar_backend.shutdown()
         self.tokenizer_manager.executor.shutdown(wait=False)
@@ -278,6 +298,33 @@ class EngineCore:
             deadline = loop.time() + DRAIN_SETTLE_S
             while states and loop.time() < deadline:
                 await asyncio.sleep(0.05)
+
+    def on_failure(self, listener: Callable[[str], None]) -> None:
+        """Call `listener(message)` on the loop when serving fails for good (a tensor-parallel
+        rank died): the server then stops (`pyserve serve` exits 1)."""
+        self._failure_listeners.append(listener)
+
+    def _rank_died_threadsafe(self, rank: int, message: str) -> None:
+        """A rank's watcher thread: hand the death to the loop."""
+        with contextlib.suppress(RuntimeError):  # the loop is already closed: nothing runs
+            self._loop.call_soon_threadsafe(self._fail, message)
+
+    def _fail(self, message: str) -> None:
+        """Serving cannot go on: log the one line, refuse new requests (503), end every
+        request with an error (a stream's last event), tell the listeners."""
+        if self.failure is not None:
+            return
+        self.failure = message
+        logger.error("%s; the server stops", message)
+        if not self.started:  # still loading: the load fails on the rank's closed sockets
+            return
+        tm = self.tokenizer_manager
+        tm.draining = True
+        reason = FinishReason.abort(f"{message}; the server stops", status_code=500)
+        for rid in list(tm.states):
+            tm.end_request(rid, message, reason)
+        for listener in self._failure_listeners:
+            listener(message)
 
     def _emit(self, outs: list) -> None:
         self.tokenizer_manager.detokenizer.queue.put_nowait(outs)

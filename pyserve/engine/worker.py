@@ -18,6 +18,12 @@ the completer waits on an event recorded after the copy; the simulated device gi
 `step_done_waiter`. A CPU runner computes synchronously: the worker resolves each step itself,
 as it does for an embedding runner (`is_embedding`), whose steps are pooled embeddings copied
 to the host (`embed`) and never sample.
+
+With tensor parallelism (a runner with a `tp` group) this worker is rank 0's: before each
+step it broadcasts the plan (without its sampling rows, which only rank 0 holds) to the other
+ranks, which apply it to their own tables and run the same forward on their shards
+(`pyserve.distributed.rank_main`); after sampling it broadcasts the step's ids, which the
+ranks write into their token tables, the inputs of the next decode step.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from pyserve.distributed.group import RankLostError, TensorParallelGroup
+from pyserve.distributed.messages import STOP_RANKS, RankStart, rank_plan
 from pyserve.forward_batch_info import StepOutput, StepPlan
 from pyserve.model_executor.device_state import DeviceState
 from pyserve.model_executor.runner_protocol import Runner
@@ -56,6 +64,8 @@ class ModelWorker:
     def __init__(self, model_runner: Runner, num_rows: int, row_width: int, vocab_size: int) -> None:
         self.model_runner = model_runner
         self.state = DeviceState(num_rows, row_width, vocab_size, model_runner.device)
+        self._tp: TensorParallelGroup | None = getattr(model_runner, "tp", None)
+        self._rank_lost: RankLostError | None = None  # the group broke: every later step fails
         self._queue: queue.SimpleQueue = queue.SimpleQueue()  # plans (C queue: no Python lock per put)
         self._cuda = str(model_runner.device).startswith("cuda")
         # a CPU runner whose launches are asynchronous (SimulatedRunner) says how to wait for a step
@@ -121,6 +131,9 @@ class ModelWorker:
         self._queue.put(_STOP)
         self._thread.join(timeout=30)
         self._done.put(_STOP)
+        if self._tp is not None:
+            with contextlib.suppress(RankLostError):  # a rank that already died
+                self._tp.send_object(STOP_RANKS)
 
     def _complete(self) -> None:
         while True:
@@ -149,6 +162,10 @@ class ModelWorker:
             # that before the worker's stream touches them
             torch.cuda.synchronize(device)
         try:
+            if self._tp is not None:  # the ranks build their tables (and graphs) alike
+                num_rows, row_width = self.state.req_to_token.shape
+                vocab = self.state.sampling.vocab_size
+                self._tp.send_object(RankStart(num_rows, row_width, vocab, capture_graphs=stream is not None))
             init_graphs = getattr(runner, "init_cuda_graphs", None)
             if stream is not None and init_graphs is not None:
                 init_graphs(self.state.req_to_token, stream)
@@ -173,6 +190,8 @@ class ModelWorker:
                 self.state.release_rows(plan)
                 continue
             try:
+                if self._rank_lost is not None:
+                    raise self._rank_lost
                 if stream is not None:
                     with torch.cuda.stream(stream):
                         result, wait = self._step(plan)
@@ -182,6 +201,11 @@ class ModelWorker:
             # A failed step fails its requests, not the server. BaseException: a panic in a
             # native kernel arrives as pyo3's PanicException, which is not an Exception, and
             # must not end this thread (the loop would wait forever on the step's future).
+            except RankLostError as exc:  # one line, once: the launcher names the rank
+                if self._rank_lost is None:
+                    logger.error("forward step failed: %s", exc)
+                self._rank_lost = exc
+                result, ok = exc, False
             except BaseException as exc:
                 logger.exception("forward step failed")
                 # the loop handles Exceptions; a panic is passed on as one
@@ -199,6 +223,9 @@ class ModelWorker:
         output and, for an asynchronous runner, the function that waits until the output is
         on the host (None for a CPU runner: it already is)."""
         runner = self.model_runner
+        tp = self._tp
+        if tp is not None:  # the same plan, minus the sampling rows only rank 0 holds
+            tp.send_object(rank_plan(plan))
         batch = self.state.forward_batch(plan)
         if self._embed is not None:  # an embedding server: pooled hidden states, no sampling
             embeddings = self._embed(batch).cpu().numpy()
@@ -206,11 +233,18 @@ class ModelWorker:
             return StepOutput(next_token_ids=zeros, embeddings=embeddings), None
         logits = runner.forward(batch)
         grammar = self.state.grammar
-        if grammar.num_live:  # after the launch: only sampling waits for the matchers
-            assert batch.sampling_info is not None
-            grammar.prepare(batch.sampling_info, plan.req_pool_indices)
-        next_ids, failed = runner.sample_next(logits, batch)
-        ids = self.state.record_sampled(plan, batch, next_ids)  # [B] int32, what the host gets
+        try:
+            if grammar.num_live:  # after the launch: only sampling waits for the matchers
+                assert batch.sampling_info is not None
+                grammar.prepare(batch.sampling_info, plan.req_pool_indices)
+            next_ids, failed = runner.sample_next(logits, batch)
+            ids = self.state.record_sampled(plan, batch, next_ids)  # [B] int32, what the host gets
+        except BaseException:
+            if tp is not None:  # the ranks wait for this step's ids: placeholders
+                tp.broadcast(torch.zeros(batch.batch_size, dtype=torch.int32, device=runner.device))
+            raise
+        if tp is not None:
+            tp.broadcast(ids)
         if not self._cuda:
             if grammar.num_live:
                 grammar.record(ids.numpy())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from pyserve.distributed.group import TensorParallelGroup
 from pyserve.forward_batch_info import ForwardBatch, ForwardMode
 from pyserve.layers.linear import linear
 from pyserve_kernels.quant import QuantizedWeight
@@ -30,11 +31,15 @@ class LogitsProcessor(torch.nn.Module):
 
     When forward_batch.input_logits_rows ([N] int64 token rows) is set, the logits of those
     rows are computed in the same matmul and stored in forward_batch.input_logits
-    ([N, vocab] float32; mutates forward_batch)."""
+    ([N, vocab] float32; mutates forward_batch).
 
-    def __init__(self, vocab_size: int) -> None:
+    With `tp` the LM head is vocab-parallel (each rank's rows of the padded vocabulary): the
+    ranks' logits are gathered side by side before the padding is cut."""
+
+    def __init__(self, vocab_size: int, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.vocab_size = vocab_size
+        self.tp = tp
 
     def forward(
         self,
@@ -47,7 +52,10 @@ class LogitsProcessor(torch.nn.Module):
         extra = forward_batch.input_logits_rows
         if extra is not None:
             rows = torch.cat((rows, extra))
-        logits = linear(hidden[rows], lm_head_weight, None, lm_head_packed)[:, : self.vocab_size].float()
+        logits = linear(hidden[rows], lm_head_weight, None, lm_head_packed)
+        if self.tp is not None:
+            logits = self.tp.all_gather_last_dim(logits)
+        logits = logits[:, : self.vocab_size].float()
         if extra is None:
             return logits
         batch = forward_batch.batch_size

@@ -13,6 +13,8 @@ from typing import cast
 
 import torch
 
+from pyserve.distributed.group import TensorParallelGroup
+from pyserve.distributed.shard import ShardLayout
 from pyserve.forward_batch_info import (
     ForwardBatch,
     ForwardMode,
@@ -78,6 +80,10 @@ class ModelRunner:
       steps on CUDA replay CUDA graphs captured by `init_cuda_graphs` (see
       cuda_graph_runner.py) unless disabled, the backend cannot be captured or the rope is
       dynamic; their memory is set aside before the KV pool is sized.
+    tp: this process's rank of a tensor-parallel group (`pyserve.distributed`): the runner
+      holds the rank's shard of the model and a KV pool of the rank's KV heads, whose size
+      in tokens is the smallest any rank can hold (the same slots on every rank). Every
+      rank calls `forward` with the same batches in the same order; only rank 0 samples.
     is_embedding: serve embeddings (`embed`) instead of tokens; an encoder (BertModel) always
       does. Its pooling: `pooling` ("mean", "cls", "last") when given, else what the folder's
       sentence-transformers files say (layers/pooler.py), else the last token; normalised
@@ -117,8 +123,12 @@ class ModelRunner:
         max_running_requests: int = 256,
         is_embedding: bool = False,
         pooling: str | None = None,
+        tp: TensorParallelGroup | None = None,
     ) -> None:
         torch_device = torch.device(device)
+        self.tp = tp
+        if tp is not None and is_embedding:
+            raise ValueError("embedding models run with --tp-size 1")
         if mem_fraction_static is None:
             cuda = torch_device.type == "cuda"
             mem_fraction_static = CUDA_MEM_FRACTION_STATIC if cuda else CPU_MEM_FRACTION_STATIC
@@ -133,7 +143,17 @@ class ModelRunner:
         )
         self.dtype = self.model_config.dtype
         self.model = load_model(
-            self.model_config, torch_device, progress=load_progress, load_format=load_format, quantization=quantization
+            self.model_config,
+            torch_device,
+            progress=load_progress,
+            load_format=load_format,
+            quantization=quantization,
+            tp=tp,
+        )
+        self.num_kv_heads = (  # this rank's
+            ShardLayout.of(self.model_config.hf_config, tp.rank, tp.size).num_kv_heads
+            if tp is not None
+            else self.model_config.num_key_value_heads
         )
         self.is_encoder: bool = bool(getattr(self.model, "is_encoder", False))
         positions = int(getattr(self.model_config.hf_config, "max_position_embeddings", 0))
@@ -181,13 +201,15 @@ class ModelRunner:
         self.graph_runner: CudaGraphRunner | None = None
         self.cuda_graph_bytes = self._cuda_graph_reserve_bytes()  # set aside for the graphs
         pool = self._kv_pool_size(torch_device, max_total_tokens, mem_fraction_static)
+        if tp is not None:  # every rank holds the same slots
+            pool = tp.min_int(pool)
         self.max_total_num_tokens = pool - pool % self.page_size
         if self.max_total_num_tokens <= 0:
             raise ValueError(f"a KV pool of {pool} tokens holds no page of {self.page_size}")
         self.kv_pool = MHATokenToKVPool(
             self.max_total_num_tokens,
             0 if self.is_encoder else cfg.num_hidden_layers,
-            cfg.num_key_value_heads,
+            self.num_kv_heads,
             cfg.head_dim,
             self.dtype,
             torch_device,
@@ -227,7 +249,7 @@ class ModelRunner:
     def _kv_pool_size(self, device: torch.device, max_total_tokens: int | None, mem_fraction_static: float) -> int:
         cfg = self.model_config
         per_token = MHATokenToKVPool.bytes_per_token_for(
-            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.dtype
+            cfg.num_hidden_layers, self.num_kv_heads, cfg.head_dim, self.dtype
         )
         if max_total_tokens is not None:
             if int(max_total_tokens) <= 0:

@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from pyserve.distributed.shard import ShardLayout, shard
 from pyserve.model_loader.default_model import ModelNotFoundError
 
 
@@ -37,10 +38,12 @@ def safetensors_files(folder: str) -> list[str]:
 
 
 def iter_safetensors_weights(
-    folder: str, dtype: torch.dtype, progress: bool = True
+    folder: str, dtype: torch.dtype, progress: bool = True, layout: ShardLayout | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) for every tensor of the folder's safetensors files, cast to `dtype`
     (floating tensors only), on CPU. Names are the checkpoint's own (HF) names.
+    layout: a tensor-parallel rank's `ShardLayout`: only the rank's slice of each tensor is
+      read from the file (`pyserve.distributed.shard`), so no rank holds the whole model.
     progress: show a tqdm bar over tensors (hidden when stderr is not a TTY).
     Raises ModelNotFoundError when the folder holds no safetensors file.
     """
@@ -48,7 +51,11 @@ def iter_safetensors_weights(
     handles = [safe_open(path, framework="pt", device="cpu") for path in files]
     names = [(h, key) for h in handles for key in h.keys()]
     for handle, key in tqdm(names, desc="Loading safetensors", unit="tensor", disable=not progress or None):
-        tensor = handle.get_tensor(key)
+        if layout is None:
+            tensor = handle.get_tensor(key)
+        else:
+            lazy = handle.get_slice(key)
+            tensor = shard(layout, key, tuple(lazy.get_shape()), lambda index, lazy=lazy: lazy[index])
         if tensor.is_floating_point():
             tensor = tensor.to(dtype)
         yield key, tensor

@@ -9,6 +9,8 @@ from collections.abc import Iterator
 
 import torch
 
+from pyserve.distributed.group import TensorParallelGroup
+from pyserve.distributed.shard import ShardLayout, shard
 from pyserve.model_loader.config import ModelConfig
 from pyserve_kernels.quant import QuantizedWeight, quantized_kernels_available
 
@@ -16,14 +18,27 @@ logger = logging.getLogger(__name__)
 
 
 def iter_weights(
-    model_config: ModelConfig, progress: bool = True, keep_quantized: bool = False
+    model_config: ModelConfig, progress: bool = True, keep_quantized: bool = False, layout: ShardLayout | None = None
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """Yield (hf_name, tensor) pairs of the checkpoint of `model_config`, CPU tensors in
     `model_config.dtype`; with `keep_quantized`, a GGUF's quantized matrices as their blocks
-    (see `iter_gguf_weights`). Raises ModelNotFoundError when no weight file is found."""
+    (see `iter_gguf_weights`). With a tensor-parallel `layout`, each tensor's slice for that
+    rank (`pyserve.distributed.shard`): read alone from safetensors; a GGUF tensor is
+    dequantized whole, one at a time, then cut. Raises ModelNotFoundError when no weight
+    file is found."""
     if model_config.is_gguf:
         from pyserve.model_loader.gguf_loader import iter_gguf_weights
 
+        if layout is not None:
+            assert not keep_quantized, "a tensor-parallel rank dequantizes its GGUF slices"
+            full = iter_gguf_weights(
+                model_config.model_path,
+                model_config.num_attention_heads,
+                model_config.num_key_value_heads,
+                model_config.dtype,
+                progress=progress,
+            )
+            return _cut(full, layout)
         return iter_gguf_weights(
             model_config.model_path,
             model_config.num_attention_heads,
@@ -34,7 +49,17 @@ def iter_weights(
         )
     from pyserve.model_loader.hf_loader import iter_safetensors_weights
 
-    return iter_safetensors_weights(model_config.model_path, model_config.dtype, progress=progress)
+    return iter_safetensors_weights(model_config.model_path, model_config.dtype, progress=progress, layout=layout)
+
+
+def _cut(
+    weights: Iterator[tuple[str, torch.Tensor | QuantizedWeight]], layout: ShardLayout
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """Each (name, whole float tensor) as (name, this rank's slice, copied: the whole one is
+    dropped before the next is read)."""
+    for name, tensor in weights:
+        assert isinstance(tensor, torch.Tensor)
+        yield name, shard(layout, name, tuple(tensor.shape), lambda index, t=tensor: t[index].clone())
 
 
 def keeps_quantized(model_config: ModelConfig, device: str | torch.device, quantization: str) -> bool:
@@ -57,6 +82,7 @@ def load_model(
     progress: bool = True,
     load_format: str = "auto",
     quantization: str = "auto",
+    tp: TensorParallelGroup | None = None,
 ) -> torch.nn.Module:
     """Instantiate the registered class of `model_config.architecture` on `device` in
     `model_config.dtype`, load its weights (load_format "auto") or fill it with seeded random
@@ -64,20 +90,31 @@ def load_model(
     quantization "auto" keeps a GGUF's quantized matrices quantized when the model runs on CPU
     (`keeps_quantized`); "none" dequantizes every weight to the model's dtype.
 
-    Raises ValueError for an unsupported architecture, KeyError/ValueError from the model's
-    `load_weights` for unknown or missing tensors.
+    tp: a tensor-parallel rank's group: the model holds and loads that rank's shard (every
+    weight dequantized: the native quantized kernels run unsharded only).
+
+    Raises ValueError for an unsupported architecture (or one without tensor parallelism
+    when `tp` is given, or a model that does not split `tp.size` ways), KeyError/ValueError
+    from the model's `load_weights` for unknown or missing tensors.
     """
     from pyserve.models.registry import get_model_class
 
     model_cls = get_model_class(model_config.architecture)
     start = time.perf_counter()
+    layout = None
+    kwargs = {}
+    if tp is not None:
+        if not getattr(model_cls, "supports_tensor_parallel", False):
+            raise ValueError(f"{model_config.architecture} has no tensor-parallel version; use --tp-size 1")
+        layout = ShardLayout.of(model_config.hf_config, tp.rank, tp.size)
+        kwargs["tp"] = tp
     with torch.device(device):
-        model = model_cls(model_config.hf_config, dtype=model_config.dtype, device=device)
+        model = model_cls(model_config.hf_config, dtype=model_config.dtype, device=device, **kwargs)
     if load_format == "dummy":
         model.init_dummy_weights()
     elif load_format == "auto":
-        keep = keeps_quantized(model_config, device, quantization)
-        model.load_weights(iter_weights(model_config, progress=progress, keep_quantized=keep))
+        keep = tp is None and keeps_quantized(model_config, device, quantization)
+        model.load_weights(iter_weights(model_config, progress=progress, keep_quantized=keep, layout=layout))
         if keep:  # the blocks were copied out: unmap the file
             from pyserve.model_loader.gguf_reader import open_gguf
 

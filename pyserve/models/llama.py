@@ -20,6 +20,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from pyserve.distributed.group import TensorParallelGroup
+from pyserve.distributed.shard import ShardLayout
 from pyserve.forward_batch_info import ForwardBatch
 from pyserve.layers.activation import get_act_fn
 from pyserve.layers.attention.base import AttentionBackend
@@ -103,11 +105,25 @@ def _linear(in_f: int, out_f: int, bias: bool, dtype: torch.dtype, device: torch
     return layer
 
 
+def _row_parallel_out(tp: TensorParallelGroup | None, partial: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The output of a row-parallel projection: the ranks' partial products summed, then the
+    bias (held whole by every rank) added once. Without `tp`, `partial` already is the sum."""
+    if tp is not None:
+        tp.all_reduce(partial)
+        if bias is not None:
+            partial = partial + bias
+    return partial
+
+
 class LlamaAttention(nn.Module):
     """Self-attention of one layer: q/k/v projections, rotary, paged attention, o projection.
 
     forward(hidden [T, hidden], cos/sin [T, head_dim], forward_batch, attn_backend)
     -> [T, hidden].
+
+    With `tp` (tensor parallelism, `pyserve.distributed`) the layer holds its rank's query and
+    KV heads (`ShardLayout`): q/k/v are column-parallel, o_proj row-parallel with an
+    all-reduce; num_heads and num_kv_heads are then the rank's.
     """
 
     def __init__(
@@ -117,12 +133,19 @@ class LlamaAttention(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         spec: DecoderSpec = DecoderSpec(),
+        tp: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.tp = tp
+        total_heads = config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
+        if tp is None:
+            self.num_heads = total_heads
+            self.num_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        else:
+            layout = ShardLayout.of(config, tp.rank, tp.size)
+            self.num_heads, self.num_kv_heads = layout.num_heads, layout.num_kv_heads
         self.scaling = self.head_dim**-0.5
         self.sliding_window = layer_sliding_window(config, layer_id)
         bias = bool(getattr(config, "attention_bias", False))
@@ -176,16 +199,26 @@ class LlamaAttention(nn.Module):
             q, k, v, self.layer_id, self.scaling, forward_batch, sliding_window=self.sliding_window
         )
         out = out.reshape(num_tokens, self.num_heads * self.head_dim)
-        return linear(out, self.o_proj.weight, self.o_proj.bias, self.o_packed)
+        if self.tp is None:
+            return linear(out, self.o_proj.weight, self.o_proj.bias, self.o_packed)
+        return _row_parallel_out(self.tp, linear(out, self.o_proj.weight, None, self.o_packed), self.o_proj.bias)
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU MLP: down(act(gate(x)) * up(x)). forward([T, hidden]) -> [T, hidden]."""
+    """SwiGLU MLP: down(act(gate(x)) * up(x)). forward([T, hidden]) -> [T, hidden].
 
-    def __init__(self, config: Any, dtype: torch.dtype, device: torch.device | str) -> None:
+    With `tp`, the rank's slice of the intermediate size: gate/up column-parallel, down
+    row-parallel with an all-reduce."""
+
+    def __init__(
+        self, config: Any, dtype: torch.dtype, device: torch.device | str, tp: TensorParallelGroup | None = None
+    ) -> None:
         super().__init__()
+        self.tp = tp
         bias = bool(getattr(config, "mlp_bias", False))
         hidden, inter = config.hidden_size, config.intermediate_size
+        if tp is not None:
+            inter = ShardLayout.of(config, tp.rank, tp.size).inter
         self.gate_proj = _linear(hidden, inter, bias, dtype, device)
         self.up_proj = _linear(hidden, inter, bias, dtype, device)
         self.down_proj = _linear(inter, hidden, bias, dtype, device)
@@ -199,7 +232,10 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_packed)
-        return linear(self.act_fn(gate_up), self.down_proj.weight, self.down_proj.bias, self.down_packed)
+        if self.tp is None:
+            return linear(self.act_fn(gate_up), self.down_proj.weight, self.down_proj.bias, self.down_packed)
+        partial = linear(self.act_fn(gate_up), self.down_proj.weight, None, self.down_packed)
+        return _row_parallel_out(self.tp, partial, self.down_proj.bias)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -218,11 +254,12 @@ class LlamaDecoderLayer(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         spec: DecoderSpec = DecoderSpec(),
+        tp: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__()
         eps = config.rms_norm_eps
-        self.self_attn = LlamaAttention(config, layer_id, dtype, device, spec)
-        self.mlp = LlamaMLP(config, dtype, device)
+        self.self_attn = LlamaAttention(config, layer_id, dtype, device, spec, tp)
+        self.mlp = LlamaMLP(config, dtype, device, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
 
@@ -246,20 +283,35 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers and final norm. forward -> hidden [T, hidden]."""
+    """Embedding, decoder layers and final norm. forward -> hidden [T, hidden].
+
+    With `tp` the embedding is vocab-parallel: the rank's rows of the padded vocabulary
+    (`ShardLayout.vocab`), each token looked up on the rank that holds it and summed over
+    the ranks."""
 
     def __init__(
-        self, config: Any, dtype: torch.dtype, device: torch.device | str, spec: DecoderSpec = DecoderSpec()
+        self,
+        config: Any,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        spec: DecoderSpec = DecoderSpec(),
+        tp: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__()
+        self.tp = tp
+        self.vocab_start = 0
+        embed_rows = config.vocab_size
+        if tp is not None:
+            layout = ShardLayout.of(config, tp.rank, tp.size)
+            self.vocab_start, embed_rows = layout.vocab_start, layout.vocab
         # allocated, not initialised (as `_linear`'s parameters); given as `_weight`, not made
         # on "meta" and replaced: initialising a meta embedding runs torch's Python
         # decompositions, which import torch._dynamo and with it triton (~70 MB resident in a
         # CPU server that never uses it)
         self.embed_tokens = nn.Embedding(
-            config.vocab_size,
+            embed_rows,
             config.hidden_size,
-            _weight=torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device),
+            _weight=torch.empty(embed_rows, config.hidden_size, dtype=dtype, device=device),
             _freeze=True,
         )
         # the checkpoint's quantized embedding (only the rows looked up are dequantized), else None
@@ -267,7 +319,7 @@ class LlamaModel(nn.Module):
         # built on the first DECODE batch (False: not yet; None: not possible)
         self._native_layers: list[Any] | None | bool = False
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, dtype, device, spec) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, dtype, device, spec, tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -279,6 +331,8 @@ class LlamaModel(nn.Module):
         """The layers as native `QuantDecoderLayer`s (`pyserve.models.native_decode`), built on
         first use; None when the model cannot run that way. `LlamaForCausalLM` drops them when
         its weights change."""
+        if self._native_layers is False and self.tp is not None:
+            self._native_layers = None  # the native layers have no all-reduce
         if self._native_layers is False:
             try:
                 self._native_layers = build_native_layers(self)
@@ -287,6 +341,17 @@ class LlamaModel(nn.Module):
                 self._native_layers = None
         return self._native_layers if isinstance(self._native_layers, list) and self._native_layers else None
 
+    def _vocab_parallel_embedding(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] ids -> [T, hidden]: the rows this rank holds, zeros for the others, summed
+        over the ranks (each id is held by exactly one)."""
+        assert self.tp is not None
+        weight = self.embed_tokens.weight
+        local = input_ids.long() - self.vocab_start
+        outside = (local < 0) | (local >= weight.shape[0])
+        hidden = nn.functional.embedding(local.masked_fill(outside, 0), weight)
+        hidden.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return self.tp.all_reduce(hidden)
+
     def decoder_layers(self) -> list[LlamaDecoderLayer]:
         """The decoder layers, typed (nn.ModuleList yields plain Modules)."""
         return cast("list[LlamaDecoderLayer]", list(self.layers))
@@ -294,6 +359,8 @@ class LlamaModel(nn.Module):
     def forward(self, forward_batch: ForwardBatch, attn_backend: AttentionBackend) -> torch.Tensor:
         if self.embed_quantized is not None:
             hidden = quantized_embedding(self.embed_quantized, forward_batch.input_ids, self.embed_tokens.weight.dtype)
+        elif self.tp is not None:
+            hidden = self._vocab_parallel_embedding(forward_batch.input_ids)
         else:
             hidden = self.embed_tokens(forward_batch.input_ids)
         cos, sin = self.rotary_emb.get_cos_sin(forward_batch.positions)
@@ -311,24 +378,36 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Llama with an LM head; computes the next-token logits of each request in a batch.
 
-    LlamaForCausalLM(config, dtype, device): config is an HF LlamaConfig (or any config with
-    the same fields); parameters are created in `dtype` on `device` (uninitialised until
+    LlamaForCausalLM(config, dtype, device, tp=None): config is an HF LlamaConfig (or any config
+    with the same fields); parameters are created in `dtype` on `device` (uninitialised until
     `load_weights` or `init_dummy_weights`). Subclasses (other families) override `spec`.
+    With `tp` (a `TensorParallelGroup`) the model holds its rank's shard (`ShardLayout`):
+    `load_weights` then takes the rank's slices of the checkpoint (`pyserve.distributed.shard`),
+    the GGUF blocks are not kept quantized, and the logits are gathered whole on every rank.
     """
 
     spec = DecoderSpec()
+    supports_tensor_parallel = True  # `pyserve.model_loader.weights.load_model` asks
 
-    def __init__(self, config: Any, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        config: Any,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        tp: TensorParallelGroup | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
-        self.model = LlamaModel(config, dtype, device, self.spec)
+        self.tp = tp
+        self.model = LlamaModel(config, dtype, device, self.spec, tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = None
-        else:
-            self.lm_head = _linear(config.hidden_size, config.vocab_size, False, dtype, device)
-        self.logits_processor = LogitsProcessor(config.vocab_size)
+        else:  # with tp: the rank's rows of the padded vocabulary, as the embedding's
+            rows = self.model.embed_tokens.weight.shape[0]
+            self.lm_head = _linear(config.hidden_size, rows, False, dtype, device)
+        self.logits_processor = LogitsProcessor(config.vocab_size, tp)
         self.lm_head_packed: torch.Tensor | QuantizedWeight | None = None
 
     def prepack_linear_weights(self) -> int:

@@ -32,6 +32,7 @@ def create_app(
     *,
     load_in_background: bool = False,
     on_load_error: Callable[[BaseException], None] | None = None,
+    on_failure: Callable[[str], None] | None = None,
 ) -> Starlette:
     """The pyserve ASGI app. The model loads when the app's lifespan starts (ASGI lifespan
     protocol), on the server's event loop, and the engine stops when the lifespan ends.
@@ -44,6 +45,10 @@ def create_app(
     needs the model 503 (ModelLoadingError); a failed load is logged and passed to
     `on_load_error` (`pyserve serve` then exits 1). False (the default, for embedding): the
     start returns once the model is loaded, and a failed load fails the start.
+
+    When serving fails for good (a tensor-parallel rank died: EngineCore.on_failure) the
+    routes answer 503, `/health` 503 {"status": "failed", "message": ...}, and
+    `on_failure(message)` is called (`pyserve serve` then stops and exits 1).
 
     With `server_args.api_key` (or PYSERVE_API_KEY) every route but /health*, /metrics and
     OPTIONS answers 401 without `Authorization: Bearer <key>` (pyserve.server.auth). A body
@@ -74,6 +79,14 @@ def create_app(
                     on_load_error(exc)
                 return
             app.state.engine = engine
+
+            def failed(message: str) -> None:
+                app.state.draining = True
+                app.state.failure = message
+                if on_failure is not None:
+                    on_failure(message)
+
+            engine.on_failure(failed)
 
         loading = asyncio.ensure_future(load())
         if not load_in_background:

@@ -43,7 +43,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def launch_server(server_args: ServerArgs) -> int:
     """Serve until SIGTERM / SIGINT, then drain (pyserve.server.drain); blocks the calling
     thread. The port answers while the model loads (`/health` 503 until then). Returns the
-    exit status: 0, or 1 when the model failed to load (logged with its traceback). Raises
+    exit status: 0, or 1 when the model failed to load (logged with its traceback) or
+    serving failed (a tensor-parallel rank died: one line in the log). Raises
     StartupError, before torch or the model loads, for a bad --model-path or a port taken."""
     setup_logging(server_args.log_level)
     try:
@@ -54,13 +55,13 @@ def launch_server(server_args: ServerArgs) -> int:
     from pyserve.server.app import create_app  # torch and the engine: after the checks
     from pyserve.server.drain import DrainingServer
 
-    failed: list[BaseException] = []
+    failed: list[BaseException | str] = []
 
-    def load_failed(exc: BaseException) -> None:
+    def load_failed(exc: BaseException | str) -> None:
         failed.append(exc)
         server.should_exit = True
 
-    app = create_app(server_args, load_in_background=True, on_load_error=load_failed)
+    app = create_app(server_args, load_in_background=True, on_load_error=load_failed, on_failure=load_failed)
     logger.info("starting pyserve on http://%s:%d", server_args.host, server_args.port)
     config = uvicorn.Config(
         app,

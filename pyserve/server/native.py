@@ -74,7 +74,11 @@ async def generate(request: Request) -> Response | StreamResponse:
 
 async def health(request: Request) -> Response:
     """200 with an empty body once the model is loaded; 503 {"status": "loading"} before,
-    {"status": "draining"} once the server shuts down."""
+    {"status": "draining"} once the server shuts down, {"status": "failed", "message"} once
+    serving failed for good (a tensor-parallel rank died)."""
+    failure = getattr(request.app.state, "failure", None)
+    if failure is not None:
+        return SafeJSONResponse({"status": "failed", "message": failure}, status_code=503)
     if getattr(request.app.state, "draining", False):
         return SafeJSONResponse({"status": "draining"}, status_code=503)
     if getattr(request.app.state, "engine", None) is None:

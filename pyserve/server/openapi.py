@@ -79,7 +79,7 @@ ERROR_SCHEMAS: dict[str, Any] = {
     },
     "HealthStatus": {
         "type": "object",
-        "properties": {"status": {"enum": ["loading", "draining"]}},
+        "properties": {"status": {"enum": ["loading", "draining", "failed"]}, "message": {"type": "string"}},
         "required": ["status"],
         "additionalProperties": False,
     },

@@ -1,0 +1,124 @@
+"""A tensor-parallel rank other than 0: `python -m pyserve.distributed.rank_main --rank R
+--store HOST:PORT --server-args JSON` (started by `pyserve.distributed.launch`, never by hand).
+
+It loads its shard of the model (`ModelRunner` with a `TensorParallelGroup`), then, on its main
+thread, mirrors rank 0's worker step for step: each plan rank 0 broadcasts is applied to this
+rank's own request tables (`DeviceState`) and run through its shard (the same collectives, in
+the same order, as rank 0's forward); the ids rank 0 sampled arrive after each step and go into
+the token table. It holds no scheduler, allocator or sampling state: every KV slot and request
+row is rank 0's, which frees them for all ranks. A plan both ranks refuse (the same check fails
+on the same tables) is skipped on both. Exits 0 when rank 0 says stop; 1, with one line, when
+rank 0 is gone (its sockets closed) or a step fails here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import signal
+import sys
+
+import torch
+
+from pyserve.config import ServerArgs, setup_logging
+from pyserve.distributed.group import RankLostError, TensorParallelGroup, connect_store
+from pyserve.distributed.launch import rank_device, split_addr
+from pyserve.distributed.messages import STOP_RANKS, RankStart
+from pyserve.forward_batch_info import StepPlan
+from pyserve.model_executor.device_state import DeviceState
+from pyserve.model_executor.model_runner import ModelRunner
+
+logger = logging.getLogger("pyserve.rank")
+
+
+def build_runner(args: ServerArgs, tp: TensorParallelGroup) -> ModelRunner:
+    """This rank's ModelRunner: rank 0's arguments (`EngineCore._load`), this rank's shard on
+    this rank's device (`tp.device`)."""
+    from pyserve.model_loader.default_model import default_model_path
+
+    return ModelRunner(
+        args.model_path or default_model_path(),
+        dtype=args.dtype,
+        device=tp.device,
+        context_length=args.context_length,
+        max_total_tokens=args.max_total_tokens,
+        mem_fraction_static=args.mem_fraction_static,
+        random_seed=args.random_seed,
+        load_progress=False,
+        page_size=args.page_size,
+        load_format=args.load_format,
+        quantization=args.quantization,
+        attention_backend=args.attention_backend,
+        disable_cuda_graph=args.disable_cuda_graph,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
+        cuda_graph_bs=args.cuda_graph_bs,
+        max_running_requests=args.max_running_requests,
+        tp=tp,
+    )
+
+
+def serve(runner: ModelRunner, tp: TensorParallelGroup) -> None:
+    """Mirror rank 0's steps until it sends STOP_RANKS. Raises RankLostError when a
+    collective fails (a rank died)."""
+    device = runner.device
+    cuda = device.startswith("cuda")
+    stream = None
+    if cuda:
+        torch.cuda.set_device(torch.device(device))
+        stream = torch.cuda.Stream()
+    state: DeviceState | None = None
+    with torch.inference_mode(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        while True:
+            msg = tp.recv_object()
+            if msg == STOP_RANKS:
+                return
+            if isinstance(msg, RankStart):
+                state = DeviceState(msg.num_rows, msg.row_width, msg.vocab_size, device)
+                if stream is not None and msg.capture_graphs:
+                    torch.cuda.synchronize()
+                    runner.init_cuda_graphs(state.req_to_token, stream)  # with rank 0's, size for size
+                continue
+            assert isinstance(msg, StepPlan) and state is not None, msg
+            try:
+                batch = state.forward_batch(msg)
+            except (ValueError, TypeError):  # rank 0 refused the same plan on the same tables
+                continue
+            runner.forward(batch)
+            ids = tp.broadcast(torch.empty(msg.batch_size, dtype=torch.int32, device=device))
+            assert batch.req_pool_indices is not None
+            state.token_table[batch.req_pool_indices] = ids
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pyserve.distributed.rank_main")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--store", required=True, help="host:port of rank 0's store")
+    parser.add_argument("--server-args", required=True, help="rank 0's ServerArgs as JSON")
+    ns = parser.parse_args(argv)
+    # Ctrl-C reaches the terminal's whole process group: rank 0 drains, then stops the ranks
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    fields = json.loads(ns.server_args)
+    if fields.get("gc_threshold") is not None:
+        fields["gc_threshold"] = tuple(fields["gc_threshold"])
+    args = ServerArgs(**fields)
+    setup_logging(args.log_level)
+    host, port = split_addr(ns.store)
+    try:
+        store = connect_store(host, port, args.tp_size, is_master=False)
+        store.set(f"connected/{ns.rank}", "1")
+        device = rank_device(args, ns.rank)
+        if device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(device))  # NCCL's communicator and Triton use it
+        tp = TensorParallelGroup(store, ns.rank, args.tp_size, device)
+        runner = build_runner(args, tp)
+        serve(runner, tp)
+    except RankLostError as exc:  # rank 0 is gone: nothing left to serve
+        print(f"pyserve rank {ns.rank}: stopping: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
