@@ -16,6 +16,7 @@ server's worker sends them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import statistics
 import time
@@ -202,9 +203,12 @@ def run_one_batch(args: Any) -> list[dict[str, Any]]:
         return _run_cases(args, runner, cases, model_path)
     finally:
         if runner.tp is not None and ranks is not None:
+            from pyserve.distributed.group import RankLostError
             from pyserve.distributed.messages import STOP_RANKS
 
-            runner.tp.send_object(STOP_RANKS)
+            ranks.expect_end()
+            with contextlib.suppress(RankLostError):  # a rank that died: its error is the one to see
+                runner.tp.send_object(STOP_RANKS)
             ranks.stop()
 
 

@@ -7,10 +7,10 @@ other ranks are pickled and broadcast over a gloo group on the CPU (objects neve
 device). Every rank calls the same collectives in the same order: rank 0 from its worker
 thread, the others from their main thread (`pyserve.distributed.rank_main`).
 
-A peer that dies closes its sockets: the collective waiting for it fails within moments
-(`RankLostError`), which is how a step learns of a dead rank; the
-launcher (`pyserve.distributed.launch`) says which one. The groups' own timeout is long, so an
-idle server's ranks may wait for the next plan for days.
+A peer that dies closes its sockets: a gloo collective waiting for it fails within moments
+(`RankLostError`), which is how a step learns of a dead rank; the launcher
+(`pyserve.distributed.launch`) says which one. The gloo group's timeout is long, so an idle
+server's ranks may wait for the next plan for days; NCCL's is NCCL_TIMEOUT.
 """
 
 from __future__ import annotations
@@ -24,6 +24,11 @@ import torch.distributed as dist
 
 # how long a rank waits for a collective (an idle server's ranks wait this long for a plan)
 COLLECTIVE_TIMEOUT = datetime.timedelta(days=365)
+# How long an NCCL collective may take. NCCL work exists only inside a step (or a graph
+# capture), so this bounds one step, not an idle wait; a peer that died mid-step does not fail
+# NCCL's wait as it fails gloo's, so past this NCCL's watchdog ends the process instead of the
+# GPUs spinning for good.
+NCCL_TIMEOUT = datetime.timedelta(minutes=5)
 # how long the ranks wait for each other at start-up (the slowest rank's imports and load)
 CONNECT_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -31,6 +36,11 @@ CONNECT_TIMEOUT = datetime.timedelta(minutes=10)
 class RankLostError(RuntimeError):
     """A collective failed because a peer rank is gone (its sockets closed); the group can
     no longer run steps."""
+
+
+class RankOutOfStepError(RankLostError):
+    """Rank 0 failed a step after the other ranks began it (its own forward raised): their
+    collectives no longer pair with rank 0's, so the group cannot run steps."""
 
 
 def _wait(work: Any) -> None:
@@ -69,7 +79,7 @@ class TensorParallelGroup:
         nccl: Any = dist.ProcessGroupNCCL
         self._cpu: Any = gloo(dist.PrefixStore("gloo", store), rank, size, COLLECTIVE_TIMEOUT)
         if torch.device(device).type == "cuda":
-            self._device: Any = nccl(dist.PrefixStore("nccl", store), rank, size, COLLECTIVE_TIMEOUT)
+            self._device: Any = nccl(dist.PrefixStore("nccl", store), rank, size, NCCL_TIMEOUT)
         else:
             self._device = self._cpu
 

@@ -145,11 +145,16 @@ class RankProcesses:
         if self.on_death is not None:
             self.on_death(rank, message)
 
+    def expect_end(self) -> None:
+        """From now on the ranks' ends are asked for (rank 0 is about to send the stop): none
+        is reported as a death."""
+        with self._lock:
+            self._stopping = True
+
     def stop(self) -> None:
         """Let the ranks end (rank 0 sent them the stop, or they lost it), killing any still
         running after STOP_WAIT_S; no death is reported from here on."""
-        with self._lock:
-            self._stopping = True
+        self.expect_end()
         deadline = time.monotonic() + STOP_WAIT_S
         for proc in self.procs.values():
             try:

@@ -6,9 +6,9 @@ thread, mirrors rank 0's worker step for step: each plan rank 0 broadcasts is ap
 rank's own request tables (`DeviceState`) and run through its shard (the same collectives, in
 the same order, as rank 0's forward); the ids rank 0 sampled arrive after each step and go into
 the token table. It holds no scheduler, allocator or sampling state: every KV slot and request
-row is rank 0's, which frees them for all ranks. A plan both ranks refuse (the same check fails
-on the same tables) is skipped on both. Exits 0 when rank 0 says stop; 1, with one line, when
-rank 0 is gone (its sockets closed) or a step fails here.
+row is rank 0's, which frees them for all ranks. Rank 0 sends only plans its own tables took,
+so every rank runs every plan it gets. Exits 0 when rank 0 says stop; 1, with one line on
+stderr, when rank 0 is gone (its sockets closed) or loading or a step fails here.
 """
 
 from __future__ import annotations
@@ -76,15 +76,15 @@ def serve(runner: ModelRunner, tp: TensorParallelGroup) -> None:
                 return
             if isinstance(msg, RankStart):
                 state = DeviceState(msg.num_rows, msg.row_width, msg.vocab_size, device)
-                if stream is not None and msg.capture_graphs:
+                if stream is not None:  # tables made on the default stream: done before ours reads them
                     torch.cuda.synchronize()
+                if stream is not None and msg.capture_graphs:
                     runner.init_cuda_graphs(state.req_to_token, stream)  # with rank 0's, size for size
                 continue
             assert isinstance(msg, StepPlan) and state is not None, msg
-            try:
-                batch = state.forward_batch(msg)
-            except (ValueError, TypeError):  # rank 0 refused the same plan on the same tables
-                continue
+            # rank 0 sends only plans its own tables took: one refused here is a fault of this
+            # rank, which leaves the group out of step (main ends the process)
+            batch = state.forward_batch(msg)
             runner.forward(batch)
             ids = tp.broadcast(torch.empty(msg.batch_size, dtype=torch.int32, device=device))
             assert batch.req_pool_indices is not None
@@ -116,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         serve(runner, tp)
     except RankLostError as exc:  # rank 0 is gone: nothing left to serve
         print(f"pyserve rank {ns.rank}: stopping: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # a failed load or step: rank 0's watcher names this rank
+        print(f"pyserve rank {ns.rank}: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     return 0
 

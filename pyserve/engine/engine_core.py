@@ -66,20 +66,35 @@ class EngineCore:
 
     async def start(self) -> None:
         """Load the tokenizer and model, size the KV pool, start the scheduler. Raises what
-        loading raises (missing files, unsupported architecture)."""
+        loading raises (missing files, unsupported architecture), and RuntimeError when a
+        tensor-parallel rank died before serving began."""
         # One rayon pool serves every batched tokenizers call in the process: a burst's
         # encode_batch on the executor thread spreads over every core and holds the pool
         # while any other batched call waits (a decode_batch on the loop waited up to 140 ms
         # at 256 clients). Single-threaded, the tokenizer thread takes one core and leaves
         # the loop its own. An explicit setting wins.
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        loop = self._loop = asyncio.get_running_loop()
+        self._loop = asyncio.get_running_loop()
         try:
-            await run_in_own_thread(self._load)
+            await self._start()
         except BaseException:
+            # a failed start leaves nothing running: the worker thread and the other ranks
+            worker = getattr(self, "worker", None)
+            if self.ranks is not None:
+                self.ranks.expect_end()
+            if worker is not None:
+                with contextlib.suppress(Exception):
+                    worker.shutdown()
             if self.ranks is not None:
                 self.ranks.stop()
             raise
+        if self.failure is not None:  # a rank died while the rest started: serving never begins
+            await self.shutdown()
+            raise RuntimeError(self.failure)
+
+    async def _start(self) -> None:
+        loop = self._loop
+        await run_in_own_thread(self._load)
         args = self.server_args
         runner = self.model_runner
         # an embedding server runs each prompt as one whole prefill step (never cut: an
@@ -102,6 +117,7 @@ class EngineCore:
         self.worker = await run_in_own_thread(
             ModelWorker, runner, self.kv_cache.num_rows, self.kv_cache.max_context_len, mc.vocab_size
         )
+        self.worker.on_fatal = lambda message: self._rank_died_threadsafe(0, message)
         self.grammar_backend = await loop.run_in_executor(None, self._grammar_backend)
         self.scheduler = Scheduler(
             self.kv_cache,
@@ -269,6 +285,8 @@ class EngineCore:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.ranks is not None:  # the worker's stop ends them: not a death
+            self.ranks.expect_end()
         await asyncio.get_running_loop().run_in_executor(None, self.worker.shutdown)
         if self.ranks is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.ranks.stop)

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pyserve.distributed.group import RankLostError, TensorParallelGroup
+from pyserve.distributed.group import RankLostError, RankOutOfStepError, TensorParallelGroup
 from pyserve.distributed.messages import STOP_RANKS, RankStart, rank_plan
 from pyserve.forward_batch_info import StepOutput, StepPlan
 from pyserve.model_executor.device_state import DeviceState
@@ -66,6 +66,9 @@ class ModelWorker:
         self.state = DeviceState(num_rows, row_width, vocab_size, model_runner.device)
         self._tp: TensorParallelGroup | None = getattr(model_runner, "tp", None)
         self._rank_lost: RankLostError | None = None  # the group broke: every later step fails
+        # told (from this thread) when rank 0 itself put the ranks out of step, which no
+        # rank's death reports: EngineCore fails the server
+        self.on_fatal: Callable[[str], None] | None = None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()  # plans (C queue: no Python lock per put)
         self._cuda = str(model_runner.device).startswith("cuda")
         # a CPU runner whose launches are asynchronous (SimulatedRunner) says how to wait for a step
@@ -131,8 +134,10 @@ class ModelWorker:
         self._queue.put(_STOP)
         self._thread.join(timeout=30)
         self._done.put(_STOP)
-        if self._tp is not None:
-            with contextlib.suppress(RankLostError):  # a rank that already died
+        # A broken group gets no stop: a rank out of step would take it for a step's
+        # collective and both would wait; RankProcesses.stop ends those ranks instead.
+        if self._tp is not None and self._rank_lost is None:
+            with contextlib.suppress(RankLostError):  # a rank that died since
                 self._tp.send_object(STOP_RANKS)
 
     def _complete(self) -> None:
@@ -204,6 +209,8 @@ class ModelWorker:
             except RankLostError as exc:  # one line, once: the launcher names the rank
                 if self._rank_lost is None:
                     logger.error("forward step failed: %s", exc)
+                    if isinstance(exc, RankOutOfStepError) and self.on_fatal is not None:
+                        self.on_fatal(str(exc))
                 self._rank_lost = exc
                 result, ok = exc, False
             except BaseException as exc:
@@ -224,14 +231,23 @@ class ModelWorker:
         on the host (None for a CPU runner: it already is)."""
         runner = self.model_runner
         tp = self._tp
+        # Rank 0's tables and rows first: a plan refused here (it raises before any table is
+        # written) never reaches the other ranks, so every plan they get is run by all.
+        batch = self.state.forward_batch(plan)
         if tp is not None:  # the same plan, minus the sampling rows only rank 0 holds
             tp.send_object(rank_plan(plan))
-        batch = self.state.forward_batch(plan)
         if self._embed is not None:  # an embedding server: pooled hidden states, no sampling
             embeddings = self._embed(batch).cpu().numpy()
             zeros = np.zeros(batch.batch_size, dtype=np.int32)
             return StepOutput(next_token_ids=zeros, embeddings=embeddings), None
-        logits = runner.forward(batch)
+        try:
+            logits = runner.forward(batch)
+        except RankLostError:
+            raise
+        except BaseException as exc:
+            if tp is not None:  # the ranks ran this forward's collectives: out of step for good
+                raise RankOutOfStepError(f"rank 0's forward failed: {type(exc).__name__}: {exc}") from exc
+            raise
         grammar = self.state.grammar
         try:
             if grammar.num_live:  # after the launch: only sampling waits for the matchers

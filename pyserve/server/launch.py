@@ -3,6 +3,7 @@ uvicorn on a uvloop event loop while the model loads."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 
@@ -14,6 +15,10 @@ from pyserve.model_loader.model_path import check_model_path
 from pyserve.server.http1 import HTTP1Protocol
 
 logger = logging.getLogger(__name__)
+
+# seconds a server whose serving failed (a tensor-parallel rank died) still answers 503
+# before it exits
+FAILED_LINGER_S = 2.0
 
 
 class StartupError(Exception):
@@ -61,7 +66,13 @@ def launch_server(server_args: ServerArgs) -> int:
         failed.append(exc)
         server.should_exit = True
 
-    app = create_app(server_args, load_in_background=True, on_load_error=load_failed, on_failure=load_failed)
+    def serving_failed(message: str) -> None:  # on the loop
+        failed.append(message)
+        # the routes answer 503 (`/health`: {"status": "failed"}) a moment longer, so a
+        # probe or router sees why the server goes away
+        asyncio.get_running_loop().call_later(FAILED_LINGER_S, setattr, server, "should_exit", True)
+
+    app = create_app(server_args, load_in_background=True, on_load_error=load_failed, on_failure=serving_failed)
     logger.info("starting pyserve on http://%s:%d", server_args.host, server_args.port)
     config = uvicorn.Config(
         app,

@@ -5,6 +5,8 @@ process over gloo) giving HF transformers' greedy tokens on stories260k with no 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import signal
+import time
 import types
 
 import pytest
@@ -154,3 +156,33 @@ def test_gguf_loads_shard_by_shard():
             assert torch.equal(tensor.detach(), expected), (rank, name)
         assert params["model.layers.0.self_attn.q_proj.weight"].shape == (3 * 64, 576)
         assert params["model.layers.0.self_attn.k_proj.weight"].shape == (64, 576)
+
+
+def test_rank0_forward_failure_fails_the_engine(stories_path):
+    """Rank 0's forward raising after rank 1 began the step leaves the ranks out of step: the
+    request fails, the engine fails for good (new requests refused) and shutdown still ends
+    rank 1 (killed: it waits in the step's collective)."""
+    from pyserve.errors import ModelStepError, ServerDrainingError
+
+    engine = make_stories_engine(stories_path, 2048, tp_size=2)
+    try:
+        params = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+        assert len(engine.generate(input_ids=[1, 2, 3], sampling_params=params)["output_ids"]) == 4
+        runner = engine.core.model_runner
+
+        def broken_forward(batch):
+            raise MemoryError("out of memory (test)")
+
+        runner.forward = broken_forward
+        with pytest.raises(ModelStepError, match=r"rank 0's forward failed: MemoryError: out of memory \(test\)"):
+            engine.generate(input_ids=[1, 2, 3], sampling_params=params)
+        deadline = time.monotonic() + 10
+        while engine.core.failure is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.core.failure == "rank 0's forward failed: MemoryError: out of memory (test)"
+        with pytest.raises(ServerDrainingError):
+            engine.generate(input_ids=[1, 2, 3], sampling_params=params)
+        (rank1,) = engine.core.ranks.procs.values()
+    finally:
+        engine.shutdown()
+    assert rank1.returncode == -signal.SIGKILL
