@@ -38,24 +38,8 @@ def build_runner(args: ServerArgs, tp: TensorParallelGroup) -> ModelRunner:
     this rank's device (`tp.device`)."""
     from pyserve.model_loader.default_model import default_model_path
 
-    return ModelRunner(
-        args.model_path or default_model_path(),
-        dtype=args.dtype,
-        device=tp.device,
-        context_length=args.context_length,
-        max_total_tokens=args.max_total_tokens,
-        mem_fraction_static=args.mem_fraction_static,
-        random_seed=args.random_seed,
-        load_progress=False,
-        page_size=args.page_size,
-        load_format=args.load_format,
-        quantization=args.quantization,
-        attention_backend=args.attention_backend,
-        disable_cuda_graph=args.disable_cuda_graph,
-        cuda_graph_max_bs=args.cuda_graph_max_bs,
-        cuda_graph_bs=args.cuda_graph_bs,
-        max_running_requests=args.max_running_requests,
-        tp=tp,
+    return ModelRunner.from_server_args(
+        args, args.model_path or default_model_path(), tp.device, tp, load_progress=False
     )
 
 

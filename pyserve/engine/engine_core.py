@@ -225,26 +225,7 @@ class EngineCore:
             logger.info("starting tensor-parallel ranks 1..%d", args.tp_size - 1)
             tp, self.ranks = start_first_rank(args, args.resolved_device, self._rank_died_threadsafe)
         logger.info("loading model from %s", self.model_path)
-        self.model_runner = ModelRunner(
-            self.model_path,
-            dtype=args.dtype,
-            device=args.resolved_device,
-            context_length=args.context_length,
-            max_total_tokens=args.max_total_tokens,
-            mem_fraction_static=args.mem_fraction_static,
-            random_seed=args.random_seed,
-            page_size=args.page_size,
-            load_format=args.load_format,
-            quantization=args.quantization,
-            attention_backend=args.attention_backend,
-            disable_cuda_graph=args.disable_cuda_graph,
-            cuda_graph_max_bs=args.cuda_graph_max_bs,
-            cuda_graph_bs=args.cuda_graph_bs,
-            max_running_requests=args.max_running_requests,
-            is_embedding=args.is_embedding,
-            pooling=args.pooling,
-            tp=tp,
-        )
+        self.model_runner = ModelRunner.from_server_args(args, self.model_path, args.resolved_device, tp)
         self._describe_model()
 
     def _describe_model(self) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -33,6 +33,9 @@ from pyserve.model_executor.cuda_graph_runner import CudaGraphRunner, capture_ba
 from pyserve.model_loader.config import ModelConfig
 from pyserve.model_loader.weights import load_model
 from pyserve_kernels.quant import quantized_isas
+
+if TYPE_CHECKING:
+    from pyserve.config import ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +104,40 @@ class ModelRunner:
     Raises ModelNotFoundError for a missing path, ValueError for an unsupported architecture,
     dtype or attention backend, and ValueError when memory leaves no room for a KV cache.
     """
+
+    @classmethod
+    def from_server_args(
+        cls,
+        args: ServerArgs,
+        model_path: str,
+        device: str,
+        tp: TensorParallelGroup | None = None,
+        load_progress: bool = True,
+    ) -> ModelRunner:
+        """The runner `pyserve serve` builds from its flags, on `device` (every rank of a
+        tensor-parallel group builds its own this way: the same flags, its own device and
+        group). Raises what the constructor raises."""
+        return cls(
+            model_path,
+            dtype=args.dtype,
+            device=device,
+            context_length=args.context_length,
+            max_total_tokens=args.max_total_tokens,
+            mem_fraction_static=args.mem_fraction_static,
+            random_seed=args.random_seed,
+            load_progress=load_progress,
+            page_size=args.page_size,
+            load_format=args.load_format,
+            quantization=args.quantization,
+            attention_backend=args.attention_backend,
+            disable_cuda_graph=args.disable_cuda_graph,
+            cuda_graph_max_bs=args.cuda_graph_max_bs,
+            cuda_graph_bs=args.cuda_graph_bs,
+            max_running_requests=args.max_running_requests,
+            is_embedding=args.is_embedding,
+            pooling=args.pooling,
+            tp=tp,
+        )
 
     def __init__(
         self,
