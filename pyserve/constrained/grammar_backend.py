@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
 import os
 import re
 import threading
@@ -23,6 +24,8 @@ from transformers import PreTrainedTokenizerBase
 
 from pyserve.constrained.schema_check import unenforced_keyword
 from pyserve.metrics import GRAMMAR_BUCKETS, Histogram
+
+logger = logging.getLogger(__name__)
 
 # SGLang's marker for "any JSON value" in json_schema
 ANY_JSON = "$$ANY$$"
@@ -222,3 +225,16 @@ def grammar_stop_ids(eos_token_ids: Iterable[int], tokenizer: Any) -> list[int]:
     ids = sorted(int(t) for t in eos_token_ids)
     eos = getattr(tokenizer, "eos_token_id", None)
     return ids if ids or eos is None else [int(eos)]
+
+
+def serving_grammar_backend(
+    tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int], any_whitespace: bool
+) -> GrammarBackend | None:
+    """The grammar compiler a server of this tokenizer's model uses, or None (logged) when the
+    model names no EOS token: a grammar ends only by allowing EOS, so every grammar request
+    would be refused. Reads the whole vocabulary: run it off the loop thread."""
+    stop_ids = grammar_stop_ids(eos_token_ids, tokenizer)
+    if not stop_ids:
+        logger.warning("the model names no EOS token: structured output is off")
+        return None
+    return GrammarBackend(tokenizer, vocab_size, stop_ids, any_whitespace=any_whitespace)

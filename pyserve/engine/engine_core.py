@@ -19,7 +19,7 @@ from typing import Any, cast
 import torch
 
 from pyserve.config import ServerArgs
-from pyserve.constrained import GrammarBackend, grammar_stop_ids
+from pyserve.constrained import GrammarBackend, serving_grammar_backend
 from pyserve.engine import parallel_sampling, server_info
 from pyserve.engine.detokenizer import token_deltas
 from pyserve.engine.own_thread import run_in_own_thread
@@ -118,7 +118,16 @@ class EngineCore:
             ModelWorker, runner, self.kv_cache.num_rows, self.kv_cache.max_context_len, mc.vocab_size
         )
         self.worker.on_fatal = lambda message: self._rank_died_threadsafe(0, message)
-        self.grammar_backend = await loop.run_in_executor(None, self._grammar_backend)
+        self.grammar_backend = None  # --grammar-backend none, or an embedding server
+        if args.grammar_backend != "none" and self.is_generation:
+            self.grammar_backend = await loop.run_in_executor(
+                None,
+                serving_grammar_backend,
+                self.tokenizer,
+                mc.vocab_size,
+                mc.eos_token_ids,
+                not args.constrained_json_disable_any_whitespace,
+            )
         self.scheduler = Scheduler(
             self.kv_cache,
             self.worker,
@@ -175,25 +184,6 @@ class EngineCore:
         self._gc_threshold_before = gc.get_threshold()
         if self.server_args.gc_threshold is not None:
             gc.set_threshold(*self.server_args.gc_threshold)
-
-    def _grammar_backend(self) -> GrammarBackend | None:
-        """The grammar compiler for the served vocabulary (None with --grammar-backend none).
-        Executor thread: it reads the whole vocabulary."""
-        args = self.server_args
-        if args.grammar_backend == "none" or not self.is_generation:
-            return None
-        mc = self.model_runner.model_config
-        stop_ids = grammar_stop_ids(mc.eos_token_ids, self.tokenizer)
-        if not stop_ids:
-            # a grammar ends only by allowing EOS: with none, every grammar request is refused
-            logger.warning("the model names no EOS token: structured output is off")
-            return None
-        return GrammarBackend(
-            self.tokenizer,
-            mc.vocab_size,
-            stop_ids,
-            any_whitespace=not args.constrained_json_disable_any_whitespace,
-        )
 
     def _load(self) -> None:
         from pyserve.model_executor.model_runner import ModelRunner
