@@ -105,14 +105,19 @@ def _linear(in_f: int, out_f: int, bias: bool, dtype: torch.dtype, device: torch
     return layer
 
 
-def _row_parallel_out(tp: TensorParallelGroup | None, partial: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The output of a row-parallel projection: the ranks' partial products summed, then the
-    bias (held whole by every rank) added once. Without `tp`, `partial` already is the sum."""
-    if tp is not None:
-        tp.all_reduce(partial)
-        if bias is not None:
-            partial = partial + bias
-    return partial
+def _row_parallel_linear(
+    tp: TensorParallelGroup | None,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    packed: Any,
+) -> torch.Tensor:
+    """`linear` of a row-parallel projection (o_proj, down_proj): with `tp` the ranks' partial
+    products summed, then the bias (held whole by every rank) added once; without, `linear`."""
+    if tp is None:
+        return linear(x, weight, bias, packed)
+    out = tp.all_reduce(linear(x, weight, None, packed))
+    return out if bias is None else out + bias
 
 
 class LlamaAttention(nn.Module):
@@ -199,9 +204,7 @@ class LlamaAttention(nn.Module):
             q, k, v, self.layer_id, self.scaling, forward_batch, sliding_window=self.sliding_window
         )
         out = out.reshape(num_tokens, self.num_heads * self.head_dim)
-        if self.tp is None:
-            return linear(out, self.o_proj.weight, self.o_proj.bias, self.o_packed)
-        return _row_parallel_out(self.tp, linear(out, self.o_proj.weight, None, self.o_packed), self.o_proj.bias)
+        return _row_parallel_linear(self.tp, out, self.o_proj.weight, self.o_proj.bias, self.o_packed)
 
 
 class LlamaMLP(nn.Module):
@@ -232,10 +235,9 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_packed)
-        if self.tp is None:
-            return linear(self.act_fn(gate_up), self.down_proj.weight, self.down_proj.bias, self.down_packed)
-        partial = linear(self.act_fn(gate_up), self.down_proj.weight, None, self.down_packed)
-        return _row_parallel_out(self.tp, partial, self.down_proj.bias)
+        return _row_parallel_linear(
+            self.tp, self.act_fn(gate_up), self.down_proj.weight, self.down_proj.bias, self.down_packed
+        )
 
 
 class LlamaDecoderLayer(nn.Module):
