@@ -11,6 +11,7 @@ CPU under TRITON_INTERPRET=1). This package never imports pyserve.
 
 from pyserve_kernels._native import native_available
 from pyserve_kernels.activation import silu_and_mul
+from pyserve_kernels.argmax import row_argmax
 from pyserve_kernels.decode_attention import decode_attention
 from pyserve_kernels.kv_cache import store_kv
 from pyserve_kernels.layernorm import fused_add_rms_norm, rms_norm
@@ -30,6 +31,7 @@ __all__ = [
     "rms_norm",
     "rotary_embedding_",
     "rotate_half",
+    "row_argmax",
     "silu_and_mul",
     "store_kv",
     "varlen_attention",

@@ -284,3 +284,9 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torc
     allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, :vocab]  # [num_masked, vocab]
     index = rows.long()
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
+def row_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's largest logit and where it is: (ids [B] int64, maxes [B] in logits.dtype) of
+    logits [B, vocab]. Ties: the lowest index; a row holding a NaN: its first NaN, max NaN."""
+    return torch.argmax(logits, dim=-1), logits.amax(dim=-1)

@@ -9,7 +9,7 @@ import torch
 
 from pyserve.device_copy import to_device
 from pyserve.forward_batch_info import SamplingBatchInfo
-from pyserve_kernels import apply_token_bitmask_
+from pyserve_kernels import apply_token_bitmask_, row_argmax
 
 
 def apply_logit_adjustments(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
@@ -118,10 +118,14 @@ def sample_checked(logits: torch.Tensor, sampling_info: SamplingBatchInfo) -> tu
     if temps.shape[0] != batch or sampling_info.top_ks.shape[0] != batch or sampling_info.top_ps.shape[0] != batch:
         raise ValueError(f"sampling info rows do not match batch size {batch}")
     logits = apply_logit_adjustments(logits, sampling_info)
-    bad = unsampleable_rows(logits)
+    # one pass gives each row's max (finite exactly when the row can be sampled, as in
+    # `unsampleable_rows`) and the greedy pick; a failed row's pick is 0, as argmax gives for
+    # the uniform logits it is sampled from
+    greedy_ids, row_max = row_argmax(logits)
+    bad = ~torch.isfinite(row_max)
     if not logits.is_cpu or bool(bad.any()):
         logits = torch.where(bad[:, None], torch.zeros_like(logits), logits)
-    greedy_ids = torch.argmax(logits, dim=-1)
+        greedy_ids = torch.where(bad, torch.zeros_like(greedy_ids), greedy_ids)
     if sampling_info.is_all_greedy:
         return greedy_ids, bad
     greedy_host = sampling_info.greedy_rows

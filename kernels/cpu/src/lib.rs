@@ -8,6 +8,7 @@
 //! portable Rust and in AVX2 + FMA intrinsics, chosen at run time from what the CPU has.
 
 pub mod activation;
+pub mod argmax;
 pub mod decode_attention;
 pub mod decoder_layer;
 pub mod exp;

@@ -10,7 +10,7 @@ use std::ops::Range;
 use numpy::ndarray::{Axis, Dimension};
 use numpy::{
     Element, PyReadonlyArray, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3,
-    PyReadonlyArrayDyn, PyReadwriteArray, PyReadwriteArray2, PyReadwriteArray3,
+    PyReadonlyArrayDyn, PyReadwriteArray, PyReadwriteArray1, PyReadwriteArray2, PyReadwriteArray3,
     PyReadwriteArrayDyn, PyUntypedArrayMethods,
 };
 use pyo3::exceptions::{PyIndexError, PyValueError};
@@ -19,7 +19,7 @@ use pyo3::prelude::*;
 use crate::decode_attention::{self as kernel, DecodeAttentionError, DecodeAttentionShape};
 use crate::quant::{self, Isa, QuantError, QuantMatrix, QuantType};
 use crate::varlen_attention::{self as varlen, VarlenAttentionError};
-use crate::{activation, norm, rotary, store_kv as kv_store, token_bitmask};
+use crate::{activation, argmax, norm, rotary, store_kv as kv_store, token_bitmask};
 
 fn not_c_contiguous(name: &str) -> PyErr {
     PyValueError::new_err(format!("{name} must be C-contiguous"))
@@ -471,6 +471,31 @@ fn apply_token_bitmask(
     .map_err(|e| PyValueError::new_err(e.0))
 }
 
+/// row_argmax(logits, ids, maxes, num_threads=1): for each row r of logits [B, vocab] float32,
+/// ids[r] ([B] int64) = the index of its largest value (ties: the lowest; a row holding a NaN:
+/// its first NaN) and maxes[r] ([B] float32) = that value, as torch.argmax / torch.amax.
+/// Raises ValueError (shapes, layouts, overlapping outputs; nothing written then).
+#[pyfunction]
+#[pyo3(signature = (logits, ids, maxes, num_threads=1))]
+fn row_argmax(
+    py: Python<'_>,
+    logits: PyReadonlyArray2<'_, f32>,
+    mut ids: PyReadwriteArray1<'_, i64>,
+    mut maxes: PyReadwriteArray1<'_, f32>,
+    num_threads: usize,
+) -> PyResult<()> {
+    let vocab = logits.shape()[1];
+    let x = c_slice("logits", &logits)?;
+    let ids = c_slice_mut("ids", &mut ids)?;
+    let maxes = c_slice_mut("maxes", &mut maxes)?;
+    check_disjoint(
+        &[("ids", span(ids)), ("maxes", span(maxes))],
+        &[("logits", span(x))],
+    )?;
+    py.detach(|| argmax::row_argmax(x, vocab, ids, maxes, num_threads))
+        .map_err(|e| PyValueError::new_err(e.0))
+}
+
 pub(crate) fn quant_error(e: QuantError) -> PyErr {
     match e {
         QuantError::RowIndex { .. } => PyIndexError::new_err(e.to_string()),
@@ -586,6 +611,7 @@ fn _cpu(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(rotary_embedding, m)?)?;
     m.add_function(wrap_pyfunction!(silu_and_mul, m)?)?;
     m.add_function(wrap_pyfunction!(apply_token_bitmask, m)?)?;
+    m.add_function(wrap_pyfunction!(row_argmax, m)?)?;
     m.add_function(wrap_pyfunction!(quant_matmul, m)?)?;
     m.add_function(wrap_pyfunction!(quant_dequantize_rows, m)?)?;
     m.add_function(wrap_pyfunction!(quant_isas, m)?)?;

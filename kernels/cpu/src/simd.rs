@@ -245,19 +245,19 @@ pub(crate) fn lane_sum(x: &[f32], f: impl Fn(f32) -> f32) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
-/// Defines `fn $name(args)` running `$body` compiled twice: with AVX2 and FMA enabled (chosen
+/// Defines `fn $name(args) [-> ret]` running `$body` compiled twice: with AVX2 and FMA enabled (chosen
 /// at run time when the CPU has them, so its loops are vectorized 8 floats wide) and for
 /// baseline x86-64 / other targets.
 macro_rules! avx2_dispatch {
-    ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $body:block) => {
+    ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
         $(#[$meta])*
-        $vis fn $name($($arg: $ty),*) {
+        $vis fn $name($($arg: $ty),*) $(-> $ret)? {
             #[inline(always)]
-            fn body($($arg: $ty),*) $body
+            fn body($($arg: $ty),*) $(-> $ret)? $body
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx2,fma")]
-                unsafe fn avx2($($arg: $ty),*) {
+                unsafe fn avx2($($arg: $ty),*) $(-> $ret)? {
                     body($($arg),*)
                 }
                 if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
