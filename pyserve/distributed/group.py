@@ -60,18 +60,20 @@ def connect_store(host: str, port: int, world_size: int, is_master: bool) -> dis
 
 
 class TensorParallelGroup:
-    """Rank `rank` of `size` ranks on `device` ("cpu", "cuda", "cuda:1").
+    """Rank `rank` of `size` ranks on `device` ("cpu", "cuda", "cuda:1"), `local_size` of them
+    (default: all) on this machine, sharing its memory.
 
     Shapes are the caller's: `all_reduce` sums [*] in place, `all_gather_last_dim` turns
     [N, d] on each rank into [N, size * d] (rank order), `broadcast` copies rank 0's [*] into
     every rank's tensor of the same shape and dtype. Each raises RankLostError when a peer
     died."""
 
-    def __init__(self, store: dist.Store, rank: int, size: int, device: str) -> None:
+    def __init__(self, store: dist.Store, rank: int, size: int, device: str, local_size: int | None = None) -> None:
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is not in 0..{size - 1}")
         self.rank = rank
         self.size = size
+        self.local_size = size if local_size is None else local_size
         self.device = device
         # Typed Any: torch's stubs list neither the collectives of the concrete process groups
         # nor NCCL's (store, rank, size, timeout) constructor, which both exist at run time.

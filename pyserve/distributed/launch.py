@@ -110,7 +110,10 @@ class RankProcesses:
                 "--server-args",
                 json.dumps(fields),
             ]
-            self.procs[rank] = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+            # The rank reads its stdin until EOF (`rank_main.exit_with_parent`): the kernel
+            # closes this end when this process ends, however it ends (SIGKILL too), so a rank
+            # never outlives the process that started it, even one killed while loading.
+            self.procs[rank] = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE)
         for rank, proc in self.procs.items():
             threading.Thread(
                 target=self._watch, args=(rank, proc), name=f"pyserve-rank{rank}-watch", daemon=True
@@ -162,6 +165,8 @@ class RankProcesses:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+            if proc.stdin is not None:
+                proc.stdin.close()
         if self.on_stop is not None:
             self.on_stop()
             self.on_stop = None
@@ -189,7 +194,7 @@ def start_first_rank(
             before = torch.get_num_threads()
             torch.set_num_threads(threads_per_rank(args))
             procs.on_stop = lambda: torch.set_num_threads(before)
-        return TensorParallelGroup(store, 0, args.tp_size, device), procs
+        return TensorParallelGroup(store, 0, args.tp_size, device, args.tp_size // args.nnodes), procs
     except BaseException:
         procs.stop()
         raise

@@ -8,7 +8,8 @@ the same order, as rank 0's forward); the ids rank 0 sampled arrive after each s
 the token table. It holds no scheduler, allocator or sampling state: every KV slot and request
 row is rank 0's, which frees them for all ranks. Rank 0 sends only plans its own tables took,
 so every rank runs every plan it gets. Exits 0 when rank 0 says stop; 1, with one line on
-stderr, when rank 0 is gone (its sockets closed) or loading or a step fails here.
+stderr, when rank 0 is gone (its sockets closed), when the process that started it is gone
+(its stdin closed: even while loading), or when loading or a step fails here.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import signal
 import sys
+import threading
 
 import torch
 
@@ -75,6 +78,27 @@ def serve(runner: ModelRunner, tp: TensorParallelGroup) -> None:
             state.token_table[batch.req_pool_indices] = ids
 
 
+def exit_with_parent(rank: int) -> None:
+    """End this process (status 1, one line on stderr) once the process that started it is
+    gone: `RankProcesses` holds the write end of this process' stdin pipe and never writes,
+    so EOF comes exactly when that process has ended, however it ended. Watched on a daemon
+    thread; why not PR_SET_PDEATHSIG: it follows the thread that forked, and rank 0 starts
+    its ranks from a thread that ends."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        # os.read, not sys.stdin: a daemon thread blocked inside the buffered reader holds
+        # its lock, which the interpreter's shutdown then cannot take
+        with contextlib.suppress(OSError):
+            while os.read(0, 4096):
+                pass
+        print(f"pyserve rank {rank}: stopping: the process that started it (pid {parent}) is gone", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="pyserve-parent-watch", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pyserve.distributed.rank_main")
     parser.add_argument("--rank", type=int, required=True)
@@ -83,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     # Ctrl-C reaches the terminal's whole process group: rank 0 drains, then stops the ranks
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    exit_with_parent(ns.rank)
     fields = json.loads(ns.server_args)
     if fields.get("gc_threshold") is not None:
         fields["gc_threshold"] = tuple(fields["gc_threshold"])
@@ -95,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         device = rank_device(args, ns.rank)
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))  # NCCL's communicator and Triton use it
-        tp = TensorParallelGroup(store, ns.rank, args.tp_size, device)
+        tp = TensorParallelGroup(store, ns.rank, args.tp_size, device, args.tp_size // args.nnodes)
         runner = build_runner(args, tp)
         serve(runner, tp)
     except RankLostError as exc:  # rank 0 is gone: nothing left to serve

@@ -63,7 +63,8 @@ class ModelRunner:
     context_length: override of the model's context length (see ModelConfig.from_path).
     max_total_tokens: KV pool size in tokens; None derives it from free memory:
       (free memory after loading the weights) * mem_fraction_static (None: 0.85 on CUDA, 0.25
-      on CPU), divided by the bytes one token's K/V take; on CPU further capped at
+      on CPU; shared out among the tensor-parallel ranks on one CPU machine), divided by the
+      bytes one token's K/V take; on CPU further capped at
       max_running_requests * context_len (every request at full length: more is never
       used). Rounded down to whole pages.
     page_size: tokens per KV page; the KV tensors get max_total_num_tokens + page_size rows
@@ -237,7 +238,9 @@ class ModelRunner:
                 self.graph_sizes = capture_batch_sizes(max_running_requests, cuda_graph_max_bs, cuda_graph_bs)
         self.graph_runner: CudaGraphRunner | None = None
         self.cuda_graph_bytes = self._cuda_graph_reserve_bytes()  # set aside for the graphs
-        pool = self._kv_pool_size(torch_device, max_total_tokens, mem_fraction_static)
+        # ranks on one CPU machine share its memory: each takes its part of the budget
+        shares = tp.local_size if tp is not None and torch_device.type == "cpu" else 1
+        pool = self._kv_pool_size(torch_device, max_total_tokens, mem_fraction_static, shares)
         if tp is not None:  # every rank holds the same slots
             pool = tp.min_int(pool)
         self.max_total_num_tokens = pool - pool % self.page_size
@@ -283,7 +286,9 @@ class ModelRunner:
                 lambda batch: self.model(batch, backend), backend, req_to_token, self.graph_sizes, stream
             )
 
-    def _kv_pool_size(self, device: torch.device, max_total_tokens: int | None, mem_fraction_static: float) -> int:
+    def _kv_pool_size(
+        self, device: torch.device, max_total_tokens: int | None, mem_fraction_static: float, shares: int = 1
+    ) -> int:
         cfg = self.model_config
         per_token = MHATokenToKVPool.bytes_per_token_for(
             cfg.num_hidden_layers, self.num_kv_heads, cfg.head_dim, self.dtype
@@ -301,10 +306,11 @@ class ModelRunner:
             # set aside first (an estimate: a padded batch's logits and activations)
             budget = int(free * mem_fraction_static) - self.cuda_graph_bytes
         else:
-            budget = int(free * mem_fraction_static) - weight_bytes
+            budget = int(free * mem_fraction_static) // shares - weight_bytes
         num_tokens = budget // per_token
         derivation = (
             f"free {free / 2**20:.0f} MiB x {mem_fraction_static} "
+            f"{f'/ {shares} ranks on this machine ' if shares > 1 else ''}"
             f"{'' if device.type == 'cuda' else f'- weights {weight_bytes / 2**20:.0f} MiB '}"
             f"/ {per_token} B per token = {num_tokens} tokens"
         )

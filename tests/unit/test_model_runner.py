@@ -82,6 +82,20 @@ def test_pool_size_derived_and_capped_on_cpu(stories_path) -> None:
         ModelRunner(str(stories_path), mem_fraction_static=0.0)
 
 
+def test_tensor_parallel_ranks_on_one_cpu_machine_share_its_kv_budget(stories_path, monkeypatch) -> None:
+    """Each of N ranks on one machine sizes its pool from 1/N of the budget (free memory x the
+    fraction), its own weights taken off its part: together they take what one process would."""
+    import pyserve.model_executor.model_runner as mr
+
+    runner = ModelRunner(str(stories_path), max_total_tokens=64, load_progress=False)
+    monkeypatch.setattr(mr, "available_memory_bytes", lambda device: 64 * 2**20)
+    per_token, weights = 2 * 5 * 4 * 8 * 4, runner.weight_bytes
+    cpu = torch.device("cpu")
+    assert runner._kv_pool_size(cpu, None, 0.25) == (16 * 2**20 - weights) // per_token
+    assert runner._kv_pool_size(cpu, None, 0.25, shares=2) == (8 * 2**20 - weights) // per_token
+    assert runner._kv_pool_size(cpu, None, 0.25, shares=4) == (4 * 2**20 - weights) // per_token
+
+
 def test_runner_forward_and_sample(stories_path) -> None:
     runner = ModelRunner(str(stories_path), max_total_tokens=64, load_progress=False)
     t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731

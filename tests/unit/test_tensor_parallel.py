@@ -5,6 +5,7 @@ process over gloo) giving HF transformers' greedy tokens on stories260k with no 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import signal
 import time
 import types
@@ -186,3 +187,40 @@ def test_rank0_forward_failure_fails_the_engine(stories_path):
     finally:
         engine.shutdown()
     assert rank1.returncode == -signal.SIGKILL
+
+
+def test_rank_ends_when_the_process_that_started_it_is_gone(stories_path):
+    """A rank blocked before the group forms (rank 0 never joins) ends within seconds, with one
+    line, once its stdin closes: what the kernel does when the starting process dies, even by
+    SIGKILL while loading."""
+    import dataclasses
+    import json
+    import subprocess
+    import sys
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+    fields = dataclasses.asdict(ServerArgs(model_path=str(stories_path), tp_size=2))
+    cmd = [sys.executable, "-m", "pyserve.distributed.rank_main", "--rank", "1", "--store", f"127.0.0.1:{store.port}"]
+    proc = subprocess.Popen(
+        [*cmd, "--server-args", json.dumps(fields)], stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not store.check(["connected/1"]):  # imported, connected, now waiting for rank 0
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.5)
+        assert proc.poll() is None
+        assert proc.stdin is not None
+        proc.stdin.close()
+        closed = time.monotonic()
+        assert proc.wait(timeout=10) == 1
+        assert time.monotonic() - closed < 5
+        assert proc.stderr is not None
+        lines = proc.stderr.read().strip().splitlines()
+        assert lines == [f"pyserve rank 1: stopping: the process that started it (pid {os.getpid()}) is gone"]
+    finally:
+        proc.kill()
+        proc.wait()
