@@ -109,6 +109,8 @@ class RankProcesses:
                 f"{host}:{port}",
                 "--server-args",
                 json.dumps(fields),
+                "--parent-pid",
+                str(os.getpid()),
             ]
             # The rank reads its stdin until EOF (`rank_main.exit_with_parent`): the kernel
             # closes this end when this process ends, however it ends (SIGKILL too), so a rank

@@ -78,13 +78,12 @@ def serve(runner: ModelRunner, tp: TensorParallelGroup) -> None:
             state.token_table[batch.req_pool_indices] = ids
 
 
-def exit_with_parent(rank: int) -> None:
+def exit_with_parent(rank: int, parent: int) -> None:
     """End this process (status 1, one line on stderr) once the process that started it is
     gone: `RankProcesses` holds the write end of this process' stdin pipe and never writes,
     so EOF comes exactly when that process has ended, however it ended. Watched on a daemon
     thread; why not PR_SET_PDEATHSIG: it follows the thread that forked, and rank 0 starts
-    its ranks from a thread that ends."""
-    parent = os.getppid()
+    its ranks from a thread that ends. `parent` (its pid) only names it in the line."""
 
     def watch() -> None:
         # os.read, not sys.stdin: a daemon thread blocked inside the buffered reader holds
@@ -104,10 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--store", required=True, help="host:port of rank 0's store")
     parser.add_argument("--server-args", required=True, help="rank 0's ServerArgs as JSON")
+    # given, as this process may outlive it before reading its own parent's pid
+    parser.add_argument("--parent-pid", type=int, default=None, help="pid of the process that started this one")
     ns = parser.parse_args(argv)
     # Ctrl-C reaches the terminal's whole process group: rank 0 drains, then stops the ranks
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    exit_with_parent(ns.rank)
+    exit_with_parent(ns.rank, ns.parent_pid if ns.parent_pid is not None else os.getppid())
     fields = json.loads(ns.server_args)
     if fields.get("gc_threshold") is not None:
         fields["gc_threshold"] = tuple(fields["gc_threshold"])
