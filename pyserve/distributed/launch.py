@@ -114,7 +114,9 @@ class RankProcesses:
             ]
             # The rank reads its stdin until EOF (`rank_main.exit_with_parent`): the kernel
             # closes this end when this process ends, however it ends (SIGKILL too), so a rank
-            # never outlives the process that started it, even one killed while loading.
+            # does not outlive the process that started it, even one killed while loading
+            # (unless children forked from this process still hold the end, as they then hold
+            # the group's sockets too).
             self.procs[rank] = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE)
         for rank, proc in self.procs.items():
             threading.Thread(

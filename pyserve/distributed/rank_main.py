@@ -81,7 +81,9 @@ def serve(runner: ModelRunner, tp: TensorParallelGroup) -> None:
 def exit_with_parent(rank: int, parent: int) -> None:
     """End this process (status 1, one line on stderr) once the process that started it is
     gone: `RankProcesses` holds the write end of this process' stdin pipe and never writes,
-    so EOF comes exactly when that process has ended, however it ended. Watched on a daemon
+    so EOF comes when that process has ended, however it ended (or, where it forked, when
+    its children that inherited the end have too). A rank started by hand with another
+    stdin ends at once: its stdin is not that pipe. Watched on a daemon
     thread; why not PR_SET_PDEATHSIG: it follows the thread that forked, and rank 0 starts
     its ranks from a thread that ends. `parent` (its pid) only names it in the line."""
 

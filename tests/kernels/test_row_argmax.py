@@ -61,6 +61,19 @@ def test_ties_pick_the_lowest_index_on_every_path() -> None:
     assert ids.tolist() == [7, 0] and maxes.tolist() == [1.0, -1.0]
 
 
+@native
+@pytest.mark.parametrize("first,second", [(-0.0, 0.0), (0.0, -0.0)])
+@pytest.mark.parametrize("at", [(2, 10), (8, 18), (30, 46)])
+def test_zeros_of_both_signs_tie_and_the_pick_gives_the_sign(first: float, second: float, at) -> None:
+    """+0 and -0 as the max, anywhere in the 16-wide lanes: the first is picked, and the max
+    reported is that element itself."""
+    x = torch.full((1, 47), -1.0)
+    x[0, at[0]], x[0, at[1]] = first, second
+    ids, maxes = K.row_argmax(x)
+    assert ids.tolist() == [at[0]]
+    assert maxes.view(torch.int32).tolist() == x[0, at[0]].view(torch.int32).reshape(1).tolist()
+
+
 @pytest.mark.parametrize("shape", [(3,), (2, 0), (2, 3, 4)])
 def test_rejects_logits_that_are_not_a_batch_of_rows(shape: tuple[int, ...]) -> None:
     with pytest.raises(ValueError, match="row_argmax takes logits"):

@@ -62,8 +62,8 @@ avx2_dispatch! {
 pub struct ArgmaxError(pub String);
 
 /// For each row r of `logits` ([rows, vocab] float32, row-major): ids[r] = the index of its
-/// largest value (ties: the lowest index; a row holding a NaN: its first NaN) and maxes[r] =
-/// that value (NaN for such a row). Runs on up to `num_threads` threads (torch's OpenMP team
+/// largest value (ties: the lowest index, +0 and -0 tying; a row holding a NaN: its first NaN)
+/// and maxes[r] = logits[r][ids[r]], that value. Runs on up to `num_threads` threads (torch's OpenMP team
 /// when attached, see `parallel`); AVX2 when the CPU has it, chosen at run time.
 /// Errors (nothing written): vocab == 0, `logits` not rows x vocab, `ids` or `maxes` not
 /// `rows` long.
@@ -91,7 +91,9 @@ pub fn row_argmax(
         let max = if has_nan { f32::NAN } else { max };
         // a row of -inf only (or the NaN itself) is always found: the row is not empty
         let id = first_index(row, max).unwrap_or(0);
-        *results[r].lock().unwrap() = (id as i64, max);
+        // the picked value itself: with +0 and -0 both the max, which one `row_max` kept
+        // depends on the lanes' order, and the pick's sign is the one to report
+        *results[r].lock().unwrap() = (id as i64, row[id]);
     });
     for (r, cell) in results.into_iter().enumerate() {
         (ids[r], maxes[r]) = cell.into_inner().unwrap();
@@ -142,6 +144,14 @@ mod tests {
             // ties: the row's max repeated later
             logits[vocab - 1] = 10.0;
             logits[0] = 10.0;
+            // +0 and -0 tying as the max (after the other rows' values are all below 0)
+            if vocab >= 2 {
+                for x in &mut logits[4 * vocab..5 * vocab] {
+                    *x = -1.0;
+                }
+                logits[4 * vocab + vocab / 2] = -0.0;
+                logits[5 * vocab - 1] = 0.0;
+            }
             // a NaN after the max, +inf, all -inf
             logits[vocab + vocab / 2] = f32::NAN;
             logits[2 * vocab + vocab - 1] = f32::INFINITY;

@@ -472,9 +472,11 @@ fn apply_token_bitmask(
 }
 
 /// row_argmax(logits, ids, maxes, num_threads=1): for each row r of logits [B, vocab] float32,
-/// ids[r] ([B] int64) = the index of its largest value (ties: the lowest; a row holding a NaN:
-/// its first NaN) and maxes[r] ([B] float32) = that value, as torch.argmax / torch.amax.
-/// Raises ValueError (shapes, layouts, overlapping outputs; nothing written then).
+/// ids[r] ([B] int64) = the index of its largest value (ties: the lowest, +0 and -0 tying; a
+/// row holding a NaN: its first NaN) and maxes[r] ([B] float32) = logits[r, ids[r]].
+/// Raises ValueError (shapes, layouts, outputs overlapping other arguments' memory as torch
+/// views of one tensor do; nothing written then); numpy's own borrow check raises TypeError
+/// for numpy arrays that share memory.
 #[pyfunction]
 #[pyo3(signature = (logits, ids, maxes, num_threads=1))]
 fn row_argmax(
