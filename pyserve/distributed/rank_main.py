@@ -90,9 +90,10 @@ def exit_with_parent(rank: int, parent: int) -> None:
     def watch() -> None:
         # os.read, not sys.stdin: a daemon thread blocked inside the buffered reader holds
         # its lock, which the interpreter's shutdown then cannot take
+        chunk = b"?"
         with contextlib.suppress(OSError):
-            while os.read(0, 4096):
-                pass
+            while chunk:  # nothing is ever written: this returns only at EOF
+                chunk = os.read(0, 4096)
         print(f"pyserve rank {rank}: stopping: the process that started it (pid {parent}) is gone", file=sys.stderr)
         sys.stderr.flush()
         os._exit(1)

@@ -28,3 +28,5 @@ pub use varlen_attention::{varlen_attention, VarlenAttentionError};
 mod python;
 #[cfg(feature = "python")]
 mod python_layer;
+#[cfg(feature = "python")]
+mod python_logits;

@@ -19,7 +19,7 @@ use pyo3::prelude::*;
 use crate::decode_attention::{self as kernel, DecodeAttentionError, DecodeAttentionShape};
 use crate::quant::{self, Isa, QuantError, QuantMatrix, QuantType};
 use crate::varlen_attention::{self as varlen, VarlenAttentionError};
-use crate::{activation, argmax, norm, rotary, store_kv as kv_store, token_bitmask};
+use crate::{activation, norm, rotary, store_kv as kv_store};
 
 fn not_c_contiguous(name: &str) -> PyErr {
     PyValueError::new_err(format!("{name} must be C-contiguous"))
@@ -54,7 +54,7 @@ pub(crate) fn span<T>(s: &[T]) -> Range<usize> {
 }
 
 /// Byte addresses from the first to the last of several rows (the rows of a strided array).
-fn rows_span<T>(rows: &[&[T]]) -> Range<usize> {
+pub(crate) fn rows_span<T>(rows: &[&[T]]) -> Range<usize> {
     let spans: Vec<Range<usize>> = rows
         .iter()
         .map(|r| span(r))
@@ -416,88 +416,6 @@ fn store_kv(
         .map_err(slot_error)
 }
 
-/// apply_token_bitmask(logits, bitmask, rows, num_threads=1, simd=True) -> str: for each k,
-/// logits row rows[k] gets -inf at every token whose bit in bitmask row k is 0 (xgrammar's
-/// layout: bit j of word w is token 32 w + j, least significant bit first), in place.
-/// logits: [batch, vocab] float32 whose rows are contiguous (a row stride is fine); bitmask:
-/// [len(rows), ceil(vocab / 32)] int32 C-contiguous; rows: [K] int32, distinct, in 0..batch.
-/// `simd=False` forces the portable loop (tests). Returns the path that ran ("avx2" or
-/// "scalar"). Raises ValueError (shapes, layouts, a row out of range or repeated; nothing
-/// written then).
-#[pyfunction]
-#[pyo3(signature = (logits, bitmask, rows, num_threads=1, simd=true))]
-fn apply_token_bitmask(
-    py: Python<'_>,
-    mut logits: PyReadwriteArray2<'_, f32>,
-    bitmask: PyReadonlyArray2<'_, i32>,
-    rows: PyReadonlyArray1<'_, i32>,
-    num_threads: usize,
-    simd: bool,
-) -> PyResult<&'static str> {
-    let (ls, bs) = (logits.shape().to_vec(), bitmask.shape().to_vec());
-    let words = ls[1].div_ceil(token_bitmask::BITS_PER_WORD);
-    if bs != [rows.len(), words] {
-        return Err(PyValueError::new_err(format!(
-            "apply_token_bitmask_: logits {ls:?}, bitmask {bs:?}, rows [{}] do not fit (bitmask must be [len(rows), ceil(vocab / 32)])",
-            rows.len()
-        )));
-    }
-    let mask = c_slice("bitmask", &bitmask)?;
-    let row_ids = c_slice("rows", &rows)?;
-    let mut view = logits.as_array_mut();
-    let row_stride = view.strides()[0].unsigned_abs();
-    let logits_rows: Vec<&mut [f32]> = view
-        .axis_iter_mut(Axis(0))
-        .map(|r| r.into_slice())
-        .collect::<Option<_>>()
-        .ok_or_else(|| {
-            PyValueError::new_err("apply_token_bitmask_: each row of logits must be contiguous")
-        })?;
-    // Rows sharing memory (a broadcast view) would be written by several threads at once.
-    if ls[0] > 1 && ls[1] > 0 && row_stride < ls[1] {
-        return Err(PyValueError::new_err(
-            "apply_token_bitmask_: rows of logits overlap in memory",
-        ));
-    }
-    let read_only: Vec<&[f32]> = logits_rows.iter().map(|r| &**r).collect();
-    check_disjoint(
-        &[("logits", rows_span(&read_only))],
-        &[("bitmask", span(mask)), ("rows", span(row_ids))],
-    )?;
-    py.detach(|| {
-        token_bitmask::apply_token_bitmask(logits_rows, ls[1], mask, row_ids, simd, num_threads)
-    })
-    .map(token_bitmask::MaskPath::name)
-    .map_err(|e| PyValueError::new_err(e.0))
-}
-
-/// row_argmax(logits, ids, maxes, num_threads=1): for each row r of logits [B, vocab] float32,
-/// ids[r] ([B] int64) = the index of its largest value (ties: the lowest, +0 and -0 tying; a
-/// row holding a NaN: its first NaN) and maxes[r] ([B] float32) = logits[r, ids[r]].
-/// Raises ValueError (shapes, layouts, outputs overlapping other arguments' memory as torch
-/// views of one tensor do; nothing written then); numpy's own borrow check raises TypeError
-/// for numpy arrays that share memory.
-#[pyfunction]
-#[pyo3(signature = (logits, ids, maxes, num_threads=1))]
-fn row_argmax(
-    py: Python<'_>,
-    logits: PyReadonlyArray2<'_, f32>,
-    mut ids: PyReadwriteArray1<'_, i64>,
-    mut maxes: PyReadwriteArray1<'_, f32>,
-    num_threads: usize,
-) -> PyResult<()> {
-    let vocab = logits.shape()[1];
-    let x = c_slice("logits", &logits)?;
-    let ids = c_slice_mut("ids", &mut ids)?;
-    let maxes = c_slice_mut("maxes", &mut maxes)?;
-    check_disjoint(
-        &[("ids", span(ids)), ("maxes", span(maxes))],
-        &[("logits", span(x))],
-    )?;
-    py.detach(|| argmax::row_argmax(x, vocab, ids, maxes, num_threads))
-        .map_err(|e| PyValueError::new_err(e.0))
-}
-
 pub(crate) fn quant_error(e: QuantError) -> PyErr {
     match e {
         QuantError::RowIndex { .. } => PyIndexError::new_err(e.to_string()),
@@ -612,8 +530,7 @@ fn _cpu(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fused_add_rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(rotary_embedding, m)?)?;
     m.add_function(wrap_pyfunction!(silu_and_mul, m)?)?;
-    m.add_function(wrap_pyfunction!(apply_token_bitmask, m)?)?;
-    m.add_function(wrap_pyfunction!(row_argmax, m)?)?;
+    crate::python_logits::register(m)?;
     m.add_function(wrap_pyfunction!(quant_matmul, m)?)?;
     m.add_function(wrap_pyfunction!(quant_dequantize_rows, m)?)?;
     m.add_function(wrap_pyfunction!(quant_isas, m)?)?;
