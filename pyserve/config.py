@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from pyserve.constrained.spec import MAX_JSON_WHITESPACE
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
@@ -14,7 +17,7 @@ QUANTIZATIONS = ("auto", "none")  # model_loader/weights.py keeps_quantized
 POOLING_MODES = ("mean", "cls", "last")  # layers/pooler.py
 ATTENTION_BACKENDS = ("auto", "torch_native", "cpu", "triton")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-GRAMMAR_BACKENDS = ("xgrammar", "none")
+GRAMMAR_BACKENDS = ("xgrammar", "llguidance", "none")  # constrained/grammar_backend.py
 
 
 class ServerArgsError(ValueError):
@@ -107,6 +110,9 @@ class ServerArgs:
     grammar_backend: str = "xgrammar"
     grammar_compile_timeout_s: float = 60.0
     constrained_json_disable_any_whitespace: bool = False
+    # a regex each gap between JSON tokens matches (llguidance only; None: at most
+    # constrained.MAX_JSON_WHITESPACE whitespace characters)
+    constrained_json_whitespace_pattern: str | None = None
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     # the garbage collector's thresholds while the engine runs (gc.set_threshold; None: as
@@ -188,7 +194,22 @@ class ServerArgs:
         if self.cuda_graph_bs is not None and (not self.cuda_graph_bs or min(self.cuda_graph_bs) <= 0):
             raise bad("cuda_graph_bs", f"got {self.cuda_graph_bs}; must be batch sizes >= 1")
         if self.grammar_backend not in GRAMMAR_BACKENDS:
-            raise bad("grammar_backend", f"got {self.grammar_backend!r}; must be xgrammar or none")
+            raise bad("grammar_backend", f"got {self.grammar_backend!r}; must be xgrammar, llguidance or none")
+        if self.constrained_json_whitespace_pattern is not None:
+            if self.grammar_backend != "llguidance":
+                raise bad(
+                    "constrained_json_whitespace_pattern",
+                    "takes effect with --grammar-backend llguidance only (xgrammar bounds whitespace by count)",
+                )
+            if self.constrained_json_disable_any_whitespace:
+                raise bad(
+                    "constrained_json_whitespace_pattern",
+                    "give it or --constrained-json-disable-any-whitespace, not both",
+                )
+            try:
+                re.compile(self.constrained_json_whitespace_pattern)
+            except re.error as exc:
+                raise bad("constrained_json_whitespace_pattern", f"not a regular expression: {exc}") from None
         if not self.grammar_compile_timeout_s > 0:
             raise bad("grammar_compile_timeout_s", f"got {self.grammar_compile_timeout_s}; must be > 0 seconds")
         self._check_parsers(bad)
@@ -510,8 +531,9 @@ class ServerArgs:
             type=str,
             default="xgrammar",
             choices=GRAMMAR_BACKENDS,
-            help="structured output (json_schema, regex, ebnf, structural_tag, response_format, forced tool "
-            "calls) through xgrammar; none refuses them with a 400 (default: xgrammar)",
+            help="the library that compiles structured output (json_schema, regex, ebnf, structural_tag, "
+            "response_format, forced tool calls): xgrammar or llguidance; none refuses them with a 400 "
+            "(default: xgrammar)",
         )
         a(
             "--grammar-compile-timeout-s",
@@ -522,7 +544,15 @@ class ServerArgs:
         a(
             "--constrained-json-disable-any-whitespace",
             action="store_true",
-            help="JSON-schema grammars allow no whitespace between tokens (compact JSON; default: any whitespace)",
+            help="JSON grammars allow no whitespace between tokens (compact JSON, separators ', ' and ': '; "
+            f"default: at most {MAX_JSON_WHITESPACE} whitespace characters between two tokens)",
+        )
+        a(
+            "--constrained-json-whitespace-pattern",
+            type=str,
+            default=None,
+            help="a regex each gap between JSON tokens must match, e.g. '[ \\n]*' for any spaces and newlines "
+            f"(--grammar-backend llguidance only; default: at most {MAX_JSON_WHITESPACE} whitespace characters)",
         )
         a(
             "--tool-call-parser",

@@ -90,9 +90,8 @@ class SamplingRow:
     frequency/presence penalties when resuming, or None. num_sampled: tokens the request
     sampled before this admission (min_new_tokens counts them). generator: the request's
     seeded torch.Generator on the model's device, or None (made by the loop once; only the
-    worker draws from it). grammar: the request's compiled grammar (xgrammar.CompiledGrammar,
-    host data) or None; grammar_start_ids: the grammar constrains only the output after these
-    ids (the end of a reasoning block), or from the first token when None. With a grammar,
+    worker draws from it). grammar: the request's compiled grammar (host data with
+    `new_matcher()`: constrained/xgrammar_compiler.py, llguidance_compiler.py) or None. With a grammar,
     output_ids holds the output so far when the request resumes (its matcher replays it).
     """
 
@@ -104,7 +103,6 @@ class SamplingRow:
     num_sampled: int = 0
     generator: torch.Generator | None = None
     grammar: Any = None
-    grammar_start_ids: tuple[int, ...] | None = None
 
 
 @dataclass

@@ -18,6 +18,7 @@ from typing import Annotated, Any, cast, overload
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from pyserve.constrained.spec import ThinkBlock
 from pyserve.forward_batch_info import FinishReason
 from pyserve.sampling_params import SamplingParams
 
@@ -285,9 +286,9 @@ class SingleReq:
     # parent aborts it too
     parent_rid: str | None = None
     priority: int | None = None  # with --enable-priority-scheduling (None: 0)
-    # with a grammar: it constrains only the output after this text (the end of a reasoning
-    # block, set by the chat route when a reasoning parser is on); None: all of the output
-    grammar_start_text: str | None = None
+    # with a grammar: the thinking the model may write before the constrained answer (set by
+    # the chat route when a reasoning parser is on); None: the grammar constrains all of it
+    grammar_think: ThinkBlock | None = None
     # an embedding request (EngineCore.encode): max_new_tokens 0, its result the pooled
     # hidden states (GenerateOutput.embedding); only an embedding server takes it
     embed: bool = False
@@ -306,8 +307,9 @@ class TokenizedGenerateReq:
     # no stop strings, no logprobs): the scheduler hands its tokens on once, when it ends
     quiet: bool = False
     priority: int = 0  # higher runs first (lower with --schedule-low-priority-values-first)
-    # the token ids of SingleReq.grammar_start_text (None: the grammar applies from the start)
-    grammar_start_ids: tuple[int, ...] | None = None
+    # SingleReq.grammar_think: part of the request's grammar (None: the grammar applies from
+    # the start)
+    grammar_think: ThinkBlock | None = None
     # time.perf_counter() when the tokenizer manager received it (None: when the scheduler
     # does): where its time to first token and end-to-end latency count from (/metrics)
     arrival_time: float | None = None

@@ -109,6 +109,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="count tokens from the server's usage or with the tokenizer; auto = usage when reported",
     )
     a("--request-timeout-s", type=float, default=6 * 3600.0)
+    a(
+        "--disable-keepalive",
+        action="store_true",
+        help="a new connection per request, closed after its response (default: connections are "
+        "pooled and reused); for servers that close a connection they announced as kept alive",
+    )
     a("--output-file", default=None, help="append one JSON line with all figures and the configuration")
     a("--output-details", action="store_true", help="include per-request figures in the JSON line")
     a("--plot", default=None, metavar="FILE.png", help="save TTFT and ITL histograms (needs matplotlib)")

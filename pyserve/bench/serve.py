@@ -107,7 +107,9 @@ async def run_requests(
     """Send the warm-up then the timed requests. Returns (timed results in dataset order,
     the timed run's start time, warm-up results)."""
     timeout = aiohttp.ClientTimeout(total=args.request_timeout_s)
-    connector = aiohttp.TCPConnector(limit=0)
+    # force_close: aiohttp closes each connection once its response is read, so every request
+    # connects anew (the same policy for every server a comparison loads)
+    connector = aiohttp.TCPConnector(limit=0, force_close=getattr(args, "disable_keepalive", False))
     limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
 
     def spec(row: DatasetRow) -> RequestSpec:

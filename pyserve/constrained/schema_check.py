@@ -10,6 +10,7 @@ Subschemas", and draft 4-7's `definitions`, `dependencies` and tuple `items`): a
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 # keywords xgrammar drops whatever their value
@@ -126,3 +127,37 @@ def _first(children: list[tuple[Any, str]], depth: int) -> str | None:
         if found:
             return found
     return None
+
+
+def schema_patterns(schema: Any, path: str = "#", depth: int = 0) -> list[tuple[str, str]]:
+    """Every regular expression in `schema` (a parsed JSON Schema) with its JSON pointer: each
+    `pattern`, and each `patternProperties` name."""
+    if not isinstance(schema, dict) or depth > MAX_DEPTH:
+        return []
+    out: list[tuple[str, str]] = []
+    pattern = schema.get("pattern")
+    if isinstance(pattern, str):
+        out.append((pattern, f"{path}/pattern"))
+    names = schema.get("patternProperties")
+    if isinstance(names, dict):
+        out += [(name, f"{path}/patternProperties") for name in names if isinstance(name, str)]
+    for child, child_path in _children(schema, path):
+        out += schema_patterns(child, child_path, depth + 1)
+    return out
+
+
+def tag_schemas(node: Any) -> Iterator[Any]:
+    """The JSON schemas inside a structural tag: each SGLang structure's `schema`, and in
+    xgrammar's form every `{"type": "json_schema", "json_schema": ...}` format, however deep."""
+    if isinstance(node, dict):
+        if node.get("type") == "json_schema" and "json_schema" in node:
+            yield node["json_schema"]
+        structures = node.get("structures")
+        if isinstance(structures, list):
+            yield from (s["schema"] for s in structures if isinstance(s, dict) and "schema" in s)
+        for key, value in node.items():
+            if key not in ("json_schema", "structures"):
+                yield from tag_schemas(value)
+    elif isinstance(node, list):
+        for item in node:
+            yield from tag_schemas(item)

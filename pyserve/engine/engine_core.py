@@ -19,9 +19,10 @@ from typing import Any, cast
 import torch
 
 from pyserve.config import ServerArgs
-from pyserve.constrained import GrammarBackend, serving_grammar_backend
+from pyserve.constrained import GrammarBackend, JsonWhitespace, serving_grammar_backend
 from pyserve.engine import parallel_sampling, server_info
 from pyserve.engine.detokenizer import token_deltas
+from pyserve.engine.embedding_inputs import check_embedding_inputs
 from pyserve.engine.own_thread import run_in_own_thread
 from pyserve.engine.scheduler import Scheduler
 from pyserve.engine.tokenizer_manager import TokenizerManager, failure_of
@@ -123,10 +124,14 @@ class EngineCore:
             self.grammar_backend = await loop.run_in_executor(
                 None,
                 serving_grammar_backend,
+                args.grammar_backend,
                 self.tokenizer,
                 mc.vocab_size,
                 mc.eos_token_ids,
-                not args.constrained_json_disable_any_whitespace,
+                JsonWhitespace(
+                    compact=args.constrained_json_disable_any_whitespace,
+                    pattern=args.constrained_json_whitespace_pattern,
+                ),
             )
         self.scheduler = Scheduler(
             self.kv_cache,
@@ -453,11 +458,10 @@ class EngineCore:
         """Embeddings of several inputs (texts, or token-id lists), run together as
         prefill-only requests, in order: each output's `embedding` ([hidden] float32 numpy)
         and `prompt_tokens`. rid: the rid the inputs' own (`{rid}-{i}`) derive from (aborting
-        it aborts them). Raises InvalidRequestError (400) on a generation server, for an
-        empty input, one longer than the context, an id outside the vocabulary or more than
-        `--max-prompts-per-request` inputs."""
-        if not inputs:
-            raise InvalidRequestError("the input is empty", param="input")
+        it aborts them). Raises InvalidRequestError (400) for no input or an empty one
+        (embedding_inputs.py), on a generation server, for an input longer than the context,
+        an id outside the vocabulary or more than `--max-prompts-per-request` inputs."""
+        check_embedding_inputs(inputs)
         base = rid or new_rid()
         sp = SamplingParams().model_copy(update={"max_new_tokens": 0})
         reqs = [

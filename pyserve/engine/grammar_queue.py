@@ -17,14 +17,14 @@ import concurrent.futures
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from pyserve.constrained import GrammarBackend
+from pyserve.constrained import GrammarBackend, GrammarKey
 from pyserve.engine.schedule_batch import Req
 from pyserve.forward_batch_info import FinishReason
 
 
 class _Queued(NamedTuple):
     req: Req
-    grammar: tuple[str, str]  # (kind, text)
+    grammar: GrammarKey
     timer: asyncio.TimerHandle  # its timeout
 
 
@@ -56,17 +56,18 @@ class GrammarQueue:
     def __contains__(self, rid: str) -> bool:
         return rid in self._reqs
 
-    def add(self, req: Req, kind: str, text: str) -> None:
-        """Compile the request's grammar (kind: a SamplingParams grammar field) and admit or
-        fail it when done: at once when the grammar (or its failure) is cached."""
+    def add(self, req: Req, key: GrammarKey) -> None:
+        """Compile the request's grammar (key.kind: a SamplingParams grammar field) and admit
+        or fail it when done: at once when the grammar (or its failure) is cached."""
         assert self.backend is not None  # refused upstream without a backend
-        future = self.backend.compile(kind, text)
+        kind = key.kind
+        future = self.backend.compile(key)
         if future.done():
             self._settle(req, kind, future)
             return
         loop = asyncio.get_running_loop()
-        timer = loop.call_later(self.timeout_s, self._time_out, req, kind, text)
-        self._reqs[req.rid] = _Queued(req, (kind, text), timer)
+        timer = loop.call_later(self.timeout_s, self._time_out, req, key)
+        self._reqs[req.rid] = _Queued(req, key, timer)
         future.add_done_callback(lambda f: loop.call_soon_threadsafe(self._compiled, req, kind, f))
 
     def remove(self, rid: str) -> Req | None:
@@ -76,7 +77,7 @@ class GrammarQueue:
         req = self._take(rid)
         if entry is not None and self.backend is not None:
             if all(e.grammar != entry.grammar for e in self._reqs.values()):
-                self.backend.release(*entry.grammar)
+                self.backend.release(entry.grammar)
         return req
 
     def _take(self, rid: str) -> Req | None:
@@ -109,16 +110,17 @@ class GrammarQueue:
         req.grammar = future.result()
         self._admit(req)
 
-    def _time_out(self, req: Req, kind: str, text: str) -> None:
+    def _time_out(self, req: Req, key: GrammarKey) -> None:
         entry = self._reqs.get(req.rid)
         if entry is None or entry.req is not req:
             return
         assert self.backend is not None
-        if not self.backend.started(kind, text):
+        kind = key.kind
+        if not self.backend.started(key):
             # still behind other grammars on the compile threads: the limit is for this
             # grammar's own compile, which has not begun
             loop = asyncio.get_running_loop()
-            self._reqs[req.rid] = entry._replace(timer=loop.call_later(self.timeout_s, self._time_out, req, kind, text))
+            self._reqs[req.rid] = entry._replace(timer=loop.call_later(self.timeout_s, self._time_out, req, key))
             return
         self._take(req.rid)
         message = (

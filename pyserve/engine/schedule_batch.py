@@ -106,10 +106,8 @@ class Req:
         self.greedy = sampling_params.is_greedy
         self.return_logprob = self.logprob.return_logprob
         self.input_logprobs_done = False
-        # the compiled grammar (xgrammar.CompiledGrammar) once the grammar queue has it, and
-        # the ids after which it applies (None: from the first output token)
+        # the compiled grammar once the grammar queue has it
         self.grammar: Any = None
-        self.grammar_start_ids: tuple[int, ...] | None = None
         self.generator: torch.Generator | None = None
         # perf_counter seconds, for /metrics (pyserve/metrics.py): arrival at the tokenizer
         # manager, entry into the waiting queue, the last output token's processing (None
@@ -211,7 +209,6 @@ class Req:
             num_sampled=len(self.output_ids),
             generator=self.generator,
             grammar=self.grammar,
-            grammar_start_ids=self.grammar_start_ids,
         )
 
 

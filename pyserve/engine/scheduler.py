@@ -38,7 +38,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from pyserve.constrained import GrammarBackend
+from pyserve.constrained import GrammarBackend, GrammarKey
 from pyserve.engine.batch_planner import BatchPlanner
 from pyserve.engine.grammar_queue import GrammarQueue
 from pyserve.engine.retraction import Retractor
@@ -185,13 +185,12 @@ class Scheduler:
         )
         req.quiet = treq.quiet
         req.priority = treq.priority
-        req.grammar_start_ids = treq.grammar_start_ids
         if treq.arrival_time is not None:
             req.arrival_time = treq.arrival_time
         self.state.reqs[req.rid] = req
         grammar = sp.grammar_key
         if grammar is not None:  # it waits for its grammar; nothing else does
-            self.grammar_queue.add(req, *grammar)
+            self.grammar_queue.add(req, GrammarKey(*grammar, think=treq.grammar_think))
             return
         # max_new_tokens 0 still prefills, as in SGLang: the prompt's KV enters the radix
         # cache (clients send such requests to cache a prefix) and prompt logprobs are

@@ -257,7 +257,6 @@ class TokenizerManager:
                     code="context_length_exceeded",
                 )
         stop_ids = set(sp.stop_token_ids or ())
-        grammar_start_ids = None
         if sp.grammar_key is not None:
             if not self.scheduler.accepts_grammars:
                 kind = sp.grammar_key[0]
@@ -266,8 +265,6 @@ class TokenizerManager:
                     "model without an EOS token)",
                     param=kind,
                 )
-            if req.grammar_start_text:
-                grammar_start_ids = tuple(int(t) for t in await self.encode(req.grammar_start_text, False))
         if not sp.ignore_eos or sp.grammar_key is not None:
             # a grammar that ended allows only EOS: it ends the request even with ignore_eos
             stop_ids |= self.eos_token_ids
@@ -307,7 +304,7 @@ class TokenizerManager:
             lp,
             quiet=quiet,
             priority=priority,
-            grammar_start_ids=grammar_start_ids or None,
+            grammar_think=req.grammar_think if sp.grammar_key is not None else None,
             arrival_time=arrival_time,
         )
 

@@ -1,24 +1,25 @@
 """`GrammarRows`: the grammar matchers of the requests under a grammar (structured output) and
 their token bitmask, kept by the worker by request row (DESIGN.md sections 1 and 7).
 
-A row's matcher (xgrammar's `GrammarMatcher`, made from the compiled grammar its sampling row
-brings) follows the request's output: after step N's ids are sampled it accepts each grammar
-row's new token; before step N+1 is sampled it fills the row's next allowed-token bitmask,
-which the sampler applies as one more logit processor. On CUDA, step N's ids reach the host
-by the worker's asynchronous copy: the matchers take them only when step N+1 is about to be
-sampled, after its forward was launched, so only sampling waits for them. A batch with no
-grammar row costs nothing here. Worker thread only.
+A row's matcher (made by the compiled grammar its sampling row brings: xgrammar's or
+llguidance's, whichever backend the server runs) follows the request's output: after step N's
+ids are sampled it accepts each grammar row's new token; before step N+1 is sampled it fills
+the row's next allowed-token bitmask (int32, one bit a token, the same layout in both
+libraries), which the sampler applies as one more logit processor. A thinking block before the
+answer is part of the grammar itself. On CUDA, step N's ids reach the host by the worker's
+asynchronous copy: the matchers take them only when step N+1 is about to be sampled, after its
+forward was launched, so only sampling waits for them. A batch with no grammar row costs
+nothing here. Worker thread only.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
-import xgrammar as xgr
 
 from pyserve.device_copy import to_device
 from pyserve.forward_batch_info import SamplingBatchInfo, SamplingRow
@@ -26,58 +27,32 @@ from pyserve.forward_batch_info import SamplingBatchInfo, SamplingRow
 logger = logging.getLogger(__name__)
 
 
-@dataclass(eq=False)
 class _Row:
-    """One request's grammar state. `matcher` is None while the grammar waits for
-    `start_ids` at the end of the output (`tail` keeps the last ids seen meanwhile); `done`
-    once the grammar ended (its stop token accepted) or refused a token (the request then
-    fails or ended already): nothing is masked after that."""
+    """One request's grammar state: its matcher, and the backend's matcher operations (`ops`,
+    shared by the rows of one backend). `done` once the grammar ended (its stop token
+    accepted) or refused a token (the request then fails or ended already): nothing is masked
+    after that."""
 
-    compiled: xgr.CompiledGrammar
-    start_ids: tuple[int, ...] | None
-    matcher: xgr.GrammarMatcher | None = None
-    tail: list[int] = field(default_factory=list)
-    done: bool = False
+    __slots__ = ("matcher", "ops", "stop_ids", "done")
 
-    stop_ids: frozenset[int] = frozenset()
-
-    def __post_init__(self) -> None:
-        if self.start_ids is None:
-            self._start()
-
-    def _start(self) -> None:
-        self.matcher = xgr.GrammarMatcher(self.compiled)
+    def __init__(self, compiled: Any, ops: Any) -> None:
+        self.matcher = compiled.new_matcher()
+        self.ops = ops
         self.stop_ids = frozenset(self.matcher.stop_token_ids)
+        self.done = False
 
     def accept(self, token: int) -> None:
-        if self.done:
-            return
-        if self.matcher is None:
-            assert self.start_ids is not None
-            tail = self.tail
-            tail.append(token)
-            n = len(self.start_ids)
-            if len(tail) >= n and tuple(tail[-n:]) == self.start_ids:
-                self._start()
-                tail.clear()
-            elif len(tail) > n:
-                del tail[: len(tail) - n]
-            return
-        self.after_accept(token, self.matcher.accept_token(token))
+        if not self.done:
+            self.after_accept(token, self.matcher.accept_token(token))
 
     def after_accept(self, token: int, accepted: bool) -> None:
         """Note the matcher's verdict on `token`: a refusal or a stop token that ended the
         grammar (only a stop token can end it: the others need no check) makes the row done."""
-        assert self.matcher is not None
         if not accepted:
             logger.debug("a grammar refused token %d (its row had no token left to sample)", token)
             self.done = True
         elif token in self.stop_ids and self.matcher.is_terminated():
             self.done = True
-
-    @property
-    def constraining(self) -> bool:
-        return self.matcher is not None and not self.done
 
 
 class GrammarRows:
@@ -97,7 +72,8 @@ class GrammarRows:
         self.has_grammar = np.zeros(num_rows, dtype=bool)
         self.rows: dict[int, _Row] = {}
         self.bitmask: torch.Tensor | None = None
-        self._batch_matcher: xgr.BatchGrammarMatcher | None = None
+        # each backend's matcher operations (by the compiled grammar's type), made on first use
+        self._ops: dict[type, Any] = {}
         # the rows (and their batch positions) whose matchers take the step's sampled ids
         self._to_record: list[tuple[int, _Row]] = []
         # rows and the ids they still have to accept, with the wait for those ids' copy (CUDA)
@@ -114,7 +90,10 @@ class GrammarRows:
         for item in new_rows:
             if item.grammar is None:
                 continue
-            row = _Row(item.grammar, item.grammar_start_ids)
+            ops = self._ops.get(type(item.grammar))
+            if ops is None:
+                ops = self._ops[type(item.grammar)] = item.grammar.new_ops()
+            row = _Row(item.grammar, ops)
             for token in item.output_ids if item.output_ids is not None else ():
                 row.accept(int(token))
             self.rows[item.req_pool_idx] = row
@@ -144,19 +123,13 @@ class GrammarRows:
             return
         batch_rows = [(int(p), self.rows[int(rows_np[p])]) for p in positions]
         self._to_record = [(p, row) for p, row in batch_rows if not row.done]
-        active = [(p, int(rows_np[p]), row.matcher) for p, row in batch_rows if row.constraining]
+        active = [(p, int(rows_np[p]), row) for p, row in self._to_record]
         if not active:
             return
         bitmask = self._bitmask()
-        matchers = [m for _, _, m in active if m is not None]  # (constraining: all of them)
-        indices = [r for _, r, _ in active]
-        if len(active) == 1:
-            matchers[0].fill_next_token_bitmask(bitmask, indices[0])
-        else:
-            if self._batch_matcher is None:
-                self._batch_matcher = xgr.BatchGrammarMatcher()
-            self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, indices)
-        picked = bitmask[torch.tensor(indices, dtype=torch.int64)]
+        for ops, group in _by_ops([(row, r) for _, r, row in active]):
+            ops.fill([row.matcher for row, _ in group], bitmask, [r for _, r in group])
+        picked = bitmask[torch.tensor([r for _, r, _ in active], dtype=torch.int64)]
         info.grammar_bitmask = picked.to(self.device, non_blocking=True) if self.device != "cpu" else picked
         info.grammar_rows = to_device(np.array([p for p, _, _ in active], dtype=np.int32), torch.int32, self.device)
 
@@ -182,21 +155,12 @@ class GrammarRows:
         rows, ids, wait = pending
         if wait is not None:
             wait()
-        # the constraining rows' matchers take their tokens in one call; the rest (done, or
-        # waiting for their start ids) one by one
-        batch: list[tuple[_Row, int]] = []
-        for position, row in rows:
-            token = int(ids[position])
-            if row.constraining:
-                batch.append((row, token))
-            else:
-                row.accept(token)
-        if not batch:
-            return
-        matchers = [row.matcher for row, _ in batch if row.matcher is not None]
-        accepted = xgr.BatchGrammarMatcher.batch_accept_token(matchers, [t for _, t in batch])
-        for (row, token), ok in zip(batch, accepted):
-            row.after_accept(token, ok)
+        # the rows' matchers take their tokens in one call per backend
+        batch = [(row, int(ids[position])) for position, row in rows if not row.done]
+        for ops, group in _by_ops(batch):
+            accepted = ops.accept([row.matcher for row, _ in group], [t for _, t in group])
+            for (row, token), ok in zip(group, accepted):
+                row.after_accept(token, ok)
 
     def _bitmask(self) -> torch.Tensor:
         if self.bitmask is None:
@@ -204,3 +168,15 @@ class GrammarRows:
                 (self.num_rows, self.width), -1, dtype=torch.int32, pin_memory=self.device.startswith("cuda")
             )
         return self.bitmask
+
+
+def _by_ops(items: list[tuple[_Row, int]]) -> list[tuple[Any, list[tuple[_Row, int]]]]:
+    """`items` (row, int) grouped by their rows' backend operations, in order (one group
+    where the server runs one backend)."""
+    groups: dict[int, tuple[Any, list[tuple[_Row, int]]]] = {}
+    for row, value in items:
+        entry = groups.get(id(row.ops))
+        if entry is None:
+            entry = groups[id(row.ops)] = (row.ops, [])
+        entry[1].append((row, value))
+    return list(groups.values())

@@ -16,7 +16,7 @@ from starlette.middleware.cors import CORSMiddleware
 from pyserve.config import ServerArgs, setup_logging
 from pyserve.engine.engine_core import EngineCore
 from pyserve.model_executor.runner_protocol import Runner
-from pyserve.server import metrics, native, openapi, tokenize
+from pyserve.server import metrics, native, openapi, parse_routes, tokenize
 from pyserve.server.auth import ApiKeyMiddleware
 from pyserve.server.drain import drain
 from pyserve.server.errors import EXCEPTION_HANDLERS
@@ -105,7 +105,13 @@ def create_app(
                 await engine.shutdown()
 
     app = Starlette(
-        routes=native.ROUTES + serving.ROUTES + embeddings.ROUTES + responses.ROUTES + tokenize.ROUTES + openapi.ROUTES,
+        routes=native.ROUTES
+        + parse_routes.ROUTES
+        + serving.ROUTES
+        + embeddings.ROUTES
+        + responses.ROUTES
+        + tokenize.ROUTES
+        + openapi.ROUTES,
         lifespan=lifespan,
         exception_handlers=EXCEPTION_HANDLERS,
         middleware=_middleware(args),

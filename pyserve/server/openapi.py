@@ -28,7 +28,7 @@ from starlette.routing import BaseRoute, Route
 
 import pyserve
 from pyserve.io_struct import GenerateReqInput
-from pyserve.server import metrics, native, tokenize
+from pyserve.server import metrics, native, parse_routes, tokenize
 from pyserve.server.openai import embeddings, responses, serving
 from pyserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pyserve.server.openai.responses_protocol import ResponsesRequest
@@ -41,6 +41,8 @@ REQUEST_MODELS: dict[Callable[..., Any], type[BaseModel] | None] = {
     native.generate: GenerateReqInput,
     native.abort_request: native.AbortReq,
     native.flush_cache: None,
+    parse_routes.separate_reasoning: parse_routes.SeparateReasoningRequest,
+    parse_routes.parse_function_call: parse_routes.ParseFunctionCallRequest,
     serving.chat_completions: ChatCompletionRequest,
     serving.completions: CompletionRequest,
     tokenize.tokenize: tokenize.TokenizeRequest,

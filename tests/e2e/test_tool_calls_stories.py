@@ -3,9 +3,9 @@
 stories260k knows nothing of tools: its random replies are what a forced call's grammar must
 turn into calls that always parse. Left to itself inside the calls' array it keeps adding
 calls (it prefers `,` to `]`), so the tests that want whole replies bound the array (a named
-function, or `parallel_tool_calls: false`: one call) or push `]` up with a logit bias; JSON whitespace is off
-on these servers (`--constrained-json-disable-any-whitespace`), or the model writes whitespace
-runs until max_tokens."""
+function, or `parallel_tool_calls: false`: one call) or push `]` up with a logit bias; these
+servers write compact JSON (`--constrained-json-disable-any-whitespace`), which keeps replies
+short; the default whitespace bound is tested in test_structured_stories.py."""
 
 from __future__ import annotations
 

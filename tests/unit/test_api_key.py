@@ -8,7 +8,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from pyserve.config import ServerArgs
-from pyserve.server import native, tokenize
+from pyserve.server import native, parse_routes, tokenize
 from pyserve.server.app import create_app
 from pyserve.server.openai import embeddings, serving
 from tests.conftest import CHAT_TEMPLATE, ServerProcess
@@ -27,6 +27,12 @@ BODIES = {
     "/v1/responses": {"input": "hi", "max_output_tokens": 2},
     "/v1/embeddings": {"input": "hi"},
     "/encode": {"text": "hi"},
+    "/separate_reasoning": {"text": "<think>a</think>b", "reasoning_parser": "qwen3"},
+    "/parse_function_call": {
+        "text": "hi",
+        "tool_call_parser": "qwen25",
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+    },
 }
 # what the key holder gets there from this (generation) server: a 400, past the key check
 REFUSED_HERE = ("/v1/embeddings", "/encode")
@@ -82,7 +88,7 @@ def test_every_protected_route_needs_the_key(client, method, path):
 
 def test_the_route_table_holds_every_route_module():
     paths = {p for _, p in route_calls()}
-    modules = native.ROUTES + serving.ROUTES + tokenize.ROUTES + embeddings.ROUTES
+    modules = native.ROUTES + parse_routes.ROUTES + serving.ROUTES + tokenize.ROUTES + embeddings.ROUTES
     assert {r.path.replace("{model_id:path}", "default") for r in modules} <= paths
     assert {"/metrics", "/v1/responses"} <= paths
 

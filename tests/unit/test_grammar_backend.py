@@ -1,4 +1,4 @@
-"""GrammarBackend: each grammar kind compiles through xgrammar off the calling thread, refusals
+"""GrammarBackend on xgrammar: each grammar kind compiles off the calling thread, refusals
 quote the compiler's reason and name the field, and the cache answers repeats (failures too)."""
 
 from __future__ import annotations
@@ -11,19 +11,22 @@ import pytest
 import xgrammar as xgr
 from transformers import AutoTokenizer
 
-from pyserve.constrained import GrammarBackend, GrammarError, grammar_stop_ids
+from pyserve.constrained import GrammarBackend, GrammarError, GrammarKey, JsonWhitespace, grammar_stop_ids
+from pyserve.constrained.xgrammar_compiler import XGrammarCompiler, XGrammarGrammar
+
+K = GrammarKey
 
 
 @pytest.fixture(scope="module")
 def backend(stories_path):
     tok = AutoTokenizer.from_pretrained(stories_path)
-    b = GrammarBackend(tok, 512, [2])
+    b = GrammarBackend(XGrammarCompiler(tok, 512, [2], JsonWhitespace()))
     yield b
     b.shutdown()
 
 
-def _accepts(compiled: xgr.CompiledGrammar, text: str) -> bool:
-    matcher = xgr.GrammarMatcher(compiled)
+def _accepts(compiled: xgr.CompiledGrammar | XGrammarGrammar, text: str) -> bool:
+    matcher = xgr.GrammarMatcher(compiled.compiled if isinstance(compiled, XGrammarGrammar) else compiled)
     return matcher.accept_string(text) and matcher.is_completed()
 
 
@@ -42,7 +45,7 @@ def _accepts(compiled: xgr.CompiledGrammar, text: str) -> bool:
     ],
 )
 def test_each_kind_compiles_to_its_language(backend, kind, text, good, bad):
-    compiled = backend.compile(kind, text).result(timeout=30)
+    compiled = backend.compile(K(kind, text)).result(timeout=30)
     assert _accepts(compiled, good)
     assert not _accepts(compiled, bad)
 
@@ -55,8 +58,8 @@ def test_structural_tag_in_sglangs_form(backend):
         ],
         "triggers": ["<f>"],
     }
-    compiled = backend.compile("structural_tag", json.dumps(spec)).result(timeout=30)
-    matcher = xgr.GrammarMatcher(compiled)
+    compiled = backend.compile(K("structural_tag", json.dumps(spec))).result(timeout=30)
+    matcher = xgr.GrammarMatcher(compiled.compiled)
     assert matcher.accept_string('hello <f>{"x": 1}</f>')
 
 
@@ -71,21 +74,21 @@ def test_structural_tag_in_sglangs_form(backend):
 )
 def test_refusals_quote_the_compiler_and_name_the_field(backend, kind, text, reason):
     with pytest.raises(GrammarError) as info:
-        backend.compile(kind, text).result(timeout=30)
+        backend.compile(K(kind, text)).result(timeout=30)
     assert str(info.value).startswith(f"{kind}: {reason}")
     assert info.value.kind == kind
 
 
 def test_repeats_come_from_the_cache_failures_too(backend):
     before = backend.cache_hits
-    first = backend.compile("regex", "[a-c]+(")
+    first = backend.compile(K("regex", "[a-c]+("))
     with pytest.raises(GrammarError):
         first.result(timeout=30)
-    again = backend.compile("regex", "[a-c]+(")
+    again = backend.compile(K("regex", "[a-c]+("))
     assert again is first and again.done()
     assert backend.cache_hits == before + 1
-    good = backend.compile("regex", "[a-c]+")
-    assert backend.compile("regex", "[a-c]+") is good
+    good = backend.compile(K("regex", "[a-c]+"))
+    assert backend.compile(K("regex", "[a-c]+")) is good
     assert backend.cache_hits == before + 2
 
 
@@ -93,13 +96,13 @@ def test_compiles_on_an_executor_thread(backend, monkeypatch):
     seen = []
     real = backend._compile
 
-    def spy(kind, text):
-        if text == "z{2,5}":  # (an earlier test's compile may still be running)
+    def spy(key):
+        if key.text == "z{2,5}":  # (an earlier test's compile may still be running)
             seen.append(threading.current_thread().name)
-        return real(kind, text)
+        return real(key)
 
     monkeypatch.setattr(backend, "_compile", spy)
-    backend.compile("regex", "z{2,5}").result(timeout=30)
+    backend.compile(K("regex", "z{2,5}")).result(timeout=30)
     assert len(seen) == 1 and seen[0].startswith("pyserve-grammar")
 
 
@@ -150,18 +153,18 @@ def test_compiles_on_an_executor_thread(backend, monkeypatch):
 def test_keywords_xgrammar_would_ignore_are_refused(backend, schema, violation, reason):
     """Each keyword is one xgrammar ignores (its matcher accepts a violating value), so pyserve
     refuses the schema instead of serving it unenforced."""
-    compiled = backend._compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
+    compiled = backend.compiler._compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
     assert _accepts(compiled, violation)  # xgrammar alone lets the violation through
     with pytest.raises(GrammarError) as info:
-        backend.compile("json_schema", json.dumps(schema)).result(timeout=30)
+        backend.compile(K("json_schema", json.dumps(schema))).result(timeout=30)
     assert str(info.value).startswith(f"json_schema: invalid JSON schema: xgrammar cannot enforce {reason}")
 
 
 def test_integer_multiple_of_and_a_single_all_of_are_served(backend):
-    compiled = backend.compile("json_schema", json.dumps({"type": "integer", "multipleOf": 3})).result(timeout=30)
+    compiled = backend.compile(K("json_schema", json.dumps({"type": "integer", "multipleOf": 3}))).result(timeout=30)
     assert _accepts(compiled, "9") and not _accepts(compiled, "4")
     ref = {"allOf": [{"type": "integer", "minimum": 5}], "description": "a not-keyword in prose: not"}
-    compiled = backend.compile("json_schema", json.dumps(ref)).result(timeout=30)
+    compiled = backend.compile(K("json_schema", json.dumps(ref))).result(timeout=30)
     assert _accepts(compiled, "7") and not _accepts(compiled, "3")
 
 
@@ -172,11 +175,11 @@ def test_property_names_that_look_like_keywords_are_served(backend):
         "required": ["not", "pattern", "allOf"],
         "additionalProperties": False,
     }
-    compiled = backend.compile("json_schema", json.dumps(schema)).result(timeout=30)
+    compiled = backend.compile(K("json_schema", json.dumps(schema))).result(timeout=30)
     assert _accepts(compiled, '{"not": true, "pattern": "x", "allOf": 3}')
     assert not _accepts(compiled, '{"not": 1, "pattern": "x", "allOf": 3}')
     union = {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None, "title": "Maybe"}  # pydantic's Optional
-    compiled = backend.compile("json_schema", json.dumps(union)).result(timeout=30)
+    compiled = backend.compile(K("json_schema", json.dumps(union))).result(timeout=30)
     assert _accepts(compiled, "null") and not _accepts(compiled, "3")
 
 
@@ -185,13 +188,13 @@ def test_deep_schemas_and_structural_tags_are_checked(backend):
     for _ in range(70):
         deep = {"type": "object", "properties": {"a": deep}}
     with pytest.raises(GrammarError, match=r"nested more than 64 levels deep \(at #/properties/a/"):
-        backend.compile("json_schema", json.dumps(deep)).result(timeout=30)
+        backend.compile(K("json_schema", json.dumps(deep))).result(timeout=30)
     bad = {"type": "object", "properties": {"x": {"not": {"type": "string"}}}}
     sglang_form = {"structures": [{"begin": "<f>", "schema": bad, "end": "</f>"}], "triggers": ["<f>"]}
     xgrammar_form = {"type": "structural_tag", "format": {"type": "json_schema", "json_schema": bad}}
     for tag in (sglang_form, xgrammar_form):
         with pytest.raises(GrammarError) as info:
-            backend.compile("structural_tag", json.dumps(tag)).result(timeout=30)
+            backend.compile(K("structural_tag", json.dumps(tag))).result(timeout=30)
         assert str(info.value).startswith(
             "structural_tag: invalid structural tag: xgrammar cannot enforce `not` (at #/properties/x)"
         )
@@ -210,28 +213,28 @@ def test_grammar_stop_ids_prefer_the_config_then_the_tokenizer():
 
 def test_a_released_compile_that_has_not_begun_is_dropped(stories_path):
     tokenizer = AutoTokenizer.from_pretrained(stories_path)
-    backend = GrammarBackend(tokenizer, 512, [2], max_workers=1)
+    backend = GrammarBackend(XGrammarCompiler(tokenizer, 512, [2], JsonWhitespace()), max_workers=1)
     gate = threading.Event()
     real = backend._compile
 
-    def gated(kind, text):
-        if text == "a+":
+    def gated(key):
+        if key.text == "a+":
             gate.wait(timeout=30)
-        return real(kind, text)
+        return real(key)
 
     backend._compile = gated  # type: ignore[method-assign]
     try:
-        first = backend.compile("regex", "a+")  # holds the one compile thread
-        queued = backend.compile("regex", "b+")
-        while not backend.started("regex", "a+"):
+        first = backend.compile(K("regex", "a+"))  # holds the one compile thread
+        queued = backend.compile(K("regex", "b+"))
+        while not backend.started(K("regex", "a+")):
             time.sleep(0.01)
-        assert not backend.started("regex", "b+")
-        backend.release("regex", "b+")
+        assert not backend.started(K("regex", "b+"))
+        backend.release(K("regex", "b+"))
         assert queued.cancelled()
-        backend.release("regex", "a+")  # running: it goes on
+        backend.release(K("regex", "a+"))  # running: it goes on
         gate.set()
-        assert first.result(timeout=30) is not None and backend.started("regex", "a+")
-        again = backend.compile("regex", "b+")  # compiled afresh, not the cancelled one
+        assert first.result(timeout=30) is not None and backend.started(K("regex", "a+"))
+        again = backend.compile(K("regex", "b+"))  # compiled afresh, not the cancelled one
         assert again is not queued and again.result(timeout=30) is not None
     finally:
         backend.shutdown()

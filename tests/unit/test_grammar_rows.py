@@ -1,15 +1,16 @@
-"""GrammarRows (worker side): each grammar row's mask is its matcher's after the row's output so
-far, taken by request row; rows without a grammar are never masked; the start marker, resume,
-release and deferred (CUDA-style) ids each keep the matcher in step with its request."""
+"""GrammarRows (worker side), on each grammar backend: each grammar row's mask is its matcher's
+after the row's output so far, taken by request row; rows without a grammar are never masked;
+resume, release and deferred (CUDA-style) ids each keep the matcher in step with its request;
+rows of both backends share a batch."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-import xgrammar as xgr
 from transformers import AutoTokenizer
 
+from pyserve.constrained import GrammarKey, JsonWhitespace, serving_grammar_backend
 from pyserve.forward_batch_info import SamplingBatchInfo, SamplingRow
 from pyserve.model_executor.grammar_rows import GrammarRows
 from pyserve.sampling_params import SamplingParams
@@ -18,11 +19,32 @@ VOCAB = 512
 EOS = 2
 
 
+class _Compiler:
+    """One backend's grammars by kind (compiled on the calling thread's behalf)."""
+
+    def __init__(self, backend) -> None:
+        self.backend = backend
+
+    def _get(self, kind: str, text: str):
+        return self.backend.compile(GrammarKey(kind, text)).result(timeout=60)
+
+    def compile_regex(self, text: str):
+        return self._get("regex", text)
+
+    def compile_grammar(self, text: str):
+        return self._get("ebnf", text)
+
+
 @pytest.fixture(scope="module")
-def compiler(stories_path):
-    tok = AutoTokenizer.from_pretrained(stories_path)
-    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=VOCAB, stop_token_ids=[EOS])
-    return xgr.GrammarCompiler(info), tok
+def tokenizer(stories_path):
+    return AutoTokenizer.from_pretrained(stories_path)
+
+
+@pytest.fixture(scope="module", params=["xgrammar", "llguidance"])
+def compiler(request, tokenizer):
+    backend = serving_grammar_backend(request.param, tokenizer, VOCAB, [EOS], JsonWhitespace())
+    yield _Compiler(backend), tokenizer
+    backend.shutdown()
 
 
 def _info(batch: int) -> SamplingBatchInfo:
@@ -31,19 +53,17 @@ def _info(batch: int) -> SamplingBatchInfo:
 
 
 def _expected_mask(compiled, tokens: list[int]) -> torch.Tensor:
-    matcher = xgr.GrammarMatcher(compiled)
+    matcher = compiled.new_matcher()
     for t in tokens:
         assert matcher.accept_token(t)
-    mask = xgr.allocate_token_bitmask(1, VOCAB)
+    mask = torch.zeros((1, (VOCAB + 31) // 32), dtype=torch.int32)
     matcher.fill_next_token_bitmask(mask, 0)
     return mask[0]
 
 
-def _row(idx: int, compiled, output_ids=None, start_ids=None) -> SamplingRow:
+def _row(idx: int, compiled, output_ids=None) -> SamplingRow:
     out = None if output_ids is None else np.asarray(output_ids, dtype=np.int32)
-    return SamplingRow(
-        idx, SamplingParams(), frozenset({EOS}), output_ids=out, grammar=compiled, grammar_start_ids=start_ids
-    )
+    return SamplingRow(idx, SamplingParams(), frozenset({EOS}), output_ids=out, grammar=compiled)
 
 
 def _allowed(mask: torch.Tensor) -> list[int]:
@@ -77,20 +97,31 @@ def test_a_batch_without_grammar_rows_gets_no_mask(compiler):
     assert info.grammar_bitmask is None and info.grammar_rows is None
 
 
-def test_start_ids_hold_the_grammar_back_until_they_appear(compiler):
-    comp, _ = compiler
-    digits = comp.compile_regex("[0-9]+")
-    rows = GrammarRows(4, VOCAB, "cpu")
-    rows.set_rows([_row(0, digits, start_ids=(10, 11))])
-    batch = np.array([0], dtype=np.int32)
-    for token in (10, 12, 10, 11):  # free text, then the marker ends with 10, 11
-        info = _info(1)
+def test_rows_of_both_backends_share_a_batch(tokenizer):
+    backends = [
+        serving_grammar_backend(n, tokenizer, VOCAB, [EOS], JsonWhitespace()) for n in ("xgrammar", "llguidance")
+    ]
+    try:
+        digits, letters = (
+            b.compile(GrammarKey("regex", text)).result(timeout=60) for b, text in zip(backends, ("[0-9]+x", "[a-c]+"))
+        )
+        rows = GrammarRows(4, VOCAB, "cpu")
+        rows.set_rows([_row(0, digits), _row(2, letters)])
+        batch = np.array([2, 1, 0], dtype=np.int32)
+        info = _info(3)
         rows.prepare(info, batch)
-        assert info.grammar_bitmask is None
-        rows.record(np.array([token], dtype=np.int32))
-    info = _info(1)
-    rows.prepare(info, batch)
-    assert torch.equal(info.grammar_bitmask[0], _expected_mask(digits, []))
+        assert info.grammar_rows.tolist() == [0, 2]
+        assert torch.equal(info.grammar_bitmask[0], _expected_mask(letters, []))
+        assert torch.equal(info.grammar_bitmask[1], _expected_mask(digits, []))
+        a, one = _allowed(info.grammar_bitmask[0])[0], _allowed(info.grammar_bitmask[1])[0]
+        rows.record(np.array([a, 99, one], dtype=np.int32))
+        info = _info(3)
+        rows.prepare(info, batch)
+        assert torch.equal(info.grammar_bitmask[0], _expected_mask(letters, [a]))
+        assert torch.equal(info.grammar_bitmask[1], _expected_mask(digits, [one]))
+    finally:
+        for b in backends:
+            b.shutdown()
 
 
 def test_a_resumed_request_replays_its_output(compiler):
@@ -129,7 +160,7 @@ def test_deferred_ids_go_to_the_request_that_sampled_them(compiler):
 
 def test_an_ended_grammar_masks_nothing_more_and_release_frees_the_row(compiler):
     comp, _ = compiler
-    yes = comp.compile_grammar('root ::= "a"', root_rule_name="root")
+    yes = comp.compile_grammar('root ::= "a"')
     rows = GrammarRows(4, VOCAB, "cpu")
     rows.set_rows([_row(0, yes)])
     batch = np.array([0], dtype=np.int32)

@@ -10,15 +10,18 @@ from pathlib import Path
 import pytest
 import xgrammar as xgr
 
+from pyserve.constrained import ThinkBlock
 from pyserve.errors import InvalidRequestError
 from pyserve.server.openai.chat_reply import (
     FORCED,
     ReplyPlan,
-    grammar_start_text,
+    grammar_think,
     keeps_special_tokens,
     reply_plan,
+    thinking_constraint,
 )
 from pyserve.server.openai.protocol import ChatCompletionRequest
+from pyserve.server.openai.structured import Constraint
 from pyserve.server.openai.tools import Tool, forced_calls_schema, new_call_id
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "data" / "stories_tools_chat_template.jinja"
@@ -155,15 +158,31 @@ def test_reply_plan():
     )
 
 
-def test_grammar_waits_for_the_end_of_thinking_only_when_the_model_thinks():
+def test_a_grammar_allows_thinking_first_only_when_the_model_thinks():
     body = chat(response_format={"type": "json_object"})
-    assert grammar_start_text(body, "qwen3", True) == "</think>"
-    assert grammar_start_text(body, "deepseek-r1", True) == "</think>"
-    assert grammar_start_text(body, None, True) is None
-    assert grammar_start_text(body, "qwen3", False) is None
-    assert grammar_start_text(chat(chat_template_kwargs={"enable_thinking": False}), "qwen3", True) is None
+    assert grammar_think(body, "qwen3", True, 100) == ThinkBlock(False, 50, "<think>", "</think>")
+    assert grammar_think(body, "deepseek-r1", True, 101) == ThinkBlock(True, 50, "<think>", "</think>")
+    assert grammar_think(body, None, True, 100) is None
+    assert grammar_think(body, "qwen3", False, 100) is None
+    assert grammar_think(chat(chat_template_kwargs={"enable_thinking": False}), "qwen3", True, 100) is None
     # separate_reasoning false only keeps the thinking in the content: the model still thinks first
-    assert grammar_start_text(chat(separate_reasoning=False), "qwen3", True) == "</think>"
+    assert grammar_think(chat(separate_reasoning=False), "qwen3", True, 8) == ThinkBlock(False, 4)
+    assert grammar_think(chat(thinking_budget=7), "qwen3", True, 100) == ThinkBlock(False, 7)
+
+
+def test_a_thinking_budget_alone_constrains_nothing_but_the_thinking():
+    constraint = Constraint("json_schema", "{}", "response_format")
+    assert thinking_constraint(chat(thinking_budget=5), "qwen3", constraint) is constraint
+    assert thinking_constraint(chat(), "qwen3", None) is None
+    assert thinking_constraint(chat(thinking_budget=5), "qwen3", None) == Constraint(
+        "regex", r"[\s\S]*", "thinking_budget"
+    )
+    with pytest.raises(InvalidRequestError) as info:
+        thinking_constraint(chat(thinking_budget=5), None, None)
+    assert (info.value.param, info.value.message) == (
+        "thinking_budget",
+        "thinking_budget needs a server started with --reasoning-parser (the model's thinking markers)",
+    )
 
 
 def test_special_token_markers_are_kept_in_the_text():

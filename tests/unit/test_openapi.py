@@ -40,6 +40,8 @@ OPERATIONS = [
     ("post", "/encode"),
     ("post", "/flush_cache"),
     ("post", "/generate"),
+    ("post", "/parse_function_call"),
+    ("post", "/separate_reasoning"),
     ("post", "/tokenize"),
     ("post", "/v1/chat/completions"),
     ("post", "/v1/completions"),
@@ -56,6 +58,8 @@ POST_BODIES = {
     "/encode": "EncodeRequest",
     "/flush_cache": None,
     "/generate": "GenerateReqInput",
+    "/parse_function_call": "ParseFunctionCallRequest",
+    "/separate_reasoning": "SeparateReasoningRequest",
     "/tokenize": "TokenizeRequest",
     "/v1/chat/completions": "ChatCompletionRequest",
     "/v1/completions": "CompletionRequest",
@@ -95,7 +99,7 @@ def test_every_post_route_has_its_request_model(app, doc):
     routes = app.routes
     assert all(isinstance(route, Route) for route in routes)  # (nothing escapes the walk)
     posts = [route for route in routes if "POST" in (route.methods or ())]
-    assert len(posts) == 13
+    assert len(posts) == 15
     for route in posts:
         assert route.endpoint in REQUEST_MODELS, f"POST {route.path}: add its request model to REQUEST_MODELS"
         model = REQUEST_MODELS[route.endpoint]
@@ -129,7 +133,7 @@ def test_operations_and_bodies(doc):
 def test_metrics_only_when_served():
     doc = build_document(create_app(ServerArgs(enable_metrics=False)).routes)
     assert "/metrics" not in doc["paths"]
-    assert len(doc["paths"]) == 23
+    assert len(doc["paths"]) == 25
 
 
 def test_responses(doc):

@@ -121,20 +121,20 @@ class _HeldBackend:
         self.begun: set[tuple[str, str]] = set()  # compiles the test says are running
         self.released: list[tuple[str, str]] = []
 
-    def compile(self, kind, text):
+    def compile(self, key):
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self.futures.append((fut, kind, text))
+        self.futures.append((fut, key))
         return fut
 
-    def started(self, kind, text):
-        return (kind, text) in self.begun
+    def started(self, key):
+        return (key.kind, key.text) in self.begun
 
-    def release(self, kind, text):
-        self.released.append((kind, text))
+    def release(self, key):
+        self.released.append((key.kind, key.text))
 
     def release_all(self):
-        for fut, kind, text in self.futures:
-            fut.set_result(self.real.compile(kind, text).result(timeout=30))
+        for fut, key in self.futures:
+            fut.set_result(self.real.compile(key).result(timeout=30))
 
 
 def test_the_grammar_queue_holds_only_its_own_requests(stories_path):

@@ -15,9 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pyserve.constrained.spec import ThinkBlock
 from pyserve.errors import InvalidRequestError
 from pyserve.io_struct import GenerateOutput
-from pyserve.parsers.reasoning_parser import THINK_END, ReasoningParser
+from pyserve.parsers.reasoning_parser import THINK_END, THINK_START, ReasoningParser
 from pyserve.parsers.registry import (
     REASONING_STARTS_INSIDE,
     SPECIAL_TOKEN_MARKERS,
@@ -27,6 +28,7 @@ from pyserve.parsers.registry import (
 )
 from pyserve.parsers.tool_call_base import CallArgs, CallStart, TextPiece, ToolCallParser
 from pyserve.server.openai.protocol import ChatCompletionRequest
+from pyserve.server.openai.structured import Constraint
 from pyserve.server.openai.tools import new_call_id
 
 # the tool parser of forced calls (tool_choice required or a named function)
@@ -61,7 +63,11 @@ def thinking_on(chat_template_kwargs: dict[str, Any] | None) -> bool:
 
 
 # the text a grammar waits for when the model thinks first: the end of its thinking
-GRAMMAR_START_AFTER_THINKING = THINK_END
+# a thinking budget's default when a constrained request gives none: this share of its
+# max_tokens (so a model that never closes its thinking still has room for the answer)
+DEFAULT_THINKING_SHARE = 0.5
+# the grammar of a request that gives only a thinking budget: any answer
+ANY_TEXT_REGEX = r"[\s\S]*"
 
 
 class ReplyParser:
@@ -241,13 +247,36 @@ def reply_plan(
     return ReplyPlan(reasoning, tools, body.max_calls, body.stream_reasoning, names)
 
 
-def grammar_start_text(body: ChatCompletionRequest, reasoning_parser: str | None, has_grammar: bool) -> str | None:
-    """What a grammar waits for before it constrains the reply: the end of the thinking when
-    the server has a reasoning parser and the request lets the model think (so JSON and
-    forced calls land in the content); None: the grammar starts with the reply."""
-    if has_grammar and reasoning_parser is not None and thinking_on(body.chat_template_kwargs):
-        return GRAMMAR_START_AFTER_THINKING
-    return None
+def thinking_constraint(
+    body: ChatCompletionRequest, reasoning_parser: str | None, constraint: Constraint | None
+) -> Constraint | None:
+    """The request's grammar: `constraint`, or any text when the request gives only a
+    `thinking_budget` (a budget is enforced by the grammar's thinking block). Raises
+    InvalidRequestError for a budget on a server without a reasoning parser."""
+    if body.thinking_budget is None or constraint is not None:
+        return constraint
+    if reasoning_parser is None:
+        raise InvalidRequestError(
+            "thinking_budget needs a server started with --reasoning-parser (the model's thinking markers)",
+            param="thinking_budget",
+        )
+    return Constraint("regex", ANY_TEXT_REGEX, "thinking_budget")
+
+
+def grammar_think(
+    body: ChatCompletionRequest, reasoning_parser: str | None, has_grammar: bool, max_new_tokens: int
+) -> ThinkBlock | None:
+    """The thinking a grammar allows before it constrains the reply, when the server has a
+    reasoning parser and the request lets the model think (so JSON and forced calls land in
+    the content): `<think>...</think>` (its opening optional where the template opens it) of
+    at most `thinking_budget` tokens (default: DEFAULT_THINKING_SHARE of `max_new_tokens`,
+    the request's output limit). None: the grammar starts with the reply."""
+    if not (has_grammar and reasoning_parser is not None and thinking_on(body.chat_template_kwargs)):
+        return None
+    budget = body.thinking_budget
+    if budget is None:
+        budget = int(max_new_tokens * DEFAULT_THINKING_SHARE)
+    return ThinkBlock(REASONING_STARTS_INSIDE[reasoning_parser], budget, THINK_START, THINK_END)
 
 
 def keeps_special_tokens(plan: ReplyPlan | None, body: ChatCompletionRequest) -> bool | None:

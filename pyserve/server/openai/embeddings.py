@@ -14,11 +14,12 @@ import base64
 from typing import Annotated, Any, Literal, cast
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from pyserve.engine.embedding_inputs import empty_input_problem
 from pyserve.engine.engine_core import EngineCore
 from pyserve.errors import InvalidRequestError
 from pyserve.server.errors import parse_json
@@ -30,10 +31,21 @@ from pyserve.server.sse import until_disconnect
 NonEmptyIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 
+def refuse_empty(value: Any) -> Any:
+    """A `mode="before"` field validator: ValueError (a 400 naming the field) for an empty
+    text, list or id list, whichever the field's union would have refused with another
+    branch's message ("Input should be a valid string" for `[]`), or accepted (`""`)."""
+    problem = empty_input_problem(value)
+    if problem is not None:
+        raise ValueError(problem)
+    return value
+
+
 class EmbeddingRequest(BaseModel):
     """OpenAI's embeddings request: `input` a string, a list of strings, a token-id list or a
-    list of token-id lists; `encoding_format` float or base64; `dimensions` (Matryoshka
-    models only); `user` is accepted and not used."""
+    list of token-id lists, none of them empty (as the OpenAI API refuses `""` and `[]`);
+    `encoding_format` float or base64; `dimensions` (Matryoshka models only); `user` is
+    accepted and not used."""
 
     model_config = STRICT
     model: str | None = None
@@ -47,15 +59,19 @@ class EmbeddingRequest(BaseModel):
     dimensions: Annotated[int, Field(ge=1)] | None = None
     user: str | None = None
 
+    _input_not_empty = field_validator("input", mode="before")(refuse_empty)
+
 
 class EncodeRequest(BaseModel):
     """SGLang's /encode: `text` (a string or a list) or `input_ids` (a list or a list of
-    lists), and an optional `rid`."""
+    lists), none of them empty, and an optional `rid`."""
 
     model_config = ConfigDict(extra="forbid")
     text: str | Annotated[list[str], Field(min_length=1)] | None = None
     input_ids: NonEmptyIds | Annotated[list[NonEmptyIds], Field(min_length=1)] | None = None
     rid: str | None = None
+
+    _inputs_not_empty = field_validator("text", "input_ids", mode="before")(refuse_empty)
 
 
 def matryoshka(engine: EngineCore) -> tuple[bool, list[int] | None]:

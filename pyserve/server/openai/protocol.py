@@ -283,6 +283,9 @@ class ChatCompletionRequest(_Common):
     add_special_tokens: bool = False
     separate_reasoning: bool = True
     stream_reasoning: bool = True
+    # tokens the model may think at most before its answer (with --reasoning-parser); a
+    # request with a grammar gets half its max_tokens when it gives none
+    thinking_budget: int | None = Field(default=None, ge=0)
     # accepted at their default only (UNSUPPORTED)
     functions: Any = None
     function_call: Any = None

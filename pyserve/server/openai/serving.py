@@ -21,14 +21,16 @@ from starlette.routing import Route
 from pyserve.engine.engine_core import EngineCore
 from pyserve.errors import InvalidRequestError
 from pyserve.io_struct import GenerateOutput, SingleReq, new_rid
+from pyserve.sampling_params import SamplingParams
 from pyserve.server.errors import parse_json
 from pyserve.server.native import engine_of, stream_hub_of, stream_response
 from pyserve.server.openai.chat_reply import (
     chat_finish_reason,
-    grammar_start_text,
+    grammar_think,
     keeps_special_tokens,
     parse_reply,
     reply_plan,
+    thinking_constraint,
 )
 from pyserve.server.openai.logprobs import chat_logprobs, completion_logprobs
 from pyserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -66,6 +68,11 @@ def model_name(engine: EngineCore, requested: str | None) -> str:
     return engine.resolve_model(requested)
 
 
+def _max_new_tokens(asked: int | None) -> int:
+    """A request's output limit: what it asked for, else SamplingParams' default."""
+    return asked if asked is not None else int(SamplingParams.model_fields["max_new_tokens"].default)
+
+
 async def chat_completions(request: Request) -> Response | StreamResponse:
     body = ChatCompletionRequest.model_validate(await parse_json(request))
     body.check_supported()
@@ -73,7 +80,7 @@ async def chat_completions(request: Request) -> Response | StreamResponse:
     name = model_name(engine, body.model)
     args = engine.server_args
     plan = reply_plan(body, args.tool_call_parser, args.reasoning_parser)
-    constraint = body.constraint()
+    constraint = thinking_constraint(body, args.reasoning_parser, body.constraint())
     prompt = await engine.apply_chat_template([m.to_template() for m in body.messages], **body.template_kwargs())
     req = SingleReq(
         text=prompt,
@@ -84,7 +91,9 @@ async def chat_completions(request: Request) -> Response | StreamResponse:
         logprob=body.logprob_params(),
         rid=body.rid or new_rid(),
         priority=body.priority,
-        grammar_start_text=grammar_start_text(body, args.reasoning_parser, constraint is not None),
+        grammar_think=grammar_think(
+            body, args.reasoning_parser, constraint is not None, _max_new_tokens(body.max_new_tokens)
+        ),
     )
     rid = f"chatcmpl-{req.rid}"
     created = int(time.time())
