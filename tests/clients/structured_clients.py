@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-MAX_TOKENS = 160
+MAX_TOKENS = 64
 CITY_PROMPT = (
     "Paris is the capital of France. About 2100000 people live there. "
     "Give the city's name, its country and its population."

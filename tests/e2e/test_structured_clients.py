@@ -28,7 +28,7 @@ from pydantic import BaseModel
 from tests.conftest import REPO, run_client, start_server, wait_idle
 
 POOL = 16384
-MAX_TOKENS = 160
+MAX_TOKENS = 64
 CITY_PROMPT = (
     "Paris is the capital of France. About 2100000 people live there. "
     "Give the city's name, its country and its population."

@@ -172,7 +172,7 @@ def test_the_default_budget_is_half_of_max_tokens(r1_server):
     body = {
         "messages": MESSAGES,
         "temperature": 0,
-        "max_tokens": 120,
+        "max_tokens": 200,
         "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}},
     }
     (reply,) = run_all(r1_server, [body])
@@ -184,7 +184,7 @@ def test_the_default_budget_is_half_of_max_tokens(r1_server):
         json={"prompt": choice["message"]["reasoning_content"], "add_special_tokens": False},
         timeout=60,
     ).json()["tokens"]
-    assert len(tokens) <= 60
+    assert len(tokens) <= 100
 
 
 def test_a_budget_alone_bounds_the_thinking(r1_server):
