@@ -164,7 +164,16 @@ def closed_objects(schema: Any, closable: bool = True) -> Any:
         out["items"] = [closed_objects(sub) for sub in out["items"]]
     if isinstance(out.get("allOf"), list):
         out["allOf"] = [closed_objects(sub, closable=False) for sub in out["allOf"]]
-    if closable and isinstance(out.get("properties"), dict) and not any(k in out for k in _OPEN_BESIDE):
+    properties = out.get("properties")
+    required = out.get("required") if isinstance(out.get("required"), list) else []
+    # an object that requires a property it does not list stays open: that property is
+    # another one, which closing would forbid
+    if (
+        closable
+        and isinstance(properties, dict)
+        and not any(k in out for k in _OPEN_BESIDE)
+        and all(name in properties for name in required)
+    ):
         out["additionalProperties"] = False
     return out
 

@@ -61,7 +61,8 @@ def unenforced_keyword(schema: Any, path: str = "#", depth: int = 0) -> str | No
     * `pattern` with `minLength` / `maxLength` or `format`; `format` with a length;
     * `allOf` with more than one subschema (xgrammar does not intersect them);
     * `anyOf` / `oneOf` beside constraints (xgrammar keeps the branches only);
-    * `enum` / `const` beside value constraints; `uniqueItems: true`; a `$ref` outside the
+    * `enum` / `const` beside value constraints; `required` naming a property `properties`
+      does not list (xgrammar's strict objects drop the requirement); `uniqueItems: true`; a `$ref` outside the
       document (xgrammar reads any value there);
     * nesting deeper than MAX_DEPTH.
     Never raises on odd input (a non-dict is not a schema to check)."""
@@ -91,6 +92,12 @@ def unenforced_keyword(schema: Any, path: str = "#", depth: int = 0) -> str | No
             beside = [k for k in _VALUE_CONSTRAINTS if k in schema]
             if beside:
                 return f"`{fixed}` beside `{beside[0]}` (at {path}); list only the values allowed"
+    required = schema.get("required")
+    if isinstance(required, list):
+        listed = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        missing = [name for name in required if isinstance(name, str) and name not in listed]
+        if missing:
+            return f"`required` naming {missing[0]!r}, which `properties` does not list (at {path}); list it there"
     if schema.get("uniqueItems") is True:
         return f"`uniqueItems` (at {path}): a grammar cannot compare items"
     ref = schema.get("$ref")

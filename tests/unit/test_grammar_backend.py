@@ -136,6 +136,11 @@ def test_compiles_on_an_executor_thread(backend, monkeypatch):
         ),
         ({"type": "array", "contains": {"type": "integer"}}, "[]", "`contains` (at #)"),
         (
+            {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "key"]},
+            '{"a": 1}',
+            "`required` naming 'key', which `properties` does not list (at #); list it there",
+        ),
+        (
             {"type": "array", "items": {"enum": [1, 2]}, "uniqueItems": True, "minItems": 2, "maxItems": 2},
             "[2, 2]",
             "`uniqueItems` (at #)",

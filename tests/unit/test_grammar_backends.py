@@ -272,3 +272,19 @@ def test_closed_objects_leave_all_of_members_open():
         "items": {**a, "additionalProperties": False},
     }
     assert closed_objects({**a, "patternProperties": {"^x": {}}}) == {**a, "patternProperties": {"^x": {}}}
+    assert closed_objects({**a, "required": ["a", "key"]}) == {**a, "required": ["a", "key"]}
+
+
+def test_a_required_property_not_listed_is_refused_on_xgrammar_and_enforced_on_llguidance(tokenizer, ids_of):
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "key"]})
+    xg = serving_grammar_backend("xgrammar", tokenizer, VOCAB, [EOS], JsonWhitespace())
+    ll = serving_grammar_backend("llguidance", tokenizer, VOCAB, [EOS], JsonWhitespace())
+    try:
+        with pytest.raises(GrammarError, match="`required` naming 'key', which `properties` does not list"):
+            _compile(xg, "json_schema", schema)
+        compiled = _compile(ll, "json_schema", schema)
+        assert not _matches(compiled, ids_of('{"a": 1}'))
+        assert _matches(compiled, ids_of('{"a": 1, "key": 2}'))
+    finally:
+        xg.shutdown()
+        ll.shutdown()
