@@ -19,7 +19,7 @@ export CARGO_TARGET_DIR ?= $(HOME)/.cache/pyserve-cargo-target
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-rust test-stubs test-python lint bench clean-venv client-venv
+.PHONY: setup serve test test-rust test-rust-debug test-stubs test-python lint bench clean-venv client-venv
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -60,10 +60,17 @@ client-venv: $(CLIENT_DEPS_STAMP)
 serve: setup
 	$(PY) -m pyserve serve $(SERVE_ARGS)
 
-test: setup test-rust test-stubs test-python
+test: setup test-rust test-rust-debug test-stubs test-python
 
 test-rust:
 	cargo test -p pyserve-core -p pyserve-kernels-cpu --release
+
+# The native kernels' tests once more in a debug build: it keeps the debug assertions (the
+# quantized kernels' bounds checks on their unchecked writes) and integer-overflow checks that
+# --release compiles out. A target folder of its own, so the debug artifacts never evict
+# `cargo test --release`'s from the shared one.
+test-rust-debug:
+	CARGO_TARGET_DIR=$(HOME)/.cache/pyserve-cargo-debug-target cargo test -p pyserve-kernels-cpu
 
 # The .pyi stub of the native module must match what the module really exports.
 test-stubs: setup

@@ -11,6 +11,11 @@ prompt was being prefilled, the longest chunk step, the median decode step, and 
 gap / (longest chunk step + median decode step), which the design asks to be at most 1
 (step times come from the worker thread's own clock around each step).
 
+Checked: in every case each stream gets its tokens and the long prompt its one token, and the
+streams' greedy tokens and the long prompt's token are the same in all three cases (how the
+prompt is chunked must not change any output); otherwise the script exits with status 1 after
+its table.
+
 Usage: PYTHONPATH=. python benches/bench_chunked_prefill.py [--model-path P] [--chunk 256]
        [--chunks 8] [--streams 4]
 """
@@ -60,6 +65,7 @@ def run_case(
         raise
     try:
         arrivals: list[list[float]] = [[] for _ in range(num_streams)]
+        outputs: list[list[int]] = [[] for _ in range(num_streams + 1)]  # the streams', then the long one's
         marks: dict[str, float] = {}
 
         async def stream(k: int, started: asyncio.Event) -> None:
@@ -68,8 +74,9 @@ def run_case(
                 stream=True,
                 sampling_params={"temperature": 0, "max_new_tokens": stream_tokens, "ignore_eos": True},
             )
-            async for _ in it:
+            async for out in it:
                 arrivals[k].append(time.perf_counter())
+                outputs[k] = out["output_ids"]
                 if len(arrivals[k]) == 3:
                     started.set()
 
@@ -79,7 +86,10 @@ def run_case(
             for e in events:
                 await e.wait()
             marks["long_sent"] = time.perf_counter()
-            await engine.async_generate(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 1})
+            long = await engine.async_generate(
+                input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 1}
+            )
+            outputs[num_streams] = long["output_ids"]
             marks["long_done"] = time.perf_counter()
             await asyncio.gather(*tasks)
 
@@ -97,10 +107,11 @@ def run_case(
         "decode_step_s": statistics.median(decode),
         "long_prefill_s": hi - lo,
         "num_long_steps": len(long_steps),
+        "outputs": outputs,
     }
 
 
-def main() -> None:
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-path", default=None, help="default: the default model (SmolLM2 GGUF)")
     p.add_argument("--chunk", type=int, default=256, help="--chunked-prefill-size (default: %(default)s)")
@@ -125,6 +136,7 @@ def main() -> None:
     )
     print(header)
     print("-" * len(header))
+    outputs = {}
     for name, chunk, mixed in (
         ("chunked", args.chunk, False),
         ("chunked+mixed", args.chunk, True),
@@ -138,7 +150,21 @@ def main() -> None:
             f"{1e3 * r['decode_step_s']:>9.1f} {r['long_prefill_s']:>9.2f} {ratio:>18.2f}",
             flush=True,
         )
+        outputs[name] = r["outputs"]
+    want = [stream_tokens] * args.streams + [1]
+    problems = [f"{name}: tokens per request {[len(o) for o in outs]}, not {want}" for name, outs in outputs.items()]
+    problems = [p for p, outs in zip(problems, outputs.values()) if [len(o) for o in outs] != want]
+    first, *rest = outputs
+    problems += [f"{name}: outputs differ from {first}'s" for name in rest if outputs[name] != outputs[first]]
+    if problems:
+        print("OUTPUTS DIFFER:", *problems, sep="\n  ")
+        return 1
+    print(
+        f"outputs checked: the same {args.streams} streams of {stream_tokens} tokens and long-prompt token "
+        "in every case"
+    )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

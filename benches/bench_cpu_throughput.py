@@ -11,7 +11,9 @@ process would oversubscribe the cores); runs 1 and 2 alternate for --rounds pair
 pyserve, HF, HF, pyserve), so a drift in the machine's speed weighs on both alike; run 3 goes
 with the first HF run. Prints output tokens/s of each and the ratios pyserve
 / HF (of the summed times, and each pair's), plus how many pyserve outputs equal HF's token for
-token (float32 both sides; a few may differ where two logits nearly tie).
+token. Checked: every output of every run has --output-len tokens and every pyserve output
+equals HF's padded-batch output of the same prompt token for token (float32 on both sides, the
+same greedy choice at each step); otherwise the script exits with status 1 after its figures.
 
 Usage: PYTHONPATH=. python benches/bench_cpu_throughput.py [--num-prompts 64]
        [--input-len 128] [--output-len 128] [--seq-prompts N] [--skip-hf-seq] [--rounds 2]
@@ -106,7 +108,7 @@ def run_side(args: argparse.Namespace) -> None:
         json.dump(result, f)
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
@@ -120,7 +122,8 @@ def main() -> None:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side:
-        return run_side(args)
+        run_side(args)
+        return 0
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     if args.seq_prompts is not None and not 1 <= args.seq_prompts <= args.num_prompts:
@@ -184,7 +187,17 @@ def main() -> None:
     print(f"ratio pyserve / HF padded batch: {ps_tps / b_tps:.2f}x (target >= 1.5x; by round: {rounds})")
     if s_tps is not None:
         print(f"ratio pyserve / HF sequential  : {ps_tps / s_tps:.2f}x (target >= 5x)")
+    lengths = {len(o) for outs in ps_outs + hf_outs for o in outs}
+    counts = {len(outs) for outs in ps_outs + hf_outs}
+    if same != args.num_prompts or lengths != {args.output_len} or counts != {args.num_prompts}:
+        print(
+            f"OUTPUTS DIFFER: {same}/{args.num_prompts} equal; outputs per run {sorted(counts)}, "
+            f"tokens per output {sorted(lengths)} (want {args.output_len})"
+        )
+        return 1
+    print(f"outputs checked: all {args.num_prompts} equal, {args.output_len} tokens each")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -7,12 +7,19 @@ by length and pads each batch to its longest); pyserve gets them all at once and
 steps without padding (up to --max-prefill-tokens tokens a step). Each run is a process of its
 own (as a server is: the two libraries' OpenMP teams in one process would oversubscribe the
 cores) that warms up once and times one pass; the two sides alternate `--rounds` times (which
-goes first alternating too); the vectors are checked against each other (cosine).
-With `--server`, a `pyserve serve` process also answers the same sentences on /v1/embeddings
-from `--clients` concurrent clients, one sentence per request (the bench tool's
-`--backend openai-embeddings` does the same with its full report).
+goes first alternating too). With `--server`, a `pyserve serve` process also answers the same
+sentences on /v1/embeddings from `--clients` concurrent clients, one sentence per request (the
+bench tool's `--backend openai-embeddings` does the same with its full report).
 
-Printed: sentences/s and tokens/s of each, and the ratio pyserve / sentence-transformers.
+Checked: the cosine of every sentence's pyserve vector (each round's, and the server's) with
+sentence-transformers' (each round's) is at least MIN_COSINE = 0.99999; below it, or on a failed
+request, the script exits with status 1 after printing its figures. Both sides compute in
+float32 and differ only in the order of their sums (about 1e-7 from 1 here); 1e-5 is what a
+lower-precision path costs (bfloat16 matmuls gave 0.99990) and would change nearest-neighbour
+rankings between near ties.
+
+Printed: sentences/s and tokens/s of each, the lowest cosine, and the ratio pyserve /
+sentence-transformers.
 
 Usage: python benches/bench_embeddings.py [--num 2000] [--rounds 2] [--server] [--clients 16]
 """
@@ -42,6 +49,7 @@ WORDS = (
     "get here between both life being under never day same another know while last might us great old year off "
     "come since against go came right used take three house river garden morning story window music travel"
 ).split()
+MIN_COSINE = 0.99999  # see the module docstring
 
 
 def make_sentences(tokenizer, num: int, seed: int) -> list[str]:
@@ -57,28 +65,32 @@ def make_sentences(tokenizer, num: int, seed: int) -> list[str]:
     return out
 
 
-async def http_load(url: str, sentences: list[str], clients: int) -> float:
-    """Seconds for `clients` concurrent clients to embed every sentence, one per request."""
+async def http_load(url: str, sentences: list[str], clients: int) -> tuple[float, np.ndarray]:
+    """(seconds for `clients` concurrent clients to embed every sentence, one per request; the
+    vectors [len(sentences), dim] float32 in sentence order). Raises RuntimeError on a non-200."""
     import aiohttp
 
-    queue: asyncio.Queue[str] = asyncio.Queue()
-    for s in sentences:
-        queue.put_nowait(s)
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for k in range(len(sentences)):
+        queue.put_nowait(k)
+    vectors: list[list[float]] = [[] for _ in sentences]
 
     async def client(session: aiohttp.ClientSession) -> None:
         while not queue.empty():
-            text = queue.get_nowait()
-            async with session.post(url + "/v1/embeddings", json={"input": text}) as r:
-                assert r.status == 200, await r.text()
-                await r.read()
+            k = queue.get_nowait()
+            async with session.post(url + "/v1/embeddings", json={"input": sentences[k]}) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"/v1/embeddings answered {r.status}: {await r.text()}")
+                vectors[k] = (await r.json())["data"][0]["embedding"]
 
     async with aiohttp.ClientSession() as session:
         start = time.perf_counter()
         await asyncio.gather(*(client(session) for _ in range(clients)))
-        return time.perf_counter() - start
+        return time.perf_counter() - start, np.array(vectors, dtype=np.float32)
 
 
-def serve_and_load(model_path: str, sentences: list[str], clients: int, port: int) -> float:
+def serve_and_load(model_path: str, sentences: list[str], clients: int, port: int) -> tuple[float, np.ndarray]:
+    """(seconds, vectors) of http_load against a fresh `pyserve serve`, after a warm-up."""
     proc = start_server(["--model-path", model_path], port)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -122,7 +134,12 @@ def run_side(args: argparse.Namespace) -> None:
         json.dump({"seconds": seconds}, f)
 
 
-def main() -> None:
+def min_cosine(got: np.ndarray, ref: np.ndarray) -> float:
+    """The lowest row-wise cosine of two [n, dim] arrays."""
+    return float(((got * ref).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(ref, axis=1))).min())
+
+
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num", type=int, default=2000)
     p.add_argument("--rounds", type=int, default=2)
@@ -134,7 +151,8 @@ def main() -> None:
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.side:
-        return run_side(args)
+        run_side(args)
+        return 0
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
 
@@ -176,23 +194,26 @@ def main() -> None:
             vectors[side].append(vecs)
             times[names[side]].append(seconds)
             print(f"{names[side]:<40} {len(sentences) / seconds:>12.1f} sentences/s", flush=True)
-    cos = min(
-        float(((got * ref).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(ref, axis=1))).min())
-        for got in vectors["pyserve"]
-        for ref in vectors["st"]
-    )
+    cos = min(min_cosine(got, ref) for got in vectors["pyserve"] for ref in vectors["st"])
     print(f"cosine pyserve / sentence-transformers: min {cos:.7f} (over the rounds' pairs)")
     rows = {name: statistics.median(t) for name, t in times.items()}
     if args.server:
-        rows[f"pyserve /v1/embeddings, {args.clients} clients"] = serve_and_load(
-            model_path, sentences, args.clients, args.port
-        )
+        name = f"pyserve /v1/embeddings, {args.clients} clients"
+        rows[name], served = serve_and_load(model_path, sentences, args.clients, args.port)
+        served_cos = min(min_cosine(served, ref) for ref in vectors["st"])
+        print(f"cosine /v1/embeddings / sentence-transformers: min {served_cos:.7f}")
+        cos = min(cos, served_cos)
     base = rows["sentence-transformers"]
     print(f"\n{'':<40} {'sentences/s':>12} {'tokens/s':>10} {'ratio':>6}")
     for name, seconds in rows.items():
         print(f"{name:<40} {len(sentences) / seconds:>12.1f} {num_tokens / seconds:>10.0f} {base / seconds:>6.2f}x")
     print(f"(each the median of {args.rounds} runs, except the server's one)")
+    if cos < MIN_COSINE:
+        print(f"OUTPUTS DIFFER: lowest cosine {cos:.7f} < {MIN_COSINE}")
+        return 1
+    print(f"outputs checked: every cosine >= {MIN_COSINE}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

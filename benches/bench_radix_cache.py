@@ -18,6 +18,11 @@ the same operations. Then, per tree size, the median over repeats of:
 
 Rust is `pyserve._rs.KVCache` through its Python binding (page size 1, token ids passed as
 int32 numpy arrays); Python is benches/py_radix_cache.py. Times in microseconds.
+
+Checked (the script exits with status 1 on the first difference): both caches match the same
+prefix length for every admitted request, cache the same number of tokens after the fill and
+after the inserts, free the same number of tokens in the evictions, and lay out the same
+decode step (positions and kv_indptr; the slot ids themselves are each allocator's own).
 """
 
 from __future__ import annotations
@@ -41,6 +46,16 @@ ROWS = 300
 MAX_CONTEXT = 16384
 
 
+class OutputsDiffer(Exception):
+    """The two caches disagreed on a result (the message says which)."""
+
+
+def check(same: bool, what: str) -> None:
+    """Raise OutputsDiffer(what) unless `same`."""
+    if not same:
+        raise OutputsDiffer(what)
+
+
 class Both:
     """Applies each request-level operation to the Rust and the Python cache alike."""
 
@@ -52,7 +67,7 @@ class Both:
         key = prompt[:-1]
         rid, _, rs_prefix = self.rs.add_req(np.asarray(key, dtype=np.int32))
         pid, py_prefix = self.py.add_req(key)
-        assert rs_prefix == py_prefix
+        check(rs_prefix == py_prefix, f"matched prefix: Rust {rs_prefix}, Python {py_prefix}")
         n = len(prompt) - rs_prefix
         self.rs.prepare_extend(np.array([rid]), np.array([n]))
         self.py.extend(pid, n)
@@ -99,12 +114,13 @@ def bench(size: int, seed: int = 0) -> list[tuple[str, float, float]]:
     both.serve(long_chat)
     while both.rs.evictable_size() < size:
         both.serve(next(stream))
-    assert both.rs.evictable_size() == both.py.evictable_size
+    check(both.rs.evictable_size() == both.py.evictable_size, "cached tokens after the fill")
     rows = []
 
     prompt8k = long_chat + [1]
     key_rs = np.asarray(prompt8k, dtype=np.int32)
-    assert len(both.rs.match_prefix(key_rs)[0]) == len(both.py.match_prefix(prompt8k)[0]) == 8192
+    matched = (len(both.rs.match_prefix(key_rs)[0]), len(both.py.match_prefix(prompt8k)[0]))
+    check(matched == (8192, 8192), f"8k-token match: Rust, Python = {matched}")
     rows.append(
         (
             "match_prefix (8k-token prompt)",
@@ -128,8 +144,18 @@ def bench(size: int, seed: int = 0) -> list[tuple[str, float, float]]:
         both.py.cache_finished_req(pid, tokens)
     py_us = (time.perf_counter_ns() - t0) / 1000 / len(reqs)
     rows.append(("insert (finish a 2k-token request)", rs_us, py_us))
+    check(both.rs.evictable_size() == both.py.evictable_size, "cached tokens after the inserts")
 
-    rows.append(("evict (8192 tokens)", timed(lambda: both.rs.evict(8192), 10), timed(lambda: both.py.evict(8192), 10)))
+    freed_rs: list[int] = []
+    freed_py: list[int] = []
+    rows.append(
+        (
+            "evict (8192 tokens)",
+            timed(lambda: freed_rs.append(both.rs.evict(8192)), 10),
+            timed(lambda: freed_py.append(both.py.evict(8192)), 10),
+        )
+    )
+    check(sum(freed_rs) == sum(freed_py), f"tokens evicted: Rust {sum(freed_rs)}, Python {sum(freed_py)}")
 
     ids_rs, ids_py = [], []
     for _ in range(256):
@@ -145,11 +171,14 @@ def bench(size: int, seed: int = 0) -> list[tuple[str, float, float]]:
         )
     )
     step = both.rs.prepare_decode(ids_rs_arr)
+    _, py_positions, py_indptr, _ = both.py.prepare_decode(ids_py)
+    check(step is not None and np.array_equal(step.positions, py_positions), "decode step positions")
+    check(np.array_equal(step.kv_indptr, py_indptr), "decode step kv_indptr")
     rows.append((f"  (kv_indices per step: {len(step.kv_indices)})", float("nan"), float("nan")))
     return rows
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--sizes", default="10000,100000,1000000", help="comma-separated target radix tree sizes in cached tokens"
@@ -161,7 +190,12 @@ def main() -> None:
     )
     print("-" * 113)
     for size in (int(float(s)) for s in args.sizes.split(",")):
-        for name, rs_us, py_us in bench(size):
+        try:
+            results = bench(size)
+        except OutputsDiffer as exc:
+            print(f"OUTPUTS DIFFER at {size} tree tokens: {exc}")
+            return 1
+        for name, rs_us, py_us in results:
             if rs_us != rs_us:  # nan: an informational line
                 print(f"{size:>11} | {name:<36} |")
                 continue
@@ -169,7 +203,9 @@ def main() -> None:
                 f"{size:>11} | {name:<36} | {rs_us:>9.1f} | {py_us:>10.1f} | "
                 f"{1e6 / rs_us:>10.0f} | {1e6 / py_us:>12.0f} | {py_us / rs_us:>6.1f}x"
             )
+    print("outputs checked: equal prefix matches, cached and evicted tokens, decode step layouts")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

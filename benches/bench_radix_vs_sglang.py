@@ -1,21 +1,27 @@
 """pyserve's Rust radix cache against SGLang's own `RadixCache`, same seeded workloads, same
 results, timed in one run.
 
-SGLang's tree comes from the `sglang==0.5.6` wheel, downloaded at run time into a cache folder
-outside the repository (`--cache-dir`, default ~/.cache/pyserve-bench/sglang) with `pip
-download --no-deps`; nothing of it is vendored or installed. Its `srt/mem_cache/radix_cache.py`
-(with the small `cache_init_params.py` and `evict_policy.py` beside it) is loaded from the
-wheel as a module, with stand-ins for the imports a bare tree does not need (metrics, KV
-events, host-cache hashing, the bigram helper). It runs on torch tensors, as in SGLang.
+SGLang's tree and its KV slot allocator come from the `sglang==0.5.6` wheel, downloaded at run
+time into a cache folder outside the repository (`--cache-dir`, default
+~/.cache/pyserve-bench/sglang) with `pip download --no-deps`; nothing of it is vendored or
+installed. Its `srt/mem_cache/radix_cache.py` (with the small `cache_init_params.py` and
+`evict_policy.py` beside it) and `srt/mem_cache/allocator.py` are loaded from the wheel as
+modules, with stand-ins for the imports they do not need here (metrics, KV events, host-cache
+hashing, the bigram helper; the sliding-window pool class and the paged allocator's helpers,
+which raise if called). Both run on torch tensors, as in SGLang. The SGLang side is timed as
+SGLang's scheduler runs it: its `RadixCache` over its own `TokenToKVPoolAllocator` with the
+serving defaults (page size 1, `need_sort` off, as outside disaggregation), the tree freeing
+evicted slots into that allocator. (The client venv's `sglang==0.5.2` is not used: it is
+installed without torch, which the allocator imports.)
 
 Each request, on both sides: match the prompt minus its last token (pyserve: `add_req`, which
 also takes a row and locks; SGLang: `match_prefix` then `inc_lock_ref`); evict the shortfall
 if the free pool cannot hold the new tokens (same `evict(n)` call on both); allocate the new
-tokens (pyserve: `prepare_extend`, which also lays out the step's slot arrays; SGLang: a free
-list); insert prompt + output and unlock (pyserve: `cache_finished_req`; SGLang: `insert`,
+tokens (pyserve: `prepare_extend`, which also lays out the step's slot arrays; SGLang: its
+allocator's `alloc`); insert prompt + output and unlock (pyserve: `cache_finished_req`; SGLang: `insert`,
 freeing the duplicates, `dec_lock_ref`). Token ids reach pyserve as int32 arrays. Checked
 equal after every request: the matched length, the tokens each eviction freed, and the
-evictable and protected sizes.
+evictable and protected sizes; the script exits with status 1 when any of them differs.
 
 Workloads (seeded): `shared-prompt` (16 system prompts of 1024 tokens, 3000 requests each
 with one of them and a 64-token question, 64 output tokens); `chat` (300 conversations of 6
@@ -23,7 +29,7 @@ turns, interleaved: each turn the whole conversation so far, a 48-token message 
 96-token reply); `long-random` (400 unrelated 4096-token prompts). The pool (64k tokens) is
 smaller than each workload, so every one evicts.
 
-Page size 1 (SGLang's default): the free-list stand-in counts tokens, not pages.
+Page size 1 (SGLang's default): its allocator counts tokens, not pages.
 
 Usage: PYTHONPATH=. python benches/bench_radix_vs_sglang.py [--cache-dir D]
 """
@@ -40,6 +46,7 @@ import time
 import types
 import zipfile
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 
@@ -59,13 +66,17 @@ def fetch_wheel(cache_dir: Path) -> Path:
     return found[0]
 
 
-def load_sglang_radix_cache(wheel: Path) -> types.ModuleType:
-    """SGLang's radix_cache module from the wheel, its heavy imports stood in for."""
+MODULES = ("cache_init_params", "evict_policy", "radix_cache", "allocator")
+
+
+def load_sglang_modules(wheel: Path) -> tuple[types.ModuleType, types.ModuleType]:
+    """SGLang's radix_cache and allocator modules from the wheel, the imports they do not
+    need here stood in for."""
     src = wheel.parent / "sglang-0.5.6-src"
-    if not (src / "sglang/srt/mem_cache/radix_cache.py").exists():
+    if not all((src / f"sglang/srt/mem_cache/{name}.py").exists() for name in MODULES):
         with zipfile.ZipFile(wheel) as z:
-            for name in ("radix_cache.py", "cache_init_params.py", "evict_policy.py"):
-                z.extract(f"sglang/srt/mem_cache/{name}", src)
+            for name in MODULES:
+                z.extract(f"sglang/srt/mem_cache/{name}.py", src)
 
     def package(name: str) -> None:
         mod = types.ModuleType(name)
@@ -109,36 +120,23 @@ def load_sglang_radix_cache(wheel: Path) -> types.ModuleType:
     stand_in("sglang.srt.mem_cache.base_prefix_cache", BasePrefixCache=BasePrefixCache, MatchResult=MatchResult)
     stand_in("sglang.srt.mem_cache.hicache_storage", get_hash_str=lambda *a, **k: "", hash_str_to_int64=lambda s: 0)
     stand_in("sglang.srt.mem_cache.utils", convert_to_bigram_key=lambda ids: ids)
-    for name in ("cache_init_params", "evict_policy", "radix_cache"):
+
+    def unused(*args: object, **kwargs: object) -> NoReturn:
+        raise NotImplementedError("a stand-in: only SGLang's paged and sliding-window allocators call this")
+
+    class SWAKVPool:  # the sliding-window pool class, which the token allocator never sees
+        pass
+
+    stand_in("sglang.srt.mem_cache.memory_pool", SWAKVPool=SWAKVPool)
+    stand_in("sglang.srt.utils", get_bool_env_var=unused, get_num_new_pages=unused, next_power_of_2=unused)
+    for name in MODULES:
         full = f"sglang.srt.mem_cache.{name}"
         spec = importlib.util.spec_from_file_location(full, src / f"sglang/srt/mem_cache/{name}.py")
         assert spec is not None and spec.loader is not None
         mod = importlib.util.module_from_spec(spec)
         sys.modules[full] = mod
         spec.loader.exec_module(mod)
-    return sys.modules["sglang.srt.mem_cache.radix_cache"]
-
-
-class FreeList:
-    """SGLang's side of the pool: KV slots 1..size (0 is padding, as in both), a free list."""
-
-    def __init__(self, size: int) -> None:
-        import torch
-
-        self.device = torch.device("cpu")
-        self.free_slots = list(range(size, 0, -1))
-
-    def available_size(self) -> int:
-        return len(self.free_slots)
-
-    def alloc(self, n: int) -> list[int]:
-        out = self.free_slots[-n:]
-        del self.free_slots[-n:]
-        return out
-
-    def free(self, slots) -> None:  # type: ignore[no-untyped-def]
-        """`slots`: a torch tensor of slots (what SGLang's tree hands back)."""
-        self.free_slots.extend(slots.tolist())
+    return sys.modules["sglang.srt.mem_cache.radix_cache"], sys.modules["sglang.srt.mem_cache.allocator"]
 
 
 def workloads(seed: int = 0) -> dict[str, list[tuple[list[int], int]]]:
@@ -193,10 +191,13 @@ def run_pyserve(rows, outs, page_size: int) -> tuple[float, list[tuple[int, int,
     return time.perf_counter() - start, trace
 
 
-def run_sglang(radix_mod, rows, outs, page_size: int) -> tuple[float, list[tuple[int, int, int, int]]]:  # type: ignore[no-untyped-def]
+def run_sglang(radix_mod, alloc_mod, rows, outs, page_size: int) -> tuple[float, list[tuple[int, int, int, int]]]:  # type: ignore[no-untyped-def]
     import torch
 
-    pool = FreeList(POOL_TOKENS)
+    # KV slots 1..POOL_TOKENS (0 is padding, as in pyserve); dtype is the KV's, unused without
+    # a KV pool; need_sort as SGLang's model runner sets it outside disaggregation
+    assert page_size == 1, "TokenToKVPoolAllocator is SGLang's page-size-1 allocator"
+    pool = alloc_mod.TokenToKVPoolAllocator(POOL_TOKENS, torch.float16, "cpu", kvcache=None, need_sort=False)
     tree = radix_mod.RadixCache.create_simulated(mock_allocator=pool, page_size=page_size)
     RadixKey = radix_mod.RadixKey
     keys = [p for p, _ in rows]
@@ -214,7 +215,9 @@ def run_sglang(radix_mod, rows, outs, page_size: int) -> tuple[float, list[tuple
             before = pool.available_size()
             tree.evict(short)
             freed = pool.available_size() - before
-        value = torch.cat([m.device_indices, torch.tensor(pool.alloc(len(full) - prefix_len), dtype=torch.int64)])
+        new_slots = pool.alloc(len(full) - prefix_len)
+        assert new_slots is not None, "SGLang's allocator ran out after the eviction"
+        value = torch.cat([m.device_indices, new_slots])
         aligned = len(full) // page_size * page_size
         new_prefix = tree.insert(RadixKey(full[:aligned]), value[:aligned])
         pool.free(value[prefix_len:new_prefix])  # duplicates the tree already held
@@ -224,26 +227,31 @@ def run_sglang(radix_mod, rows, outs, page_size: int) -> tuple[float, list[tuple
     return time.perf_counter() - start, trace
 
 
-def main() -> None:
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/pyserve-bench/sglang"))
     args = p.parse_args()
     args.page_size = 1
-    radix_mod = load_sglang_radix_cache(fetch_wheel(Path(args.cache_dir)))
-    print(f"pyserve's Rust radix cache vs SGLang's RadixCache ({SGLANG}), pool {POOL_TOKENS} tokens")
+    radix_mod, alloc_mod = load_sglang_modules(fetch_wheel(Path(args.cache_dir)))
+    print(
+        f"pyserve's Rust radix cache vs SGLang's RadixCache + TokenToKVPoolAllocator ({SGLANG}), "
+        f"pool {POOL_TOKENS} tokens"
+    )
     header = (
         f"{'workload':>14} {'requests':>8} {'hit tokens':>10} {'evicted':>9} {'sglang s':>9} "
         f"{'pyserve s':>9} {'ratio':>7} {'equal':>6}"
     )
     print(header)
     print("-" * len(header))
+    differ = []
     for name, rows in workloads().items():
         outs = outputs_of(rows)
-        t_sgl, trace_sgl = run_sglang(radix_mod, rows, outs, args.page_size)
+        t_sgl, trace_sgl = run_sglang(radix_mod, alloc_mod, rows, outs, args.page_size)
         t_py, trace_py = run_pyserve(rows, outs, args.page_size)
         equal = trace_sgl == trace_py
         if not equal:
-            k = next(i for i, (a, b) in enumerate(zip(trace_sgl, trace_py)) if a != b)
+            differ.append(name)
+            k = next((i for i, (a, b) in enumerate(zip(trace_sgl, trace_py)) if a != b), len(trace_py) - 1)
             print(f"  first difference at request {k}: sglang {trace_sgl[k]} pyserve {trace_py[k]}")
         hits, evicted = sum(t[0] for t in trace_py), sum(t[1] for t in trace_py)
         print(
@@ -251,7 +259,11 @@ def main() -> None:
             f"{t_sgl / t_py:>6.1f}x {str(equal):>6}",
             flush=True,
         )
+    if differ:
+        print(f"RESULTS DIFFER on {', '.join(differ)}")
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

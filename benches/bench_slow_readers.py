@@ -16,6 +16,10 @@ others; goal at most 1.5x) and of slow to readers, the RSS growth of both phases
 100 MB), and how many extra requests the server still runs (and of those, how many are paused
 for a client that is behind) at the reading load's start and end.
 
+Checked: every reading request (greedy) gets its `--max-new-tokens` tokens and the same text in
+every phase and round (clients beside it, reading or not, must not change its output);
+otherwise the script exits with status 1 after its figures.
+
 Usage: python benches/bench_slow_readers.py [--model-path PATH] [--clients 8] [--slow 30]
                                             [--max-new-tokens 400] [--rounds 2]
 """
@@ -28,6 +32,7 @@ import json
 import os
 import socket
 import statistics
+import sys
 import threading
 import time
 from pathlib import Path
@@ -47,24 +52,32 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError("no VmRSS")
 
 
-async def one_stream(session: aiohttp.ClientSession, url: str, prompt: str, max_new: int) -> list[float]:
-    """A reading client: the gaps (s) between its chunks after the first."""
-    body = {"text": prompt, "stream": True, "sampling_params": {"max_new_tokens": max_new, "ignore_eos": True}}
+async def one_stream(
+    session: aiohttp.ClientSession, url: str, prompt: str, max_new: int
+) -> tuple[list[float], str, int]:
+    """A reading client: (the gaps (s) between its chunks after the first, its text, its
+    output tokens)."""
+    sampling = {"max_new_tokens": max_new, "ignore_eos": True, "temperature": 0}
+    body = {"text": prompt, "stream": True, "sampling_params": sampling}
     stamps: list[float] = []
+    last: dict = {"text": "", "meta_info": {"completion_tokens": 0}}
     async with session.post(url + "/generate", json=body) as r:
-        assert r.status == 200, await r.text()
+        if r.status != 200:
+            raise RuntimeError(f"/generate answered {r.status}: {await r.text()}")
         async for line in r.content:
             if line.startswith(b"data: {"):
                 stamps.append(time.perf_counter())
-    return [b - a for a, b in zip(stamps, stamps[1:])]
+                last = json.loads(line[len(b"data: ") :])
+    return [b - a for a, b in zip(stamps, stamps[1:])], last["text"], last["meta_info"]["completion_tokens"]
 
 
-async def reading_load(url: str, clients: int, max_new: int) -> list[float]:
+async def reading_load(url: str, clients: int, max_new: int) -> tuple[list[float], list[tuple[str, int]]]:
+    """(every client's chunk gaps (s), each client's (text, output tokens))."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
-        gaps = await asyncio.gather(
+        results = await asyncio.gather(
             *(one_stream(session, url, f"Once upon a time {i}", max_new) for i in range(clients))
         )
-    return [g for each in gaps for g in each]
+    return [g for gaps, _, _ in results for g in gaps], [(text, n) for _, text, n in results]
 
 
 def slow_reader(port: int, max_new: int) -> socket.socket:
@@ -117,7 +130,7 @@ def run_phase(url: str, args: argparse.Namespace, pid: int, slow: int, read: boo
         time.sleep(args.settle_s)
     info = httpx.get(url + "/get_server_info").json()
     running_before, paused_before = info["num_running_reqs"], info["num_paused_reqs"]
-    gaps = asyncio.run(reading_load(url, args.clients, args.max_new_tokens))
+    gaps, outputs = asyncio.run(reading_load(url, args.clients, args.max_new_tokens))
     info = httpx.get(url + "/get_server_info").json()
     stop.set()
     sampler.join()
@@ -130,6 +143,7 @@ def run_phase(url: str, args: argparse.Namespace, pid: int, slow: int, read: boo
         "slow_running_at_end": info["num_running_reqs"],
         "paused_at_start": paused_before,
         "paused_at_end": info["num_paused_reqs"],
+        "outputs": outputs,
     }
 
 
@@ -140,7 +154,7 @@ def wait_idle(url: str) -> None:
         time.sleep(0.1)
 
 
-def main() -> None:
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", default=str(SHARED / "models" / "stories260k"))
     p.add_argument("--port", type=int, default=30123)
@@ -188,7 +202,22 @@ def main() -> None:
     finally:
         server.terminate()
         server.wait(60)
+    problems = [
+        f"{r['phase']} phase: output tokens {[n for _, n in r['outputs']]}"
+        for r in rows
+        if any(n != args.max_new_tokens for _, n in r["outputs"])
+    ]
+    problems += [
+        f"{r['phase']} phase: texts differ from the first phase's" for r in rows if r["outputs"] != rows[0]["outputs"]
+    ]
+    if problems:
+        print("OUTPUTS DIFFER:", *problems, sep="\n  ")
+        return 1
+    print(
+        f"outputs checked: {args.clients} greedy streams of {args.max_new_tokens} tokens, the same texts in every phase"
+    )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -24,6 +24,10 @@ Parts `serve` (constrained against unconstrained requests on the simulated devic
 bench host` and on a real model, and the loop's longest gap while a 200-property schema
 compiles) and `compile` (cold grammar compile times): see benches/structured_serving.py.
 
+Checked: every mask method gives the logits of `masked_fill` exactly (mask), every request's
+output is as benches/structured_serving.py says (serve); the script exits with status 1 after
+its figures when any check fails.
+
 Usage: python benches/bench_structured.py --part mask [--rows 64] [--vocab 49152] [--repeats 200]
                                          [--threads 1]
        python benches/bench_structured.py --part serve [--requests 64] [--real-model PATH]
@@ -123,7 +127,7 @@ def _mask_kernel_report(rows: int, vocab: int, repeats: int) -> dict:
     gen = torch.Generator().manual_seed(1)
     logits0 = torch.randn(rows, vocab, generator=gen)
     row_ids = torch.arange(rows, dtype=torch.int32)
-    report: dict = {"rows": rows, "vocab": vocab, "threads": torch.get_num_threads(), "masks": {}}
+    report: dict = {"rows": rows, "vocab": vocab, "threads": torch.get_num_threads(), "masks": {}, "problems": []}
     for kind in ("mostly-allowed", "json-like", "scattered"):
         allowed = make_allowed(kind, rows, vocab)
         disallowed = ~allowed
@@ -140,7 +144,8 @@ def _mask_kernel_report(rows: int, vocab: int, repeats: int) -> dict:
         for name, fn in methods.items():
             logits.copy_(logits0)
             fn()
-            assert torch.equal(logits, want), f"{name} masks differently"
+            if not torch.equal(logits, want):
+                report["problems"].append(f"{kind}: {name} masks differently from masked_fill")
         timers = {name: timer_us(fn) for name, fn in methods.items()}
         samples: dict[str, list[float]] = {name: [] for name in timers}
         # Methods alternate in blocks: one untimed call brings that method's own data back
@@ -182,30 +187,38 @@ def print_mask_report(report: dict) -> None:
     print("mixed: fraction of mask words neither all ones nor all zeros; x: that method's time / pyserve's")
 
 
-def run_mask(args: argparse.Namespace) -> None:
-    print_mask_report(mask_kernel_report(rows=args.rows, vocab=args.vocab, repeats=args.repeats, threads=args.threads))
+def run_mask(args: argparse.Namespace) -> list[str]:
+    report = mask_kernel_report(rows=args.rows, vocab=args.vocab, repeats=args.repeats, threads=args.threads)
+    print_mask_report(report)
+    return report["problems"]
 
 
 # ---------------------------------------------------------------- CLI
 
 
-def run_serve(args: argparse.Namespace) -> None:
+def run_serve(args: argparse.Namespace) -> list[str]:
     import structured_serving
 
-    structured_serving.serve_report(args.requests, args.real_model or None)
+    return structured_serving.serve_report(args.requests, args.real_model or None)["problems"]
 
 
-def run_compile(args: argparse.Namespace) -> None:
+def run_compile(args: argparse.Namespace) -> list[str]:
     import structured_serving
 
     structured_serving.compile_report()
+    return []
 
 
 # --part choices: add a part here (and its options to main's parser); `all` runs every part.
-PARTS: dict[str, Callable[[argparse.Namespace], None]] = {"mask": run_mask, "compile": run_compile, "serve": run_serve}
+# Each returns the problems its checks found ([]: outputs as they must be).
+PARTS: dict[str, Callable[[argparse.Namespace], list[str]]] = {
+    "mask": run_mask,
+    "compile": run_compile,
+    "serve": run_serve,
+}
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=[*PARTS, "all"], default="all")
     parser.add_argument("--rows", type=int, default=64, help="mask: logits rows, all masked")
@@ -219,10 +232,16 @@ def main() -> None:
         help="serve: also run the cases on this model ('' to skip; default: stories260k)",
     )
     args = parser.parse_args()
+    problems = []
     for name, run in PARTS.items():
         if args.part in (name, "all"):
-            run(args)
+            problems += run(args)
+    if problems:
+        print(f"\nOUTPUTS DIFFER ({len(problems)} problem(s)):", *problems[:20], sep="\n  ")
+        return 1
+    print("\noutputs checked: as they must be")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
