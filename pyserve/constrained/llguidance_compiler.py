@@ -165,7 +165,8 @@ def closed_objects(schema: Any, closable: bool = True) -> Any:
     if isinstance(out.get("allOf"), list):
         out["allOf"] = [closed_objects(sub, closable=False) for sub in out["allOf"]]
     properties = out.get("properties")
-    required = out.get("required") if isinstance(out.get("required"), list) else []
+    listed_required = out.get("required")
+    required: list[Any] = listed_required if isinstance(listed_required, list) else []
     # an object that requires a property it does not list stays open: that property is
     # another one, which closing would forbid
     if (

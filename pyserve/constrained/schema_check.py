@@ -94,7 +94,8 @@ def unenforced_keyword(schema: Any, path: str = "#", depth: int = 0) -> str | No
                 return f"`{fixed}` beside `{beside[0]}` (at {path}); list only the values allowed"
     required = schema.get("required")
     if isinstance(required, list):
-        listed = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        properties = schema.get("properties")
+        listed: dict[str, Any] = properties if isinstance(properties, dict) else {}
         missing = [name for name in required if isinstance(name, str) and name not in listed]
         if missing:
             return f"`required` naming {missing[0]!r}, which `properties` does not list (at {path}); list it there"
