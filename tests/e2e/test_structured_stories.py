@@ -16,6 +16,7 @@ import pytest
 
 from pyserve.constrained import MAX_JSON_WHITESPACE
 from tests.conftest import stories_chat_server
+from tests.e2e.test_schema_corpus import longest_whitespace_run as longest_gap
 from tests.e2e.test_tool_calls_stories import MESSAGES, PARAMS, TEMPLATE, TOOLS, check_calls, run_all
 
 # a closed schema whose shortest instance is 12 characters, `{"ok": true}` (at most 30 with
@@ -34,28 +35,6 @@ PERSON = {
     },
     "required": ["name", "age"],
 }
-
-
-def longest_gap(text: str) -> int:
-    """The longest whitespace run of JSON `text` outside its strings."""
-    longest = run = 0
-    in_string = escaped = False
-    for c in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
-            elif c == '"':
-                in_string = False
-            continue
-        if c in " \t\n\r":
-            run += 1
-            longest = max(longest, run)
-            continue
-        run = 0
-        in_string = c == '"'
-    return longest
 
 
 def test_longest_gap_reads_strings_and_escapes():
