@@ -219,7 +219,18 @@ def backend_server(request, tmp_path_factory):
     srv = start_server(
         tmp_path_factory,
         f"corpus-{backend}",
-        ["--grammar-backend", backend, "--max-total-tokens", str(POOL), "--max-running-requests", str(CONCURRENCY)],
+        [
+            "--grammar-backend",
+            backend,
+            "--max-total-tokens",
+            str(POOL),
+            "--max-running-requests",
+            str(CONCURRENCY),
+            # one schema takes xgrammar 16 s of CPU to compile: a loaded machine must not turn it
+            # into a timeout refusal
+            "--grammar-compile-timeout-s",
+            "300",
+        ],
     )
     try:
         yield backend, srv
