@@ -20,10 +20,12 @@ the same operations. Then, per tree size, the median over repeats of:
 Rust is `pyserve._rs.KVCache` through its Python binding (page size 1, token ids passed as
 int32 numpy arrays); Python is benches/py_radix_cache.py. Times in microseconds.
 
-Checked (the script exits with status 1 on the first difference): both caches match the same
-prefix length for every admitted request, cache the same number of tokens after the fill and
-after the inserts, free the same number of tokens in the evictions, and lay out the same
-decode step (positions and sequence lengths; the slot ids themselves are each allocator's own).
+Checked (the script exits with status 1 on the first difference): until the evictions, both
+caches match the same prefix length for every admitted request and cache the same number of
+tokens after the fill and after the inserts; each eviction frees at least the 8192 tokens asked
+on both, or what is left to evict; the decode step has the same positions and sequence lengths on both (the slot ids
+are each allocator's own). After the evictions the trees may hold different leaves: the Python
+baseline evicts by its own LRU rule, not SGLang's (which the Rust core follows).
 """
 
 from __future__ import annotations
@@ -57,18 +59,26 @@ def check(same: bool, what: str) -> None:
         raise OutputsDiffer(what)
 
 
+def frees_what_it_can(freed: list[int], asked: int) -> bool:
+    """Whether evictions of `asked` tokens each, one after another, freed what they were asked
+    (`freed`, in order), or all there was: after one frees less, none frees any."""
+    short = [k for k, n in enumerate(freed) if n < asked]
+    return not short or not any(freed[short[0] + 1 :])
+
+
 class Both:
     """Applies each request-level operation to the Rust and the Python cache alike."""
 
     def __init__(self) -> None:
         self.rs = _rs.KVCache(POOL_TOKENS, ROWS, MAX_CONTEXT)
         self.py = PyKVCache(POOL_TOKENS, ROWS)
+        self.same_trees = True  # until an eviction: then each evicts by its own LRU rule
 
     def admit(self, prompt: list[int]) -> tuple[int, int, int]:
         key = prompt[:-1]
         rid, _, rs_prefix = self.rs.add_req(np.asarray(key, dtype=np.int32))
         pid, py_prefix = self.py.add_req(key)
-        check(rs_prefix == py_prefix, f"matched prefix: Rust {rs_prefix}, Python {py_prefix}")
+        check(not self.same_trees or rs_prefix == py_prefix, f"matched prefix: Rust {rs_prefix}, Python {py_prefix}")
         n = len(prompt) - rs_prefix
         self.rs.prepare_extend(np.array([rid]), np.array([n]))
         self.py.extend(pid, n)
@@ -156,7 +166,9 @@ def bench(size: int, seed: int = 0) -> list[tuple[str, float, float]]:
             timed(lambda: freed_py.append(both.py.evict(8192)), 10),
         )
     )
-    check(sum(freed_rs) == sum(freed_py), f"tokens evicted: Rust {sum(freed_rs)}, Python {sum(freed_py)}")
+    both.same_trees = False
+    for name, freed in (("Rust", freed_rs), ("Python", freed_py)):
+        check(frees_what_it_can(freed, 8192), f"{name} tokens freed per eviction of 8192: {freed}")
 
     ids_rs, ids_py = [], []
     for _ in range(256):
@@ -210,7 +222,10 @@ def main() -> int:
                 f"{size:>11} | {name:<36} | {rs_us:>9.1f} | {py_us:>10.1f} | "
                 f"{1e6 / rs_us:>10.0f} | {1e6 / py_us:>12.0f} | {py_us / rs_us:>6.1f}x"
             )
-    print("outputs checked: equal prefix matches, cached and evicted tokens, decode step layouts")
+    print(
+        "outputs checked: equal prefix matches and cached tokens, evictions that free what was asked, "
+        "equal decode steps"
+    )
     return 0
 
 
