@@ -31,8 +31,10 @@ export CARGO_TARGET_DIR=$CACHE/target
 HOST_WHEELS=$CACHE/host-wheels  # the pinned set for this interpreter (the dry run's)
 BUDGET_MIB=55      # what .gpu/ aims at; the GGUF gets whatever the rest leaves
 LIMIT_MIB=60       # hard stop
-PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64
-           manylinux2014_x86_64 manylinux1_x86_64)
+# Down to what the device's glibc runs: pyserve's own wheels are manylinux_2_34 and ran there
+# (llguidance ships manylinux_2_31 only).
+PLATFORMS=(manylinux_2_34_x86_64 manylinux_2_31_x86_64 manylinux_2_28_x86_64
+           manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64)
 
 start_s=$SECONDS
 mkdir -p "$GPU/wheels" "$GPU/models" "$GPU/shared/models" "$CACHE/deps" "$CACHE/build"

@@ -94,6 +94,7 @@ if [[ $DRY == 1 ]]; then
     trap 'rm -rf "$SITE"' EXIT
     # the whole set, for the device's CPython 3.12: the install there must not refuse it
     PIP_EXTRA="--python-version 3.12 --implementation cp --platform manylinux_2_34_x86_64 \
+--platform manylinux_2_31_x86_64 \
 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 --platform manylinux1_x86_64 --platform manylinux_2_5_x86_64 --only-binary=:all:" \
         pip_install "$SITE/py312" .gpu/wheels/*.whl || die "the wheels do not install for CPython 3.12 (see $OUT/install.log)"
