@@ -19,7 +19,7 @@ export CARGO_TARGET_DIR ?= $(HOME)/.cache/pyserve-cargo-target
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-rust test-rust-debug test-stubs test-python lint bench clean-venv client-venv
+.PHONY: setup serve test test-rust test-rust-debug test-stubs test-python lint bench clean-venv client-venv browser
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,15 @@ $(CLIENT_DEPS_STAMP):
 
 client-venv: $(CLIENT_DEPS_STAMP)
 
+# The browser tests/e2e/test_playground_browser.py drives: Debian's Chromium and its matching
+# chromedriver (Selenium), installed when missing (apt-get as root, else through sudo).
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+		{ $(SUDO) apt-get update -qq && \
+		  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			chromium chromium-driver; }
+
 serve: setup
 	$(PY) -m pyserve serve $(SERVE_ARGS)
 
@@ -91,7 +100,7 @@ lint: setup
 bench: setup
 	$(PY) benches/bench_radix_cache.py
 
-test-python: setup client-venv
+test-python: setup client-venv browser
 	PYSERVE_CLIENT_VENV=$(CLIENT_VENV) PYSERVE_REQUIRE_CLIENTS=1 $(PY) -m pytest $(PYTEST_ARGS)
 
 clean-venv:

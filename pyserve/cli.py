@@ -1,17 +1,24 @@
 """The `pyserve` command: `pyserve serve [flags]` (also `python -m pyserve serve`) and
-`pyserve bench {serve,offline,one-batch} [flags]` (see pyserve.bench.cli)."""
+`pyserve bench {serve,offline,one-batch} [flags]` (see pyserve.bench.cli).
+
+Every mistake in the flags ends with one line on stderr and exit status 2: an unknown flag
+with the closest known one, a bad value with the flag it belongs to."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from pyserve import __version__
-from pyserve.config import ServerArgs, ServerArgsError
+from pyserve.cli_parser import OneLineArgumentParser, subparser, unrecognized_message
+from pyserve.config import ServerArgs, ServerArgsError, setup_logging
+
+logger = logging.getLogger("pyserve")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pyserve", description="pyserve: an LLM inference server")
+    parser = OneLineArgumentParser(prog="pyserve", description="pyserve: an LLM inference server")
     parser.add_argument("--version", action="version", version=f"pyserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model over HTTP (native and OpenAI APIs)")
@@ -25,14 +32,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
-    """The parser of `command` (argparse keeps subparsers in its subcommand action)."""
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return action.choices[command]
-    return parser
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "bench":
@@ -41,14 +40,17 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(argv[1:], prog="pyserve bench")
     parser = build_parser()
     ns, unknown = parser.parse_known_args(argv)
-    if unknown:  # reported with the usage of the command they were given to
-        sub = _subparser(parser, ns.command)
-        sub.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if unknown:  # reported by the command they were given to
+        sub = subparser(parser, ns.command)
+        sub.error(unrecognized_message(sub, unknown, "a model is given as --model-path {arg}"))
     if ns.command == "serve":
         try:
             args = ServerArgs.from_cli_args(ns)
         except ServerArgsError as exc:
-            _subparser(parser, "serve").error(str(exc))
+            subparser(parser, "serve").error(str(exc))
+        if args.trust_remote_code:
+            setup_logging(args.log_level)
+            logger.info("--trust-remote-code changes nothing: pyserve runs no code from model checkpoints")
         if args.node_rank > 0:  # a further machine of a tensor-parallel group: ranks only
             from pyserve.distributed.launch import serve_node
 
@@ -60,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         except StartupError as exc:  # a bad --model-path or a busy port: before anything loads
             print(f"pyserve: error: {exc}", file=sys.stderr)
             return 2
+        except KeyboardInterrupt:  # Ctrl-C before the server took the signals (imports, a download)
+            print("pyserve: interrupt, exiting now", file=sys.stderr)
+            return 130
     return 0
 
 

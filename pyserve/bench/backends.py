@@ -3,7 +3,8 @@
 Backends: `pyserve` (native POST /generate, SGLang's shape), `openai` (POST /v1/completions),
 `openai-chat` (POST /v1/chat/completions) and `openai-embeddings` (POST /v1/embeddings: the
 prompt as `input`, one whole response, no output tokens; its figures are requests/s, input
-tokens/s and the end-to-end latency). Every generation request streams (SSE) unless
+tokens/s and the end-to-end latency); SGLang bench_serving's names map onto them
+(`SGLANG_BACKENDS`: sglang -> pyserve, vllm -> openai, ...). Every generation request streams (SSE) unless
 `--disable-stream` asks for whole responses, asks for greedy sampling (temperature 0) and,
 unless told otherwise, `ignore_eos` so outputs have the requested length; streamed OpenAI
 requests ask for `stream_options.include_usage`.
@@ -26,6 +27,30 @@ import aiohttp
 import orjson
 
 BACKENDS = ("pyserve", "openai", "openai-chat", "openai-embeddings")
+# SGLang bench_serving's --backend names (its ASYNC_REQUEST_FUNCS, 0.5.2) -> the API each
+# speaks; its trt, gserver and truss clients speak APIs pyserve's bench does not
+SGLANG_BACKENDS = {
+    "sglang": "pyserve",
+    "sglang-native": "pyserve",
+    "sglang-oai": "openai",
+    "sglang-oai-chat": "openai-chat",
+    "vllm": "openai",
+    "vllm-chat": "openai-chat",
+    "lmdeploy": "openai",
+    "lmdeploy-chat": "openai-chat",
+}
+
+
+def resolve_backend(name: str) -> str:
+    """The backend of BACKENDS that `name` (one of them or of SGLANG_BACKENDS) speaks.
+    Raises ValueError for any other name."""
+    if name in BACKENDS:
+        return name
+    if name in SGLANG_BACKENDS:
+        return SGLANG_BACKENDS[name]
+    raise ValueError(f"unknown backend {name!r}; choose one of {', '.join((*BACKENDS, *SGLANG_BACKENDS))}")
+
+
 # how long a stream's end (after its [DONE] event) is waited for before its connection is let go
 DRAIN_TIMEOUT_S = 5.0
 

@@ -6,6 +6,11 @@
   [max(1, int(len * range_ratio)), len]; range_ratio 1.0 gives exactly len, 0.0 gives 1..len.
   The decoded text is re-encoded and prompt_len is the re-encoded length (decode/encode is not
   always an identity, and the text is what is sent).
+* random-ids (SGLang bench_serving's name): as random, but the drawn ids are decoded once and
+  prompt_len is the number drawn, without the re-encoding rounds (faster to build; the
+  server may count the text a few tokens differently, and its usage says so). SGLang's
+  takes consecutive ids from a random offset over the whole vocabulary; these are drawn
+  from the regular tokens, as random's are, so no special token lands in a prompt.
 * sharegpt: a local JSON file in the ShareGPT layout ([{"conversations": [{"from", "value"},
   ...]}, ...]); the first turn is the prompt, the second turn's token count the output length
   (or --sharegpt-output-len). Pairs with a prompt or reply under 2 tokens, or longer than
@@ -94,6 +99,22 @@ def sample_random(
     for n_in, n_out in zip(in_lens, out_lens):
         text = _random_text(tokenizer, rng, vocab, n_in)
         rows.append(DatasetRow(text, _count(tokenizer, text), n_out))
+    return rows
+
+
+def sample_random_ids(
+    tokenizer: PreTrainedTokenizerBase, num_prompts: int, input_len: int, output_len: int, range_ratio: float, seed: int
+) -> list[DatasetRow]:
+    """random-ids: rows whose prompt is `prompt_len` random regular token ids decoded once;
+    lengths as sample_random draws them (the same seed draws the same lengths)."""
+    rng = random.Random(seed)
+    vocab = _regular_token_ids(tokenizer)
+    in_lens = lens_in_range(rng, input_len, range_ratio, num_prompts)
+    out_lens = lens_in_range(rng, output_len, range_ratio, num_prompts)
+    rows = []
+    for n_in, n_out in zip(in_lens, out_lens):
+        ids = [rng.choice(vocab) for _ in range(n_in)]
+        rows.append(DatasetRow(cast(str, tokenizer.decode(ids, skip_special_tokens=True)), n_in, n_out))
     return rows
 
 
@@ -191,8 +212,9 @@ def build_dataset(args: Any, tokenizer: PreTrainedTokenizerBase) -> list[Dataset
     name = args.dataset_name
     if name in ("sharegpt", "jsonl") and not args.dataset_path:
         raise DatasetError(f"--dataset-name {name} needs --dataset-path FILE")
-    if name == "random":
-        return sample_random(
+    if name in ("random", "random-ids"):
+        sample = sample_random if name == "random" else sample_random_ids
+        return sample(
             tokenizer,
             args.num_prompts,
             args.random_input_len,

@@ -17,7 +17,7 @@ from typing import Any
 
 import aiohttp
 
-from pyserve.bench.backends import RawResult, RequestSpec, send_request
+from pyserve.bench.backends import RawResult, RequestSpec, resolve_backend, send_request
 from pyserve.bench.datasets import DatasetRow, build_dataset
 from pyserve.bench.load import arrival_offsets_s, resolve_count_source, to_record
 from pyserve.bench.metrics import compute_metrics
@@ -162,13 +162,18 @@ async def run_requests(
     return results, start_s, warmup
 
 
-def run_serve(args: Any) -> dict[str, Any]:
-    """Run `pyserve bench serve` for parsed flags; print the table; return the result dict
-    (the JSONL line). Raises BenchError."""
+def run_serve(args: Any, note: str | None = None) -> dict[str, Any]:
+    """Run `pyserve bench serve` for parsed flags; print `note` (the workload's defaults in
+    use) once the server answers, then the table; return the result dict (the JSONL line).
+    Raises BenchError. An SGLang --backend name (sglang, vllm, ...) is
+    replaced in `args` by the backend it speaks (pyserve, openai, openai-chat)."""
+    args.backend = resolve_backend(args.backend)
     base_url = base_url_of(args)
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     models, info = run_async(probe_server(base_url, headers))
+    if note:
+        print(note, flush=True)
     model = pick_model(args, models)
     tokenizer_path = pick_tokenizer_path(args, models, info)
     tokenizer = load_tokenizer(tokenizer_path)

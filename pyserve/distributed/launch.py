@@ -207,10 +207,19 @@ def start_first_rank(
 def serve_node(args: ServerArgs) -> int:
     """`pyserve serve --node-rank r` for r > 0: run this node's ranks until they end (rank 0
     stops them, or dies). Returns 0 when every rank ended with status 0, else 1. SIGTERM /
-    SIGINT end the ranks (node 0 then fails its requests and stops)."""
+    SIGINT end the ranks (node 0 then fails its requests and stops). A Hub id as --model-path
+    is fetched into this machine's Hugging Face cache first; when it cannot be, one line on
+    stderr and 2 are returned, as `pyserve serve` does on node 0."""
     from pyserve.config import setup_logging
+    from pyserve.model_loader.default_model import ModelNotFoundError
+    from pyserve.model_loader.hub import resolve_hub_paths
 
     setup_logging(args.log_level)
+    try:
+        args = resolve_hub_paths(args)
+    except ModelNotFoundError as exc:
+        print(f"pyserve: error: {exc}", file=sys.stderr)
+        return 2
     host, port = split_addr(args.dist_init_addr)
     procs = RankProcesses(args, node_ranks(args), host, port, on_death=lambda rank, message: logger.error(message))
 

@@ -3,7 +3,10 @@
 The Engine runs an EngineCore on its own thread with its own uvloop event loop, so it works
 from plain synchronous code and from any asyncio loop. Outputs are dicts in the same shape
 as /generate: {"text", "output_ids", "meta_info": {...}}; streamed chunks carry the text so
-far (cumulative), like /generate's stream.
+far (cumulative), like /generate's stream. `chat` renders messages as /v1/chat/completions
+does (the server's own code: chat template, tools, reasoning and tool-call parsers). A bad
+request raises the error the HTTP API answers with (InvalidRequestError: the same message
+and param).
 """
 
 from __future__ import annotations
@@ -16,10 +19,32 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+from pydantic import ValidationError
+
 from pyserve.config import ServerArgs, setup_logging
 from pyserve.engine.engine_core import EngineCore
 from pyserve.errors import InvalidRequestError
-from pyserve.io_struct import GenerateReqInput
+from pyserve.io_struct import GenerateOutput, GenerateReqInput, SingleReq
+from pyserve.sampling_params import GRAMMAR_KINDS, SamplingParams
+from pyserve.server.errors import request_error
+from pyserve.server.openai.chat_reply import ReplyPlan, parse_reply
+from pyserve.server.openai.protocol import ChatCompletionRequest
+from pyserve.server.openai.serving import chat_request
+
+# what Engine.chat takes besides messages, sampling_params and tools: the fields of
+# /v1/chat/completions that are not sampling parameters
+CHAT_OPTIONS = frozenset(
+    {
+        "tool_choice",
+        "parallel_tool_calls",
+        "chat_template_kwargs",
+        "add_generation_prompt",
+        "continue_final_message",
+        "separate_reasoning",
+        "thinking_budget",
+        "rid",
+    }
+)
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -37,8 +62,11 @@ class Engine:
     `Engine(model_path=..., **server_args)` takes ServerArgs fields as keyword arguments (its
     signature lists them) and blocks until the model is loaded. Its start-up lines (the
     model, the KV pool) are logged as `pyserve serve` logs them, through a stderr handler
-    unless the program configured logging itself. Raises ServerArgsError for bad arguments
-    and whatever loading raises. Thread-safe: calls may come from any thread or loop.
+    unless the program configured logging itself. `model_path` / `tokenizer_path` may be
+    Hugging Face Hub ids (with `revision`), downloaded unless cached. Raises ServerArgsError
+    for bad arguments, ModelNotFoundError (a ValueError, one line) for a model path or Hub id
+    it cannot find or fetch, and whatever loading raises. Thread-safe: calls may come from
+    any thread or loop.
     """
 
     def __init__(self, server_args: ServerArgs | None = None, **kwargs: Any) -> None:
@@ -61,9 +89,12 @@ class Engine:
     def _request(
         prompt: str | list[str] | None, sampling_params: Any, input_ids: Any, stream: bool, options: dict[str, Any]
     ) -> GenerateReqInput:
-        return GenerateReqInput(
-            text=prompt, input_ids=input_ids, sampling_params=sampling_params, stream=stream, **options
-        )
+        try:
+            return GenerateReqInput(
+                text=prompt, input_ids=input_ids, sampling_params=sampling_params, stream=stream, **options
+            )
+        except ValidationError as exc:  # (pydantic's text names pyserve's classes: the API's does not)
+            raise request_error(exc) from None
 
     def generate(
         self,
@@ -76,8 +107,9 @@ class Engine:
         """Generate from one prompt (dict), a list (list of dicts) or, with stream=True, one
         prompt as an iterator of chunk dicts. `options`: other /generate fields
         (return_logprob, logprob_start_len, top_logprobs_num, token_ids_logprob,
-        return_text_in_logprobs, rid). Raises pydantic.ValidationError for malformed
-        parameters and InvalidRequestError for requests the model cannot serve."""
+        return_text_in_logprobs, rid). Raises InvalidRequestError for malformed parameters
+        (the message /generate answers with, e.g. "Unrecognized request argument supplied:
+        sampling_params.temperatur") and for requests the model cannot serve."""
         obj = self._request(prompt, sampling_params, input_ids, stream, options)
         if stream:
             return self._stream_sync(obj)
@@ -130,6 +162,51 @@ class Engine:
                 yield out.to_native()
         finally:
             await on_engine(agen.aclose())
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]],
+        sampling_params: dict[str, Any] | SamplingParams | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        **options: Any,
+    ) -> Any:
+        """The assistant's reply to chat `messages` (OpenAI's message objects), generated as
+        /v1/chat/completions generates it: the same chat template, tools (OpenAI's function
+        objects; with tool_choice auto the server's --tool-call-parser finds the calls) and
+        reasoning split (--reasoning-parser). `sampling_params`: /generate's names
+        (max_new_tokens, temperature, stop, json_schema, ...). `options`: the chat fields
+        that are not sampling parameters (CHAT_OPTIONS: tool_choice, parallel_tool_calls,
+        chat_template_kwargs, add_generation_prompt, continue_final_message,
+        separate_reasoning, thinking_budget, rid).
+
+        Returns generate's dict ({"text", "output_ids", "meta_info"}; a list of them for n > 1)
+        with "message": the assistant message the API's choice carries ({"role":
+        "assistant", "content"}, plus "reasoning_content" when the reasoning is split and
+        "tool_calls" when calls were parsed). Not streamed. Raises InvalidRequestError (the
+        API's message and param) for malformed messages, parameters or options and for
+        requests the model cannot serve. Any thread."""
+        return self._call(self._chat(messages, sampling_params, tools, options))
+
+    async def async_chat(
+        self,
+        messages: list[dict[str, Any]],
+        sampling_params: dict[str, Any] | SamplingParams | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        **options: Any,
+    ) -> Any:
+        """Like chat, awaitable from any event loop."""
+        fut = asyncio.run_coroutine_threadsafe(self._chat(messages, sampling_params, tools, options), self._loop)
+        return await asyncio.wrap_future(fut)
+
+    async def _chat(
+        self, messages: Any, sampling_params: Any, tools: Any, options: dict[str, Any]
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        # on the engine's loop (the chat template renders there, as in the server)
+        sp = _sampling_params(sampling_params)
+        req, plan = await _chat_req(self.core, messages, sp, tools, options)
+        outs = await self.core.generate_all([req])
+        dicts = [_chat_output(out, plan) for out in outs]
+        return dicts[0] if len(dicts) == 1 else dicts
 
     def encode(
         self, prompt: str | list[str] | None = None, input_ids: list[int] | list[list[int]] | None = None
@@ -198,6 +275,58 @@ class Engine:
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
+
+
+def _sampling_params(given: Any) -> SamplingParams:
+    """`given` (a dict of /generate's names, a SamplingParams or None) as SamplingParams;
+    InvalidRequestError as /generate words it."""
+    if isinstance(given, SamplingParams):
+        return given
+    try:
+        return SamplingParams.model_validate(given or {})
+    except ValidationError as exc:
+        raise request_error(exc, ("sampling_params",)) from None
+
+
+async def _chat_req(
+    core: EngineCore, messages: Any, sp: SamplingParams, tools: Any, options: dict[str, Any]
+) -> tuple[SingleReq, ReplyPlan | None]:
+    """The request /v1/chat/completions would run for these messages, tools and options, with
+    `sp` as its sampling parameters, and the plan of its reply's parsers. The route's body is
+    given what of `sp` the route reads itself: the output limit (a grammar's thinking budget
+    follows it), a grammar (it meets the tools' in one check) and skip_special_tokens (a
+    tool-call format may need the special tokens)."""
+    unknown = sorted(set(options) - CHAT_OPTIONS)
+    if unknown:
+        raise InvalidRequestError(
+            f"Unrecognized argument: {unknown[0]} (sampling parameters go in sampling_params; the chat options "
+            f"are {', '.join(sorted(CHAT_OPTIONS))})",
+            param=unknown[0],
+        )
+    fields: dict[str, Any] = {"messages": messages, **options, "max_tokens": sp.max_new_tokens}
+    if tools is not None:
+        fields["tools"] = tools
+    for kind in GRAMMAR_KINDS:
+        if getattr(sp, kind) is not None:
+            fields[kind] = getattr(sp, kind)
+    if "skip_special_tokens" in sp.model_fields_set:
+        fields["skip_special_tokens"] = sp.skip_special_tokens
+    try:
+        body = ChatCompletionRequest.model_validate(fields)
+    except ValidationError as exc:
+        raise request_error(exc) from None
+    body.check_supported()
+    req, _prompt, plan, _constraint = await chat_request(core, body)
+    route_sp = req.sampling_params
+    update = {kind: getattr(route_sp, kind) for kind in GRAMMAR_KINDS}
+    update["skip_special_tokens"] = route_sp.skip_special_tokens
+    return dataclasses.replace(req, sampling_params=sp.model_copy(update=update)), plan
+
+
+def _chat_output(out: GenerateOutput, plan: ReplyPlan | None) -> dict[str, Any]:
+    """generate's dict of a chat reply, with the assistant message the API's choice carries."""
+    message = {"role": "assistant", "content": out.text} if plan is None else parse_reply(plan, out.text)[0]
+    return {**out.to_native(), "message": message}
 
 
 def _encode_inputs(prompt: Any, input_ids: Any) -> tuple[list[str | list[int]], bool]:

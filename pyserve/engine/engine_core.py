@@ -33,6 +33,7 @@ from pyserve.io_struct import GenerateOutput, SingleReq, TokenizedGenerateReq, n
 from pyserve.mem_cache.kv_cache import KVCache
 from pyserve.metrics import RequestMetrics
 from pyserve.model_executor.runner_protocol import Runner
+from pyserve.model_loader.chat_template import BUILTIN_TEMPLATES
 from pyserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -193,9 +194,13 @@ class EngineCore:
     def _load(self) -> None:
         from pyserve.model_executor.model_runner import ModelRunner
         from pyserve.model_loader.default_model import default_model_path
+        from pyserve.model_loader.hub import resolve_hub_paths
         from pyserve.model_loader.model_path import check_model_path
-        from pyserve.model_loader.tokenizer import get_tokenizer
+        from pyserve.model_loader.tokenizer import get_tokenizer, set_chat_template
 
+        # Hub ids become local snapshots here for the Python Engine (the server resolved them
+        # before it bound its port); the tensor-parallel ranks get these local paths
+        self.server_args = resolve_hub_paths(self.server_args)
         args = self.server_args
         if args.random_seed is not None:
             torch.manual_seed(args.random_seed)
@@ -206,9 +211,7 @@ class EngineCore:
         self.model_path = os.path.abspath(self.model_path_arg)
         logger.info("loading tokenizer from %s", args.tokenizer_path or self.model_path)
         self.tokenizer = get_tokenizer(self.model_path, args.tokenizer_path)
-        if args.chat_template:
-            with open(args.chat_template, encoding="utf-8") as f:
-                self.tokenizer.chat_template = f.read()
+        set_chat_template(self.tokenizer, args.chat_template)
         if self._given_runner is not None:
             self.model_runner = self._given_runner
             self._describe_model()
@@ -227,7 +230,7 @@ class EngineCore:
         args = self.server_args
         mc = self.model_runner.model_config
         self.context_len = mc.context_len
-        self.model_name = args.served_model_name or _default_name(self.model_path)
+        self.model_name = (args.served_model_name or [_default_name(self.model_path)])[0]
         logger.info(
             "model %s (%s) loaded: dtype=%s device=%s context_length=%d",
             self.model_name,
@@ -491,10 +494,11 @@ class EngineCore:
 
     def resolve_model(self, requested: str | None) -> str:
         """The served model's name for a request's `model` field, which may be left out or
-        name the served model (its served name, "default" as SGLang clients send, or its
-        path). Raises InvalidRequestError (404, code "model_not_found") for any other model,
+        name the served model (any of its served names, "default" as SGLang clients send, or
+        its path). Raises InvalidRequestError (404, code "model_not_found") for any other model,
         as the OpenAI API and vLLM do."""
-        if requested is None or requested in (self.model_name, "default", self.model_path, self.model_path_arg):
+        names = (self.model_name, *(self.server_args.served_model_name or ()), "default", self.model_path)
+        if requested is None or requested in (*names, self.model_path_arg):
             return self.model_name
         raise InvalidRequestError(
             f"The model `{requested}` does not exist; this server serves `{self.model_name}`.",
@@ -557,7 +561,9 @@ class EngineCore:
         the messages."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError(
-                "this model has no chat template; start the server with --chat-template FILE", param="messages"
+                "this model has no chat template; start the server with --chat-template FILE (or a built-in "
+                f"template: {', '.join(BUILTIN_TEMPLATES)})",
+                param="messages",
             )
         loop = asyncio.get_running_loop()
         try:

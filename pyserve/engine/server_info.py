@@ -32,14 +32,18 @@ def model_info(core: EngineCore) -> dict[str, Any]:
 def server_info(core: EngineCore) -> dict[str, Any]:
     """SGLang's /get_server_info shape: the server args, the scheduler's figures
     (max_total_num_tokens, max_req_input_len), `internal_states` (one entry per data-parallel
-    rank: here one) and version, plus pyserve's live KV figures."""
+    rank: here one) and version, plus pyserve's live KV figures and `cache_hit_rate` (the
+    /metrics gauge: cached over prompt tokens of the ended requests; None with
+    --disable-metrics)."""
     kv = core.kv_cache
     sched = core.scheduler
+    metrics = sched.state.metrics
     info: dict[str, Any] = dict(vars(core.server_args))
     info.pop("api_key")  # a secret: never reported
     info.update(
         {
             "model_path": core.model_path,
+            "served_model_name": core.model_name,  # SGLang's one name (ServerArgs holds vLLM's list)
             "context_length": core.context_len,
             "max_total_tokens": kv.max_total_tokens,
             "max_total_num_tokens": kv.max_total_tokens,
@@ -62,6 +66,9 @@ def server_info(core: EngineCore) -> dict[str, Any]:
             "num_grammar_rows_live": core.worker.num_live_grammar_rows,
             "num_grammar_queue_reqs": len(sched.grammar_queue),
             "num_generated_tokens": sched.num_generated_tokens,
+            "cache_hit_rate": None
+            if metrics is None
+            else (metrics.cached_tokens / metrics.prompt_tokens if metrics.prompt_tokens else 0.0),
         }
     )
     return info

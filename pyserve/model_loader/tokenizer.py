@@ -1,14 +1,24 @@
 """Load the tokenizer of a model: an HF folder's tokenizer files, or the tokenizer embedded in
-a GGUF file (converted by transformers, chat template included)."""
+a GGUF file (converted by transformers, chat template included); give it the --chat-template."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import transformers
 
+from pyserve.model_loader.chat_template import (
+    WARNING_HEADER,
+    ignores_tools,
+    load_chat_template,
+    sample_problem,
+    tools_template,
+)
 from pyserve.model_loader.config import is_gguf_path
 from pyserve.model_loader.default_model import ModelNotFoundError
+
+logger = logging.getLogger(__name__)
 
 
 def get_tokenizer(model_path: str, tokenizer_path: str | None = None) -> transformers.PreTrainedTokenizerBase:
@@ -26,3 +36,29 @@ def get_tokenizer(model_path: str, tokenizer_path: str | None = None) -> transfo
         folder, name = os.path.split(os.path.abspath(path))
         return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
     return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def set_chat_template(tokenizer: transformers.PreTrainedTokenizerBase, chat_template: str | None) -> None:
+    """Give `tokenizer` the template of `--chat-template` (a file or a built-in name; None keeps
+    the model's), then log a warning for a chat template that will not serve well: one that
+    fails on a sample conversation (the model's own: --chat-template was checked before) and
+    one that ignores `tools` (requests with tools then carry an x-pyserve-warning header).
+    Mutates `tokenizer.chat_template`. Raises ChatTemplateError for a bad --chat-template.
+    Loading thread."""
+    if chat_template is not None:
+        tokenizer.chat_template = load_chat_template(chat_template)
+    if not getattr(tokenizer, "chat_template", None):
+        return  # (an embedding model's usually: chat requests get a 400 saying what to do)
+    source = f"--chat-template {chat_template}" if chat_template is not None else "the model's chat template"
+    template = tools_template(tokenizer)
+    specials = {k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)}
+    problem = sample_problem(template, specials) if template is not None else None
+    if problem is not None:
+        logger.warning("%s fails: %s; chat requests may fail", source, problem)
+    elif template is not None and ignores_tools(template):
+        logger.warning(
+            "%s ignores tools: the prompt of a request with tools does not show them (its response carries "
+            "an %s header); give a --chat-template that renders tools to use them",
+            source,
+            WARNING_HEADER,
+        )

@@ -12,11 +12,13 @@ from collections.abc import AsyncIterator, Callable
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp
 
 from pyserve.config import ServerArgs, setup_logging
 from pyserve.engine.engine_core import EngineCore
 from pyserve.model_executor.runner_protocol import Runner
-from pyserve.server import metrics, native, openapi, parse_routes, tokenize
+from pyserve.server import metrics, native, openapi, parse_routes, playground, tokenize
+from pyserve.server.access_log import AccessLogMiddleware
 from pyserve.server.auth import ApiKeyMiddleware
 from pyserve.server.drain import drain
 from pyserve.server.errors import EXCEPTION_HANDLERS
@@ -33,6 +35,7 @@ def create_app(
     load_in_background: bool = False,
     on_load_error: Callable[[BaseException], None] | None = None,
     on_failure: Callable[[str], None] | None = None,
+    on_ready: Callable[[EngineCore], None] | None = None,
 ) -> Starlette:
     """The pyserve ASGI app. The model loads when the app's lifespan starts (ASGI lifespan
     protocol), on the server's event loop, and the engine stops when the lifespan ends.
@@ -45,15 +48,22 @@ def create_app(
     needs the model 503 (ModelLoadingError); a failed load is logged and passed to
     `on_load_error` (`pyserve serve` then exits 1). False (the default, for embedding): the
     start returns once the model is loaded, and a failed load fails the start.
+    `on_ready(engine)` is called on the loop once the model serves (`pyserve serve` logs its
+    ready line); `app.state.loading` is True while the model loads.
 
     When serving fails for good (a tensor-parallel rank died: EngineCore.on_failure) the
     routes answer 503, `/health` 503 {"status": "failed", "message": ...}, and
     `on_failure(message)` is called (`pyserve serve` then stops and exits 1).
 
-    With `server_args.api_key` (or PYSERVE_API_KEY) every route but /health*, /metrics and
-    OPTIONS answers 401 without `Authorization: Bearer <key>` (pyserve.server.auth). A body
-    over `max_request_body_bytes` gets 413 (server/errors.parse_json); `allowed_origins` turns on
-    CORS; `enable_metrics` serves /metrics (server/metrics.py)."""
+    With `server_args.api_key` (or PYSERVE_API_KEY) every route but /health*, /metrics, the
+    browser pages (pyserve.server.playground) and OPTIONS answers 401 without
+    `Authorization: Bearer <key>` (pyserve.server.auth). A body over `max_request_body_bytes`
+    gets 413 (server/errors.parse_json); `allowed_origins` turns on CORS; `enable_metrics`
+    serves /metrics (server/metrics.py).
+
+    Every HTTP request gets one access-log line at its end (server/access_log.py) unless
+    `disable_log_requests`; an exception behind a 500 that went out whole is not raised on to
+    the ASGI server (its traceback was logged once, by errors.handle_internal_error)."""
     args = server_args or ServerArgs()
 
     @contextlib.asynccontextmanager
@@ -78,7 +88,11 @@ def create_app(
                 if on_load_error is not None:
                     on_load_error(exc)
                 return
+            finally:
+                app.state.loading = False
             app.state.engine = engine
+            if on_ready is not None:
+                on_ready(engine)
 
             def failed(message: str) -> None:
                 app.state.draining = True
@@ -88,6 +102,7 @@ def create_app(
 
             engine.on_failure(failed)
 
+        app.state.loading = True
         loading = asyncio.ensure_future(load())
         if not load_in_background:
             await loading
@@ -104,21 +119,33 @@ def create_app(
             if app.state.engine is not None:
                 await engine.shutdown()
 
-    app = Starlette(
+    app = PyserveApp(
         routes=native.ROUTES
         + parse_routes.ROUTES
         + serving.ROUTES
         + embeddings.ROUTES
         + responses.ROUTES
         + tokenize.ROUTES
-        + openapi.ROUTES,
+        + openapi.ROUTES
+        + playground.ROUTES,
         lifespan=lifespan,
         exception_handlers=EXCEPTION_HANDLERS,
         middleware=_middleware(args),
     )
+    app.log_requests = not args.disable_log_requests
     if args.enable_metrics:
         app.router.routes.extend(metrics.ROUTES)
     return app
+
+
+class PyserveApp(Starlette):
+    """Starlette with the access log (AccessLogMiddleware) outside all of its middleware,
+    Starlette's ServerErrorMiddleware included, so it sees every response's status."""
+
+    log_requests = True  # write the access lines (False: --disable-log-requests)
+
+    def build_middleware_stack(self) -> ASGIApp:
+        return AccessLogMiddleware(super().build_middleware_stack(), self.log_requests)
 
 
 def _middleware(args: ServerArgs) -> list[Middleware]:

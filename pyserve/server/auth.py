@@ -7,12 +7,14 @@ import hmac
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from pyserve.server.playground import PUBLIC_PATHS
 from pyserve.server.render import SafeJSONResponse, error_body
 
 # SGLang's exemptions: health checks (load balancers probe them without credentials), the
-# Prometheus scrape and CORS preflight requests (browsers send them without credentials)
+# Prometheus scrape and CORS preflight requests (browsers send them without credentials); and
+# the browser pages' static files (no server data in them: their API calls send the key)
 EXEMPT_PREFIXES = ("/health",)
-EXEMPT_PATHS = frozenset({"/metrics"})
+EXEMPT_PATHS = frozenset({"/metrics"}) | PUBLIC_PATHS
 
 
 class ApiKeyMiddleware:

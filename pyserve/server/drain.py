@@ -1,13 +1,20 @@
 """Graceful drain on SIGTERM / SIGINT (`pyserve serve`): new requests get 503, running ones may
 finish for `--shutdown-timeout-s`, then the rest end: a stream with finish reason abort (its
 last chunk says so, then `data: [DONE]`), a whole response with a 503 error object; the server
-exits with status 0. A second signal exits at once."""
+exits with status 0. A second signal, or a signal while the model loads, ends the process at
+once: one line on stderr, status 128 + the signal's number (130 for Ctrl-C, 143 for SIGTERM),
+as a shell reports a process a signal ended."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import signal
+import sys
 from types import FrameType
+from typing import NoReturn
 
 import uvicorn
 from starlette.applications import Starlette
@@ -26,10 +33,37 @@ async def drain(app: Starlette, timeout_s: float) -> None:
     await asyncio.sleep(0.1)  # the streams' last chunks and [DONE] go out on this loop
 
 
+def exit_now(sig: int, why: str) -> NoReturn:
+    """End the process at once with status 128 + `sig`, after the line `pyserve: {why},
+    exiting now` on stderr. Nothing else runs: no drain, no thread is waited for (a model
+    load cannot be stopped from another thread; the kernel closes the listening socket and
+    the connections; tensor-parallel ranks end with their parent). Main thread (a signal
+    handler)."""
+    with contextlib.suppress(Exception):
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        sys.stderr.flush()
+    with contextlib.suppress(OSError):
+        os.write(sys.stderr.fileno(), f"pyserve: {why}, exiting now\n".encode())
+    os._exit(128 + sig)
+
+
+def signal_text(sig: int) -> str:
+    """'interrupt' for SIGINT (Ctrl-C), else the signal's name."""
+    if sig == signal.SIGINT:
+        return "interrupt"
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn's Server whose first SIGTERM / SIGINT drains `app` (see `drain`) before the
-    usual shutdown, and whose second one exits at once. The signal is not raised again after
-    the server stops (uvicorn's default), so a drained server exits with status 0."""
+    usual shutdown, and whose second one ends the process at once (`exit_now`), as does one
+    while the model loads (`app.state.loading`: the load runs on a thread nothing can stop).
+    The signal is not raised again after the server stops (uvicorn's default), so a drained
+    server exits with status 0."""
 
     def __init__(self, config: uvicorn.Config, app: Starlette, timeout_s: float) -> None:
         super().__init__(config)
@@ -39,10 +73,11 @@ class DrainingServer(uvicorn.Server):
         self._drain_task: asyncio.Future[None] | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        # a signal handler: only flags here; the drain starts on the loop (on_tick)
+        # a signal handler: only flags here (or the exit); the drain starts on the loop (on_tick)
         if self._drain_requested:
-            self.force_exit = True
-            self.should_exit = True
+            exit_now(sig, f"second {signal_text(sig)}")
+        if getattr(self._app.state, "loading", False):
+            exit_now(sig, f"{signal_text(sig)} while the model loads")
         self._drain_requested = True
 
     async def on_tick(self, counter: int) -> bool:
@@ -51,6 +86,11 @@ class DrainingServer(uvicorn.Server):
         return await super().on_tick(counter)
 
     async def _drain(self) -> None:
+        logger.info(
+            "shutting down: running requests may finish for up to %g s (--shutdown-timeout-s); "
+            "a second Ctrl-C exits now",
+            self._timeout_s,
+        )
         try:
             await drain(self._app, self._timeout_s)
         except Exception:

@@ -13,6 +13,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
 from pyserve.errors import InvalidRequestError, ModelStepError, RequestTooLargeError
+from pyserve.server.access_log import access_record
 from pyserve.server.render import SafeJSONResponse, error_body
 
 logger = logging.getLogger(__name__)
@@ -30,15 +31,23 @@ def error_response(
     return SafeJSONResponse(error_body(message, type_, param, code), status_code=status)
 
 
-def validation_message(exc: ValidationError) -> tuple[str, str | None]:
-    """A one-line message and the dotted path of the first invalid field."""
+def validation_message(exc: ValidationError, prefix: tuple[str, ...] = ()) -> tuple[str, str | None]:
+    """A one-line message and the dotted path of the first invalid field (under `prefix`: the
+    path of the object that was validated), naming no pydantic or pyserve class."""
     err = exc.errors()[0]
-    loc = [str(p) for p in err.get("loc", ()) if not _is_branch_name(p)]
+    loc = [*prefix, *(str(p) for p in err.get("loc", ()) if not _is_branch_name(p))]
     param = ".".join(loc) or None
     if err.get("type") == "extra_forbidden":  # the OpenAI API's wording for unknown fields
         return f"Unrecognized request argument supplied: {param}", param
     msg = err.get("msg", "invalid value").removeprefix("Value error, ")
     return (f"{param}: {msg}" if param else msg), param
+
+
+def request_error(exc: ValidationError, prefix: tuple[str, ...] = ()) -> InvalidRequestError:
+    """The 400 the HTTP API answers for a request that failed validation, as the exception the
+    Python Engine raises: the same message and param (see `validation_message`)."""
+    message, param = validation_message(exc, prefix)
+    return InvalidRequestError(message, param=param)
 
 
 def _is_branch_name(part: object) -> bool:
@@ -155,8 +164,7 @@ async def handle_invalid_request(request: Request, exc: Exception) -> JSONRespon
 
 async def handle_validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ValidationError)
-    message, param = validation_message(exc)
-    return error_response(400, message, param=param)
+    return exception_response(request_error(exc))
 
 
 async def handle_http_exception(request: Request, exc: Exception) -> JSONResponse:
@@ -177,7 +185,9 @@ async def handle_client_disconnect(request: Request, exc: Exception) -> JSONResp
 
 
 async def handle_internal_error(request: Request, exc: Exception) -> JSONResponse:
-    logger.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
+    record = access_record(request.scope)
+    rid = record.rid if record is not None and record.rid is not None else "-"
+    logger.error("internal error on %s %s rid=%s", request.method, request.url.path, rid, exc_info=exc)
     return error_response(500, f"internal server error: {type(exc).__name__}: {exc}", type_="internal_server_error")
 
 

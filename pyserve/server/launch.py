@@ -5,14 +5,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
+from typing import TYPE_CHECKING
 
 import uvicorn
 
 from pyserve.config import ServerArgs, setup_logging
+from pyserve.distributed.tp_check import TPSizeError, check_tp_size
+from pyserve.model_loader.chat_template import ChatTemplateError, load_chat_template
 from pyserve.model_loader.default_model import ModelNotFoundError, default_model_path
+from pyserve.model_loader.hub import resolve_hub_paths
 from pyserve.model_loader.model_path import check_model_path
 from pyserve.server.http1 import HTTP1Protocol
+
+if TYPE_CHECKING:
+    from pyserve.engine.engine_core import EngineCore  # (imports torch: loaded after the checks)
 
 logger = logging.getLogger(__name__)
 
@@ -47,14 +55,27 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def launch_server(server_args: ServerArgs) -> int:
     """Serve until SIGTERM / SIGINT, then drain (pyserve.server.drain); blocks the calling
-    thread. The port answers while the model loads (`/health` 503 until then). Returns the
-    exit status: 0, or 1 when the model failed to load (logged with its traceback) or
-    serving failed (a tensor-parallel rank died: one line in the log). Raises
-    StartupError, before torch or the model loads, for a bad --model-path or a port taken."""
+    thread. The port answers while the model loads (`/health` 503 until then); a line says
+    when the model serves (`ready_line`). Returns the exit status: 0, or 1 when the model
+    failed to load (logged with its traceback) or serving failed (a tensor-parallel rank
+    died: one line in the log). A second signal during the drain, or a signal while the model
+    loads, ends the process at once with status 128 + the signal's number (130 for Ctrl-C,
+    143 for SIGTERM) after one line on stderr (DrainingServer). Raises
+    StartupError, before torch or the model loads, for a bad --model-path, --chat-template
+    or --tp-size (one the model cannot be split by), or a port taken.
+    A Hugging Face Hub id as --model-path / --tokenizer-path is downloaded first, unless
+    cached (`resolve_hub_paths`), and the server loads the local snapshot."""
     setup_logging(server_args.log_level)
+    if server_args.chat_template is not None:  # first: a mistyped name need not wait for a download
+        try:
+            load_chat_template(server_args.chat_template)  # (read again when the tokenizer loads)
+        except ChatTemplateError as exc:
+            raise StartupError(str(exc)) from None
     try:
+        server_args = resolve_hub_paths(server_args)
         check_model_path(server_args.model_path or default_model_path())
-    except ModelNotFoundError as exc:
+        check_tp_size(server_args.model_path or default_model_path(), server_args.tp_size)
+    except (ModelNotFoundError, TPSizeError) as exc:
         raise StartupError(str(exc)) from None
     sock = bind_socket(server_args.host, server_args.port)
     from pyserve.server.app import create_app  # torch and the engine: after the checks
@@ -72,18 +93,64 @@ def launch_server(server_args: ServerArgs) -> int:
         # probe or router sees why the server goes away
         asyncio.get_running_loop().call_later(FAILED_LINGER_S, setattr, server, "should_exit", True)
 
-    app = create_app(server_args, load_in_background=True, on_load_error=load_failed, on_failure=serving_failed)
-    logger.info("starting pyserve on http://%s:%d", server_args.host, server_args.port)
+    url = server_url(server_args.host, server_args.port)
+
+    def ready(engine: EngineCore) -> None:  # on the loop, once the model serves
+        logger.info("%s", ready_line(engine, url))
+
+    app = create_app(
+        server_args, load_in_background=True, on_load_error=load_failed, on_failure=serving_failed, on_ready=ready
+    )
+    logger.info("starting pyserve on %s (loading the model; /health answers 503 until it is ready)", url)
     config = uvicorn.Config(
         app,
         host=server_args.host,
         port=server_args.port,
         loop="uvloop",
         http=HTTP1Protocol,
-        log_level=server_args.log_level,
-        access_log=server_args.log_level == "debug",
+        # uvicorn's lines in pyserve's format, and only its warnings unless --log-level debug:
+        # its "Application startup complete" comes before the model loads (the ready line
+        # says when it serves)
+        log_config=None,
+        log_level=uvicorn_log_level(server_args.log_level),
+        access_log=False,  # pyserve writes its own (server/access_log.py)
         timeout_graceful_shutdown=5,
     )
     server = DrainingServer(config, app, server_args.shutdown_timeout_s)
     server.run(sockets=[sock])
-    return 1 if failed else 0
+    if failed:
+        return 1
+    logger.info("pyserve stopped")
+    return 0
+
+
+def server_url(host: str, port: int) -> str:
+    """The base URL of a server listening on (host, port)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def uvicorn_log_level(level: str) -> str:
+    """uvicorn's own log level under pyserve's `--log-level`: at least warning, unless debug."""
+    level = level.lower()
+    if level == "debug" or logging.getLevelName(level.upper()) >= logging.WARNING:
+        return level
+    return "warning"
+
+
+def ready_line(engine: EngineCore, url: str) -> str:
+    """The line saying the server serves: where, which model (its file or folder name, and
+    the name the API serves it under when --served-model-name sets one), on which device and
+    dtype, and the KV cache's size in tokens and bytes. Loop thread (reads the engine)."""
+    runner = engine.model_runner
+    model = os.path.basename(engine.model_path.rstrip("/"))
+    if engine.server_args.served_model_name:
+        model += f" (served as {engine.model_name})"
+    dtype = str(runner.dtype).removeprefix("torch.")
+    return (
+        f"pyserve ready on {url}: {model} on {runner.device} ({dtype}), "
+        f"KV cache {engine.kv_cache.max_total_tokens:,} tokens ({_bytes_text(runner.kv_cache_bytes)})"
+    )
+
+
+def _bytes_text(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.1f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"

@@ -98,7 +98,7 @@ def build_document(routes: list[BaseRoute]) -> dict[str, Any]:
     model_refs: dict[Any, dict[str, Any]] = {model: ref for (model, _), ref in refs.items()}
     paths: dict[str, dict[str, Any]] = {}
     for route in routes:
-        if not isinstance(route, Route):
+        if not isinstance(route, Route) or not route.include_in_schema:  # (the browser pages)
             continue
         item = paths.setdefault(route.path_format, {})
         for method in sorted((route.methods or set()) - {"HEAD"}):

@@ -45,11 +45,13 @@ THREAD_NAME = "pyserve-stream-writer"
 
 # uvicorn's HTTP/1.1 protocol whose request cycles this writer can write past
 UVICORN_CYCLE_MODULE = "uvicorn.protocols.http.httptools_impl"
-# Starlette's wrappers of `send` between an app and its route's response: each only watches for
-# the response start and passes every message on as it is (errors.ServerErrorMiddleware's
-# `_send`, _exception_handler.wrap_app_handling_exceptions's `sender`); they hold the `send`
-# they wrap in a closure variable named `send`
-PASS_THROUGH_SEND_MODULES = frozenset({"starlette.middleware.errors", "starlette._exception_handler"})
+# The wrappers of `send` between an app and its route's response: each only watches the
+# messages and passes every one on as it is (errors.ServerErrorMiddleware's `_send`,
+# _exception_handler.wrap_app_handling_exceptions's `sender`, pyserve's access log's
+# `access_send`); they hold the `send` they wrap in a closure variable named `send`
+PASS_THROUGH_SEND_MODULES = frozenset(
+    {"starlette.middleware.errors", "starlette._exception_handler", "pyserve.server.access_log"}
+)
 
 
 def uvicorn_cycle(receive: Receive, send: Send) -> Any:

@@ -12,6 +12,7 @@ from typing import TypeVar
 from starlette.requests import ClientDisconnect, Request
 
 from pyserve.errors import InvalidRequestError, ModelStepError
+from pyserve.server.access_log import note_outputs
 from pyserve.server.render import error_body, sse_event
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,8 @@ def error_event(exc: Exception) -> bytes:
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     """Await `work` unless the client disconnects first, in which case `work` is cancelled
     (aborting its requests) and starlette's ClientDisconnect is raised (answered quietly:
-    nobody is listening)."""
+    nobody is listening). A list of final outputs it gives is counted in the request's
+    access-log line (access_log.note_outputs)."""
     task = asyncio.ensure_future(work)
 
     async def wait_disconnect() -> None:
@@ -60,7 +62,10 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     try:
         done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if task in done:
-            return task.result()
+            result = task.result()
+            if isinstance(result, list):
+                note_outputs(request.scope, result)
+            return result
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         raise ClientDisconnect()

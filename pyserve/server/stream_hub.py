@@ -28,6 +28,7 @@ from starlette.types import Receive, Scope, Send
 from pyserve.engine.tokenizer_manager import failure_of
 from pyserve.errors import InvalidRequestError, ModelStepError
 from pyserve.io_struct import GenerateOutput
+from pyserve.server.access_log import AccessRecord, access_record
 from pyserve.server.asgi_writer import AsgiWriter
 from pyserve.server.errors import error_response, exception_response
 from pyserve.server.socket_writer import SocketWriter
@@ -69,6 +70,7 @@ class Stream:
         "held",
         "done_event",
         "on_pause",
+        "record",
     )
 
     def __init__(self, encode: StreamEncoder, receive: Receive, send: Send) -> None:
@@ -89,6 +91,7 @@ class Stream:
         # what ends the stream after the encoder's last events (the encoder may say: b"" for none)
         self.done_event: bytes = getattr(encode, "done_event", DONE_EVENT)
         self.on_pause: Callable[[bool], None] | None = None  # (StreamResponse's `pause`)
+        self.record: AccessRecord | None = None  # its access-log line's counts (access_log.py)
 
     def push(self, out: GenerateOutput) -> None:
         """The output sink of a single request: the last output (finished) ends the stream."""
@@ -132,6 +135,8 @@ class Stream:
         if failure is not None:
             self.fail_request(failure)
             return
+        if out.finish_reason is not None and self.record is not None:
+            self.record.add_output(out)  # (once per finished output, never per step)
         try:
             data = self.encode(out)
             if last:
@@ -230,10 +235,13 @@ class StreamResponse:
         pause: Callable[[bool], None] | None = None,
     ) -> None:
         self.hub, self.encode, self.start, self.abort, self.pause = hub, encode, start, abort, pause
+        # the 200's headers: a route adding its own (x-pyserve-warning) replaces the shared list
+        self.headers: list[tuple[bytes, bytes]] = SSE_HEADERS
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         stream = Stream(self.encode, receive, send)
         stream.on_pause = self.pause
+        stream.record = access_record(scope)
         watcher = asyncio.ensure_future(_wait_disconnect(receive))
         finished = started = False
         try:
@@ -247,7 +255,7 @@ class StreamResponse:
                 finished = True
                 await _failure_response(failure)(scope, receive, send)
                 return
-            await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+            await send({"type": "http.response.start", "status": 200, "headers": self.headers})
             self.hub.attach(stream)
             if not stream.done.done():
                 await asyncio.wait({stream.done, watcher}, return_when=asyncio.FIRST_COMPLETED)

@@ -1,6 +1,6 @@
 """`/v1/tokenize` and `/v1/detokenize` (also `/tokenize`, `/detokenize`), in SGLang's shapes:
-the served tokenizer's ids of a prompt (or of chat messages, as the chat route renders them)
-and the text of ids."""
+the served tokenizer's ids of a prompt (or of chat messages, with `tools`, as the chat route
+renders them: `return_text` shows the rendered prompt) and the text of ids."""
 
 from __future__ import annotations
 
@@ -15,22 +15,51 @@ from starlette.routing import Route
 from pyserve.errors import InvalidRequestError
 from pyserve.server.errors import parse_json
 from pyserve.server.native import engine_of
-from pyserve.server.openai.protocol import STRICT, ChatMessage
+from pyserve.server.openai.chat_prompt import render_chat_prompt
+from pyserve.server.openai.protocol import STRICT, TEMPLATE_ARGUMENTS, ChatMessage
+from pyserve.server.openai.tools import Tool, check_tools, template_tools
 from pyserve.server.render import SafeJSONResponse
 
 
 class TokenizeRequest(BaseModel):
     """`prompt` (a string or a list of them) or chat `messages`, one of the two.
     add_special_tokens: default true for a prompt (as /v1/completions), false for messages
-    (as /v1/chat/completions: the template writes them)."""
+    (as /v1/chat/completions: the template writes them). With messages, `tools`,
+    `add_generation_prompt` and `chat_template_kwargs` go to the chat template as on the chat
+    route (`tools` as with tool_choice auto). return_text: the reply also gives the text the
+    ids are of (the rendered prompt, for messages)."""
 
     model_config = STRICT
     model: str | None = None
     prompt: str | list[str] | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    tools: list[Tool] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    return_text: bool = False
+
+    def check(self) -> None:
+        """InvalidRequestError for prompt and messages both or neither, tools without
+        messages or sharing a name, or chat_template_kwargs setting an argument of the
+        template call itself."""
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequestError("give either prompt or messages", param="prompt")
+        if self.tools is not None and self.messages is None:
+            raise InvalidRequestError("tools go with messages (a chat prompt), not with prompt", param="tools")
+        check_tools(self.tools, None)
+        clash = TEMPLATE_ARGUMENTS & set(self.chat_template_kwargs or {})
+        if clash:
+            raise InvalidRequestError(
+                f"chat_template_kwargs may not set {sorted(clash)[0]!r}", param="chat_template_kwargs"
+            )
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of `tokenizer.apply_chat_template`, as the chat route's."""
+        out = {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt}
+        if self.tools:
+            out["tools"] = template_tools(self.tools)
+        return out
 
 
 class DetokenizeRequest(BaseModel):
@@ -43,17 +72,22 @@ class DetokenizeRequest(BaseModel):
 
 
 async def tokenize(request: Request) -> Response:
-    """{"tokens": ids, "count": len(ids), "max_model_len": context length}; for a list of
-    prompts, a list of id lists and of counts."""
+    """{"tokens": ids, "count": len(ids), "max_model_len": context length} (and "text" with
+    return_text); for a list of prompts, a list of id lists, of counts (and of texts). With
+    tools on a chat template that ignores them, the x-pyserve-warning header (chat_prompt.py).
+    Raises InvalidRequestError (400s naming the field)."""
     body = TokenizeRequest.model_validate(await parse_json(request))
     engine = engine_of(request)
     engine.resolve_model(body.model)
-    if (body.prompt is None) == (body.messages is None):
-        raise InvalidRequestError("give either prompt or messages", param="prompt")
+    body.check()
     tm = engine.tokenizer_manager
+    headers: dict[str, str] = {}
+    text: str | list[str]
     if body.messages is not None:
-        kwargs = {**(body.chat_template_kwargs or {}), "add_generation_prompt": body.add_generation_prompt}
-        text = await engine.apply_chat_template([m.to_template() for m in body.messages], **kwargs)
+        prompt = await render_chat_prompt(
+            engine, [m.to_template() for m in body.messages], "a /v1/tokenize request", **body.template_kwargs()
+        )
+        text, headers = prompt.text, prompt.headers
         special = bool(body.add_special_tokens)
         ids: list[int] | list[list[int]] = (await tm.encode(text, special)).tolist()
         count: int | list[int] = len(ids)
@@ -67,11 +101,15 @@ async def tokenize(request: Request) -> Response:
                     param="prompt",
                 )
             each: list[list[int]] = [(await tm.encode(p, special)).tolist() for p in body.prompt]
-            ids, count = each, [len(i) for i in each]
+            ids, count, text = each, [len(i) for i in each], body.prompt
         else:
-            ids = (await tm.encode(body.prompt or "", special)).tolist()
+            text = body.prompt or ""
+            ids = (await tm.encode(text, special)).tolist()
             count = len(ids)
-    return SafeJSONResponse({"tokens": ids, "count": count, "max_model_len": engine.context_len})
+    reply: dict[str, Any] = {"tokens": ids, "count": count, "max_model_len": engine.context_len}
+    if body.return_text:
+        reply["text"] = text
+    return SafeJSONResponse(reply, headers=headers)
 
 
 async def detokenize(request: Request) -> Response:

@@ -157,7 +157,7 @@ def test_killed_rank_fails_cleanly(tmp_path, stories_path):
 def test_model_that_does_not_split_is_refused(tmp_path, stories_path):
     server = ServerProcess(["--model-path", str(stories_path), "--tp-size", "3"], tmp_path / "server.log")
     try:
-        assert server.proc.wait(timeout=120) == 1
+        assert server.proc.wait(timeout=120) == 2  # refused from its config.json, before any rank starts
         assert "--tp-size 3 does not divide the model's 8 attention heads" in server.log()
         assert not _children(server.proc.pid)
     finally:

@@ -1,5 +1,6 @@
-"""`--api-key`: every route but /health*, /metrics and OPTIONS answers 401 with an error object without
-the key; the right key works (streams included); the key is never reported."""
+"""`--api-key`: every route but /health*, /metrics, the browser pages and OPTIONS answers 401
+with an error object without the key; the right key works (streams included); the key is
+never reported."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from starlette.testclient import TestClient
 from pyserve.config import ServerArgs
 from pyserve.server import native, parse_routes, tokenize
 from pyserve.server.app import create_app
+from pyserve.server.auth import EXEMPT_PATHS
 from pyserve.server.openai import embeddings, serving
 from tests.conftest import CHAT_TEMPLATE, ServerProcess
 
@@ -73,7 +75,7 @@ def client(stories_path):
 @pytest.mark.parametrize(("method", "path"), route_calls())
 def test_every_protected_route_needs_the_key(client, method, path):
     body = BODIES.get(path) if method == "POST" else None
-    exempt = path.startswith("/health") or path == "/metrics"
+    exempt = path.startswith("/health") or path in EXEMPT_PATHS  # (/metrics and the browser pages)
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY.encode()}):
         r = client.request(method, path, json=body, headers=headers)
         if exempt:

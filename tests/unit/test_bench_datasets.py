@@ -128,13 +128,13 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
         (
             ["serve", "--bogus"],
             2,
-            "pyserve bench serve: error: unrecognized arguments: --bogus (see pyserve bench serve --help)",
+            "pyserve bench serve: error: unrecognized argument --bogus (see pyserve bench serve --help)",
         ),
         (
-            ["serve", "--backend", "vllm"],
+            ["serve", "--backend", "trt"],  # SGLang's TensorRT-LLM client: an API not spoken here
             2,
             "pyserve bench serve: error: argument --backend: invalid choice: "
-            "'vllm' (choose from *openai-chat*) (see pyserve bench serve --help)",
+            "'trt' (choose from *openai-chat*) (see pyserve bench serve --help)",
         ),
         (["serve", "--num-prompts", "-3"], 2, "pyserve bench serve: error: --num-prompts: got -3; must be >= 1"),
         (["nope"], 2, None),

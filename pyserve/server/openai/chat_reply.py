@@ -18,6 +18,7 @@ from typing import Any
 from pyserve.constrained.spec import ThinkBlock
 from pyserve.errors import InvalidRequestError
 from pyserve.io_struct import GenerateOutput
+from pyserve.model_loader.chat_template import ignores_tools, suggested_tool_parser
 from pyserve.parsers.reasoning_parser import THINK_END, THINK_START, ReasoningParser
 from pyserve.parsers.registry import (
     REASONING_STARTS_INSIDE,
@@ -218,12 +219,17 @@ def chat_finish_reason(out: GenerateOutput, calls_made: bool) -> str | None:
 
 
 def reply_plan(
-    body: ChatCompletionRequest, tool_call_parser: str | None, reasoning_parser: str | None
+    body: ChatCompletionRequest,
+    tool_call_parser: str | None,
+    reasoning_parser: str | None,
+    tools_template: str | None = None,
 ) -> ReplyPlan | None:
     """The parsers of `body`'s replies on a server with these --tool-call-parser and
     --reasoning-parser settings; None when the reply is plain content (no tools, no reasoning
     split). Raises InvalidRequestError (param "tools") for tools the model may call at will
-    (tool_choice auto) on a server without a tool-call parser: nothing could find the calls.
+    (tool_choice auto) on a server without a tool-call parser: nothing could find the calls;
+    the message names the parser `tools_template` (the chat template rendering requests with
+    tools) teaches the format of, or says that it ignores tools.
 
     The reasoning is split unless `separate_reasoning` is false, or the request turned the
     thinking off for a parser whose replies start inside it (deepseek-r1)."""
@@ -235,16 +241,27 @@ def reply_plan(
     tools = FORCED if mode == "forced" else None
     if mode == "auto":
         if tool_call_parser is None:
-            raise InvalidRequestError(
-                "tools with tool_choice auto need a server started with --tool-call-parser (the model's format: "
-                "qwen25, llama3, mistral, pythonic); tool_choice required or a named function works without one",
-                param="tools",
-            )
+            raise InvalidRequestError(missing_parser_message(tools_template), param="tools")
         tools = tool_call_parser
     if reasoning is None and tools is None:
         return None
     names = frozenset(t.function.name for t in body.tools) if tools is not None and body.tools else None
     return ReplyPlan(reasoning, tools, body.max_calls, body.stream_reasoning, names)
+
+
+def missing_parser_message(tools_template: str | None) -> str:
+    """The 400 of tools with tool_choice auto on a server without --tool-call-parser, naming
+    the parser the chat template's markers point to where they point to one."""
+    need = "tools with tool_choice auto need a server started with --tool-call-parser"
+    forced = "tool_choice required or a named function works without one"
+    suggested = suggested_tool_parser(tools_template)
+    if suggested is not None:
+        how = f"this model's chat template writes calls in the {suggested} format (--tool-call-parser {suggested})"
+        return f"{need}: {how}; {forced}"
+    if tools_template is not None and ignores_tools(tools_template):
+        how = "a chat template that renders tools (this model's ignores them: give --chat-template)"
+        return f"{need} and {how}; {forced}"
+    return f"{need} (the model's format: qwen25, llama3, mistral, pythonic); {forced}"
 
 
 def thinking_constraint(

@@ -45,6 +45,11 @@ async def create_response(request: Request) -> Response | StreamResponse:
     body.check_supported()
     engine = engine_of(request)
     name = engine.resolve_model(body.model)
+    if not engine.is_generation:  # (before the template: an encoder's tokenizer usually has none)
+        raise InvalidRequestError(
+            "this server serves an embedding model: it answers /v1/embeddings and /encode, not responses",
+            param="model",
+        )
     constraint = body.constraint()
     try:
         prompt = await engine.apply_chat_template(body.messages())

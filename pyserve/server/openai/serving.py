@@ -6,7 +6,9 @@ Responses follow the OpenAI API's shapes (ids, `object`, `created`, `usage` with
 (index = prompt index * n + sample), each finishing once; usage counts each prompt once.
 Structured output and tool calls: a request's grammar (structured.py, tools.py) goes to the
 engine in its SamplingParams, and the engine's refusal of it comes back as a 400 naming the
-request field it came from; chat replies go through their ReplyPlan (chat_reply.py).
+request field it came from; chat replies go through their ReplyPlan (chat_reply.py). The chat
+prompt is chat_prompt.py's: a request with tools on a chat template that ignores them gets the
+header `x-pyserve-warning`.
 """
 
 from __future__ import annotations
@@ -21,10 +23,13 @@ from starlette.routing import Route
 from pyserve.engine.engine_core import EngineCore
 from pyserve.errors import InvalidRequestError
 from pyserve.io_struct import GenerateOutput, SingleReq, new_rid
+from pyserve.model_loader.chat_template import tools_template
 from pyserve.sampling_params import SamplingParams
 from pyserve.server.errors import parse_json
 from pyserve.server.native import engine_of, stream_hub_of, stream_response
+from pyserve.server.openai.chat_prompt import ChatPrompt, render_chat_prompt
 from pyserve.server.openai.chat_reply import (
+    ReplyPlan,
     chat_finish_reason,
     grammar_think,
     keeps_special_tokens,
@@ -78,27 +83,14 @@ async def chat_completions(request: Request) -> Response | StreamResponse:
     body.check_supported()
     engine = engine_of(request)
     name = model_name(engine, body.model)
-    args = engine.server_args
-    plan = reply_plan(body, args.tool_call_parser, args.reasoning_parser)
-    constraint = thinking_constraint(body, args.reasoning_parser, body.constraint())
-    prompt = await engine.apply_chat_template([m.to_template() for m in body.messages], **body.template_kwargs())
-    req = SingleReq(
-        text=prompt,
-        input_ids=None,
-        sampling_params=body.sampling_params(body.max_new_tokens, constraint, keeps_special_tokens(plan, body)),
-        stream=body.stream,
-        add_special_tokens=body.add_special_tokens,
-        logprob=body.logprob_params(),
-        rid=body.rid or new_rid(),
-        priority=body.priority,
-        grammar_think=grammar_think(
-            body, args.reasoning_parser, constraint is not None, _max_new_tokens(body.max_new_tokens)
-        ),
-    )
+    req, prompt, plan, constraint = await chat_request(engine, body)
     rid = f"chatcmpl-{req.rid}"
     created = int(time.time())
     if body.stream:
-        return await _stream(request, req, ChatStreamEncoder(body, rid, created, name, plan), constraint)
+        streamed = await _stream(request, req, ChatStreamEncoder(body, rid, created, name, plan), constraint)
+        if prompt.headers:
+            streamed.headers = [*streamed.headers, *((k.encode(), v.encode()) for k, v in prompt.headers.items())]
+        return streamed
     outs = await _generate_all(request, [req], constraint)
     choices = []
     for i, out in enumerate(outs):
@@ -122,8 +114,44 @@ async def chat_completions(request: Request) -> Response | StreamResponse:
             "model": name,
             "choices": choices,
             "usage": usage(outs, body.n),
-        }
+        },
+        headers=prompt.headers,
     )
+
+
+async def chat_request(
+    engine: EngineCore, body: ChatCompletionRequest
+) -> tuple[SingleReq, ChatPrompt, ReplyPlan | None, Constraint | None]:
+    """What /v1/chat/completions runs for `body` (checked by `check_supported`), also the
+    Python Engine's `chat`: its request, its rendered prompt, the parsers of its reply and its
+    grammar. Raises InvalidRequestError (an embedding model, tools without a parser, a chat
+    template refusing the messages). Loop thread."""
+    if not engine.is_generation:  # (before the template: an encoder's tokenizer usually has none)
+        raise InvalidRequestError(
+            "this server serves an embedding model: it answers /v1/embeddings and /encode, not chat completions",
+            param="model",
+        )
+    args = engine.server_args
+    plan = reply_plan(body, args.tool_call_parser, args.reasoning_parser, tools_template(engine.tokenizer))
+    constraint = thinking_constraint(body, args.reasoning_parser, body.constraint())
+    base_rid = body.rid or new_rid()
+    prompt = await render_chat_prompt(
+        engine, [m.to_template() for m in body.messages], f"request {base_rid}", **body.template_kwargs()
+    )
+    req = SingleReq(
+        text=prompt.text,
+        input_ids=None,
+        sampling_params=body.sampling_params(body.max_new_tokens, constraint, keeps_special_tokens(plan, body)),
+        stream=body.stream,
+        add_special_tokens=body.add_special_tokens,
+        logprob=body.logprob_params(),
+        rid=base_rid,
+        priority=body.priority,
+        grammar_think=grammar_think(
+            body, args.reasoning_parser, constraint is not None, _max_new_tokens(body.max_new_tokens)
+        ),
+    )
+    return req, prompt, plan, constraint
 
 
 async def _generate_all(request: Request, reqs: list[SingleReq], constraint: Constraint | None) -> list[GenerateOutput]:
