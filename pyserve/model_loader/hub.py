@@ -58,15 +58,22 @@ HUB_PATH_FIELDS = (("model_path", "--model-path", True), ("tokenizer_path", "--t
 def hub_id(path: str) -> tuple[str, str | None] | None:
     """(repo id, file in the repo or None) when `path` names a Hub model, else None.
 
-    A Hub id is a path that does not exist on this machine and reads as `NAME` or `ORG/NAME`
+    A Hub id is a path that does not exist on this machine and reads as `ORG/NAME`
     (huggingface_hub's `validate_repo_id`), or `ORG/NAME/FILE.gguf` (one GGUF file of the
-    repo; FILE may hold folders). `./x`, `/abs/x` and `~/x` are never Hub ids.
-    Any thread; one stat call (plus huggingface_hub's import when the path is missing)."""
+    repo; FILE may hold folders). Never Hub ids, so a mistyped local path fails as one and
+    sends no name of this machine's folders to the Hub: `./x`, `/abs/x`, `~/x`, a bare `NAME`
+    (a file or folder in the current one, more likely than a legacy Hub id), a path whose
+    first folder exists here, and `ORG/NAME` ending in .gguf, .safetensors or .json.
+    Any thread; a few stat calls (plus huggingface_hub's import when the path is missing)."""
     if os.path.exists(path):
+        return None
+    parts = path.split("/")
+    if len(parts) < 2 or os.path.isdir(parts[0]):
+        return None
+    if len(parts) == 2 and path.lower().endswith((".gguf", ".safetensors", ".json")):
         return None
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-    parts = path.split("/")
     repo_id, filename = path, None
     if len(parts) > 2 and path.lower().endswith(".gguf"):
         repo_id, filename = "/".join(parts[:2]), "/".join(parts[2:])
@@ -131,6 +138,8 @@ def resolve_hub_paths(server_args: ServerArgs) -> ServerArgs:
         if local != path:
             changes[field] = local
     if not changes:
+        if server_args.revision is not None:  # a revision picks nothing on a local path
+            logger.warning("--revision %s: unused (no model or tokenizer path is a Hub id)", server_args.revision)
         return server_args
     if "model_path" in changes and server_args.served_model_name is None:
         changes["served_model_name"] = [server_args.model_path]

@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import Iterable
 from typing import Any
+from urllib.parse import quote
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -32,6 +33,7 @@ logger = logging.getLogger("pyserve.access")
 
 # the key of a request's AccessRecord in its ASGI scope's "state" (Starlette's request.state)
 RECORD_KEY = "pyserve_access"
+MAX_MESSAGE_CHARS = 300  # of an error's message in its access line
 # polled by health probes, routers, Prometheus and the playground's status panel every few
 # seconds: their lines are debug
 QUIET_PATHS = frozenset({"/health", "/health_generate", "/metrics", "/get_load", "/get_server_info"})
@@ -138,7 +140,9 @@ def access_line(method: str, path: str, record: AccessRecord) -> str:
     """The access line of a finished request (see the module docstring)."""
     latency_ms = (time.perf_counter() - record.start) * 1000.0
     status = "-" if record.status is None else str(record.status)
-    line = f"{method} {path} {status} {latency_ms:.1f} ms"
+    # quoted as it came on the wire: the server unquotes the path, and a %0A in it would
+    # otherwise start a forged log line
+    line = f"{method} {quote(path, safe='/:@!$&()*+,;=-._~')} {status} {latency_ms:.1f} ms"
     if record.prompt_tokens is not None:
         line += f" prompt_tokens={record.prompt_tokens} completion_tokens={record.completion_tokens}"
     line += f" rid={record.rid or '-'}"
@@ -154,11 +158,13 @@ def access_line(method: str, path: str, record: AccessRecord) -> str:
 def error_message(body: bytes) -> str:
     """The message of an error response's body: its OpenAI-style error object's, else the
     body's own text (one line)."""
+    text = body.decode("utf-8", "replace")
     try:
         obj: Any = json.loads(body)
         message = obj["error"]["message"]
         if isinstance(message, str):
-            return message
+            text = message
     except (ValueError, TypeError, KeyError):
         pass
-    return body.decode("utf-8", "replace").replace("\n", " ")[:200] or "(no body)"
+    # one line whatever the client sent: messages quote request text (an unknown field's name)
+    return " ".join(text.split())[:MAX_MESSAGE_CHARS] or "(no body)"

@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from types import FrameType
 from typing import NoReturn
 
@@ -56,6 +57,24 @@ def signal_text(sig: int) -> str:
         return signal.Signals(sig).name
     except ValueError:
         return f"signal {sig}"
+
+
+@contextlib.contextmanager
+def signals_exit_now(what: str) -> Iterator[None]:
+    """While the block runs, SIGINT / SIGTERM end the process at once (`exit_now`, the line
+    naming `what`, e.g. "while downloading the model"). For work a KeyboardInterrupt cannot
+    stop promptly: huggingface_hub's downloads run in a thread pool whose `with` block waits
+    for the files in flight before the interrupt surfaces. Main thread; the previous handlers
+    come back after the block."""
+    previous = {
+        sig: signal.signal(sig, lambda s, _frame: exit_now(s, f"{signal_text(s)} {what}"))
+        for sig in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 class DrainingServer(uvicorn.Server):

@@ -17,6 +17,7 @@ from pyserve.model_loader.chat_template import ChatTemplateError, load_chat_temp
 from pyserve.model_loader.default_model import ModelNotFoundError, default_model_path
 from pyserve.model_loader.hub import resolve_hub_paths
 from pyserve.model_loader.model_path import check_model_path
+from pyserve.server.drain import signals_exit_now
 from pyserve.server.http1 import HTTP1Protocol
 
 if TYPE_CHECKING:
@@ -72,7 +73,8 @@ def launch_server(server_args: ServerArgs) -> int:
         except ChatTemplateError as exc:
             raise StartupError(str(exc)) from None
     try:
-        server_args = resolve_hub_paths(server_args)
+        with signals_exit_now("while fetching the model"):
+            server_args = resolve_hub_paths(server_args)
         check_model_path(server_args.model_path or default_model_path())
         check_tp_size(server_args.model_path or default_model_path(), server_args.tp_size)
     except (ModelNotFoundError, TPSizeError) as exc:
@@ -139,12 +141,17 @@ def uvicorn_log_level(level: str) -> str:
 
 def ready_line(engine: EngineCore, url: str) -> str:
     """The line saying the server serves: where, which model (its file or folder name, and
-    the name the API serves it under when --served-model-name sets one), on which device and
+    the name the API serves it under when --served-model-name sets one; a Hub model's served
+    name and commit), on which device and
     dtype, and the KV cache's size in tokens and bytes. Loop thread (reads the engine)."""
     runner = engine.model_runner
-    model = os.path.basename(engine.model_path.rstrip("/"))
-    if engine.server_args.served_model_name:
-        model += f" (served as {engine.model_name})"
+    path = engine.model_path.rstrip("/")
+    if os.path.basename(os.path.dirname(path)) == "snapshots":  # a Hub model in the HF cache
+        model = f"{engine.model_name} (commit {os.path.basename(path)[:12]})"
+    else:
+        model = os.path.basename(path)
+        if engine.server_args.served_model_name:
+            model += f" (served as {engine.model_name})"
     dtype = str(runner.dtype).removeprefix("torch.")
     return (
         f"pyserve ready on {url}: {model} on {runner.device} ({dtype}), "

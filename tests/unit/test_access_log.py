@@ -148,3 +148,14 @@ def test_the_line_of_a_response_that_never_started_or_was_cut():
     assert error_message(b"plain\ntext") == "plain text"
     assert error_message(b'{"error": {"message": "m"}}') == "m"
     assert error_message(b"") == "(no body)"
+
+
+def test_request_text_cannot_forge_a_log_line():
+    record = AccessRecord()
+    record.status = 404
+    record.error_body = b'{"error": {"message": "The model `x\\nINFO pyserve.access: GET / 200` does not exist"}}'
+    line = access_line("GET", "/v1/\nINFO pyserve.access: GET /ok 200", record)
+    assert "\n" not in line
+    assert line.startswith("GET /v1/%0AINFO%20pyserve.access:%20GET%20/ok%20200 404 ")
+    assert line.endswith(" rid=- error: The model `x INFO pyserve.access: GET / 200` does not exist")
+    assert error_message(b"x" * 1000) == "x" * 300

@@ -182,8 +182,9 @@ def test_several_served_model_names(stories_path):
     )
     with TestClient(create_app(args)) as client:
         models = client.get("/v1/models").json()["data"]
-        assert [m["id"] for m in models] == ["first"]
-        assert client.get("/v1/models/second").json()["id"] == "first"
+        assert [m["id"] for m in models] == ["first", "second"]  # vLLM lists every name
+        assert client.get("/v1/models/second").json()["id"] == "second"
+        assert client.get("/v1/models/default").json()["id"] == "first"
         assert client.get("/get_server_info").json()["served_model_name"] == "first"  # SGLang's one name
         for name in ("first", "second"):
             r = client.post("/v1/completions", json={"model": name, "prompt": "Once", "max_tokens": 1})

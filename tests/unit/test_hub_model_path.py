@@ -115,9 +115,15 @@ def not_cached(where: str, hf_home: Path) -> str:
     )
 
 
-def test_hub_ids_are_missing_paths_that_read_as_repo_ids(stories_path):
+def test_hub_ids_are_missing_paths_that_read_as_repo_ids(stories_path, tmp_path, monkeypatch):
     assert hub_id("HuggingFaceTB/SmolLM2-135M-Instruct") == ("HuggingFaceTB/SmolLM2-135M-Instruct", None)
-    assert hub_id("gpt2") == ("gpt2", None)
+    assert hub_id("gpt2") is None  # a bare name: a local file or folder mistyped, not the Hub
+    assert hub_id("org/model.gguf") is None  # a local file in a folder named org
+    assert hub_id("org/model.safetensors") is None
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "checkpoints").mkdir()
+    assert hub_id("checkpoints/run-1") is None  # its first folder exists here: a local path not made yet
+    assert hub_id("elsewhere/run-1") == ("elsewhere/run-1", None)
     assert hub_id("org/name/sub/m.Q4_K_M.gguf") == ("org/name", "sub/m.Q4_K_M.gguf")
     assert hub_id(str(stories_path)) is None  # exists: a local folder
     assert hub_id("./org/name") is None

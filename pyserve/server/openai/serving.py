@@ -251,9 +251,9 @@ async def _echo(engine: EngineCore, req: SingleReq, body: CompletionRequest) -> 
     return await engine.prompt_text_offsets(req)
 
 
-def _model_card(engine: EngineCore) -> dict[str, Any]:
+def _model_card(engine: EngineCore, name: str) -> dict[str, Any]:
     return {
-        "id": engine.model_name,
+        "id": name,
         "object": "model",
         "created": int(engine.start_time),
         "owned_by": "pyserve",
@@ -264,14 +264,20 @@ def _model_card(engine: EngineCore) -> dict[str, Any]:
 
 
 async def list_models(request: Request) -> Response:
-    return SafeJSONResponse({"object": "list", "data": [_model_card(engine_of(request))]})
+    """GET /v1/models: a card per --served-model-name (vLLM lists every name), the first the
+    name responses carry; one card of the model's name without the flag."""
+    engine = engine_of(request)
+    names = engine.server_args.served_model_name or [engine.model_name]
+    return SafeJSONResponse({"object": "list", "data": [_model_card(engine, name) for name in names]})
 
 
 async def retrieve_model(request: Request) -> Response:
     """GET /v1/models/{id}: the served model under any name the routes accept, else 404."""
     engine = engine_of(request)
-    model_name(engine, request.path_params["model_id"])
-    return SafeJSONResponse(_model_card(engine))
+    model_id = request.path_params["model_id"]
+    model_name(engine, model_id)
+    listed = engine.server_args.served_model_name or []
+    return SafeJSONResponse(_model_card(engine, model_id if model_id in listed else engine.model_name))
 
 
 ROUTES = [
