@@ -88,15 +88,24 @@ def lens_in_range(rng: random.Random, length: int, range_ratio: float, n: int) -
     return [rng.randint(low, length) for _ in range(n)]
 
 
-def sample_random(
+def _random_lengths(
     tokenizer: PreTrainedTokenizerBase, num_prompts: int, input_len: int, output_len: int, range_ratio: float, seed: int
-) -> list[DatasetRow]:
+) -> tuple[random.Random, list[int], list[tuple[int, int]]]:
+    """The random workloads' generator, regular token ids and (input, output) lengths: the same
+    seed draws the same lengths for `random` and `random-ids`."""
     rng = random.Random(seed)
     vocab = _regular_token_ids(tokenizer)
     in_lens = lens_in_range(rng, input_len, range_ratio, num_prompts)
     out_lens = lens_in_range(rng, output_len, range_ratio, num_prompts)
+    return rng, vocab, list(zip(in_lens, out_lens))
+
+
+def sample_random(
+    tokenizer: PreTrainedTokenizerBase, num_prompts: int, input_len: int, output_len: int, range_ratio: float, seed: int
+) -> list[DatasetRow]:
+    rng, vocab, lengths = _random_lengths(tokenizer, num_prompts, input_len, output_len, range_ratio, seed)
     rows = []
-    for n_in, n_out in zip(in_lens, out_lens):
+    for n_in, n_out in lengths:
         text = _random_text(tokenizer, rng, vocab, n_in)
         rows.append(DatasetRow(text, _count(tokenizer, text), n_out))
     return rows
@@ -107,12 +116,9 @@ def sample_random_ids(
 ) -> list[DatasetRow]:
     """random-ids: rows whose prompt is `prompt_len` random regular token ids decoded once;
     lengths as sample_random draws them (the same seed draws the same lengths)."""
-    rng = random.Random(seed)
-    vocab = _regular_token_ids(tokenizer)
-    in_lens = lens_in_range(rng, input_len, range_ratio, num_prompts)
-    out_lens = lens_in_range(rng, output_len, range_ratio, num_prompts)
+    rng, vocab, lengths = _random_lengths(tokenizer, num_prompts, input_len, output_len, range_ratio, seed)
     rows = []
-    for n_in, n_out in zip(in_lens, out_lens):
+    for n_in, n_out in lengths:
         ids = [rng.choice(vocab) for _ in range(n_in)]
         rows.append(DatasetRow(cast(str, tokenizer.decode(ids, skip_special_tokens=True)), n_in, n_out))
     return rows

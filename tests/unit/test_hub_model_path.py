@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from pyserve.model_loader.hub import hub_id, remaining_files
+from tests.unit.test_cli_startup import PROBE  # main() in a fresh interpreter, reporting whether torch loaded
 
 REPO = "pyserve-test/stories260k"
 GGUF_REPO = "pyserve-test/gguf-only"
@@ -63,18 +64,6 @@ try:
 except ModelNotFoundError as exc:
     missing = str(exc)
 print(json.dumps([out["output_ids"], engine.core.model_name, info["model_path"], info["tokenizer_path"], missing]))
-"""
-
-# main() in a fresh interpreter; the last line says whether torch was imported by then
-PROBE = """
-import sys
-from pyserve.cli import main
-try:
-    rc = main(sys.argv[1:])
-except SystemExit as exc:
-    rc = exc.code
-print("torch imported:", "torch" in sys.modules)
-sys.exit(rc)
 """
 
 
