@@ -13,6 +13,7 @@ import sys
 from pyserve import __version__
 from pyserve.cli_parser import OneLineArgumentParser, subparser, unrecognized_message
 from pyserve.config import ServerArgs, ServerArgsError, setup_logging
+from pyserve.server_flags import add_cli_args
 
 logger = logging.getLogger("pyserve")
 
@@ -22,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"pyserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model over HTTP (native and OpenAI APIs)")
-    ServerArgs.add_cli_args(serve)
+    add_cli_args(serve)
     # Listed for --help only: main() hands `bench ...` to pyserve.bench.cli before parsing.
     sub.add_parser(
         "bench",

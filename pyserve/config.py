@@ -292,13 +292,6 @@ class ServerArgs:
 
         return "cuda" if torch.cuda.is_available() else "cpu"
 
-    @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        """Add the `pyserve serve` flags to `parser` (see pyserve.server_flags)."""
-        from pyserve.server_flags import add_cli_args
-
-        add_cli_args(parser)
-
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:
         names = {f.name for f in dataclasses.fields(cls)}
