@@ -3,6 +3,12 @@
 Start-up (model load, KV pool sizing) runs in an executor so the loop stays responsive; then
 the scheduler and detokenizer run as tasks on the same loop as the HTTP server. The HTTP app
 (`create_app`) and the Python `Engine` both drive an EngineCore.
+
+This module holds the lifecycle (load, start, drain, shutdown, a rank's failure), encode,
+abort, flush and introspection. EngineCore inherits the rest: the request entry points and
+their n > 1 / batch fan-out (fan_out.FanOutMixin, beside parallel_sampling.py) and the
+tokenizer services (tokenizer_services.TokenizerServicesMixin: chat template, echo's prompt
+text, model name resolution). Loop thread, except what `start` runs on its own threads.
 """
 
 from __future__ import annotations
@@ -13,27 +19,27 @@ import gc
 import logging
 import os
 import time
-from collections.abc import AsyncGenerator, Callable
-from typing import Any, cast
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from pyserve.config import ServerArgs
 from pyserve.constrained import GrammarBackend, JsonWhitespace, serving_grammar_backend
-from pyserve.engine import parallel_sampling, server_info
-from pyserve.engine.detokenizer import token_deltas
+from pyserve.engine import server_info
 from pyserve.engine.embedding_inputs import check_embedding_inputs
+from pyserve.engine.fan_out import FanOutMixin
 from pyserve.engine.own_thread import run_in_own_thread
 from pyserve.engine.scheduler import Scheduler
 from pyserve.engine.tokenizer_manager import TokenizerManager, failure_of
+from pyserve.engine.tokenizer_services import TokenizerServicesMixin, default_name
 from pyserve.engine.worker import ModelWorker
 from pyserve.errors import InvalidRequestError
 from pyserve.forward_batch_info import FinishReason
-from pyserve.io_struct import GenerateOutput, SingleReq, TokenizedGenerateReq, new_rid
+from pyserve.io_struct import GenerateOutput, SingleReq, new_rid
 from pyserve.mem_cache.kv_cache import KVCache
 from pyserve.metrics import RequestMetrics
 from pyserve.model_executor.runner_protocol import Runner
-from pyserve.model_loader.chat_template import BUILTIN_TEMPLATES
 from pyserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -44,7 +50,7 @@ DRAIN_MESSAGE = "server shutting down"
 DRAIN_SETTLE_S = 5.0  # how long ended requests get to hand their last outputs to their consumers
 
 
-class EngineCore:
+class EngineCore(FanOutMixin, TokenizerServicesMixin):
     """The pipeline: TokenizerManager -> Scheduler -> ModelWorker -> Detokenizer.
 
     All methods run on the loop that called `start()`, except `start` work done in executors.
@@ -230,7 +236,7 @@ class EngineCore:
         args = self.server_args
         mc = self.model_runner.model_config
         self.context_len = mc.context_len
-        self.model_name = (args.served_model_name or [_default_name(self.model_path)])[0]
+        self.model_name = (args.served_model_name or [default_name(self.model_path)])[0]
         logger.info(
             "model %s (%s) loaded: dtype=%s device=%s context_length=%d",
             self.model_name,
@@ -326,137 +332,7 @@ class EngineCore:
     def _emit(self, outs: list) -> None:
         self.tokenizer_manager.detokenizer.queue.put_nowait(outs)
 
-    # ---- requests ----------------------------------------------------------------------------
-    def generate(self, req: SingleReq) -> AsyncGenerator[GenerateOutput, None]:
-        """Outputs of one request (all chunks if req.stream, else the final one); with
-        sampling_params.n > 1 those of its n samples as they come, each with its `index`
-        (one final output per sample). Raises InvalidRequestError at the first step when
-        the request is invalid; closing the iterator aborts what still runs."""
-        if not self.started:
-            raise RuntimeError("the engine is not running")
-        if req.sampling_params.n == 1:
-            return self.tokenizer_manager.generate(req)
-        return self._generate_samples(req)
-
-    async def _generate_samples(self, req: SingleReq) -> AsyncGenerator[GenerateOutput, None]:
-        treq = await self.tokenizer_manager.tokenize(req)
-        self._check_free_rids(req)
-        samples = parallel_sampling.expand(req, treq)
-        added = self._derive([req])
-        try:
-            if not await self._prefill_once([(req, treq)]):
-                for i, (_, t) in enumerate(samples):
-                    yield parallel_sampling.aborted_output(t, i)
-                return
-            merged = parallel_sampling.merge([self.tokenizer_manager.generate(r, t) for r, t in samples])
-            try:
-                async for out in merged:
-                    yield out
-            finally:
-                await merged.aclose()  # type: ignore[attr-defined]
-        finally:
-            self._underive(added)
-
-    def _derive(self, reqs: list[SingleReq]) -> list[tuple[str, str]]:
-        """Record which rids each request's rid (and its parent's) stands for: its n > 1
-        samples and their prefill, or itself under its batch's rid. Returns the (parent,
-        child) pairs added, for `_underive`; a pair already there (a duplicate) is not."""
-        added = []
-        for req in reqs:
-            n = req.sampling_params.n
-            children = parallel_sampling.derived_rids(req.rid, n) if n > 1 else []
-            pairs = [(req.rid, c) for c in children]
-            if req.parent_rid is not None:
-                pairs += [(req.parent_rid, c) for c in [req.rid, *children]]
-            for parent, child in pairs:
-                kids = self._derived.setdefault(parent, set())
-                if child not in kids:
-                    kids.add(child)
-                    added.append((parent, child))
-        return added
-
-    def _underive(self, added: list[tuple[str, str]]) -> None:
-        for parent, child in added:
-            kids = self._derived.get(parent)
-            if kids is not None:
-                kids.discard(child)
-                if not kids:
-                    del self._derived[parent]
-
-    async def generate_all(self, reqs: list[SingleReq]) -> list[GenerateOutput]:
-        """Final outputs of several non-streamed requests, run concurrently, in order; a
-        request with n > 1 gives its n samples' outputs in a row (prompt-major, `index` set).
-        Validates every request before starting any (InvalidRequestError; also for more than
-        `--max-prompts-per-request` requests)."""
-        limit = self.server_args.max_prompts_per_request
-        if len(reqs) > limit:
-            raise InvalidRequestError(
-                f"{len(reqs)} prompts in one request; at most {limit} are allowed (--max-prompts-per-request)",
-                param="input" if reqs and reqs[0].embed else "prompt",
-            )
-        rids = [r.rid for r in reqs]
-        if len(set(rids)) != len(rids):
-            raise InvalidRequestError("the rids of a batch must be unique", param="rid")
-        # all at once, so their texts are encoded in one batched call; the first error by
-        # position is the one raised
-        results = await asyncio.gather(*(self.tokenizer_manager.tokenize(r) for r in reqs), return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-        tokenized = cast(list[TokenizedGenerateReq], results)
-        for r in reqs:
-            self._check_free_rids(r)
-        added = self._derive(reqs)
-        try:
-            parallel = [(r, t) for r, t in zip(reqs, tokenized) if r.sampling_params.n > 1]
-            prefilled = await self._prefill_once(parallel)
-            pairs: list[tuple[SingleReq, TokenizedGenerateReq]] = []
-            indices: list[int | None] = []  # each output's sample index (None: n = 1)
-            for r, t in zip(reqs, tokenized):
-                pairs += parallel_sampling.expand(r, t)
-                n = r.sampling_params.n
-                indices += list(range(n)) if n > 1 else [None]
-            if not prefilled:  # aborted while the prompts were prefilled
-                return [parallel_sampling.aborted_output(t, i) for (_, t), i in zip(pairs, indices)]
-            outs = await self._run_final(pairs)
-        finally:
-            self._underive(added)
-        for out, i in zip(outs, indices):
-            out.index = i
-        return outs
-
-    def _check_free_rids(self, req: SingleReq) -> None:
-        """InvalidRequestError if a rid the request's n > 1 samples would take is in use."""
-        if req.sampling_params.n == 1:
-            return
-        states = self.tokenizer_manager.states
-        for rid in parallel_sampling.derived_rids(req.rid, req.sampling_params.n):
-            if rid in states:
-                raise InvalidRequestError(f"a request with rid {req.rid!r} is already running", param="rid")
-
-    async def _prefill_once(self, pairs: list[tuple[SingleReq, TokenizedGenerateReq]]) -> bool:
-        """Run each prompt once with max_new_tokens 0 so its KV is cached for its samples
-        (nothing to share without the radix cache). False if a prefill was aborted
-        (/abort_request): its samples must not start."""
-        if not pairs or self.server_args.disable_radix_cache:
-            return True
-        outs = await self._run_final([parallel_sampling.prefill_only(r, t) for r, t in pairs])
-        return all(o.finish_reason is None or not o.finish_reason.is_abort for o in outs)
-
-    async def _run_final(self, pairs: list[tuple[SingleReq, TokenizedGenerateReq]]) -> list[GenerateOutput]:
-        async def final(r: SingleReq, t: TokenizedGenerateReq) -> GenerateOutput:
-            # not streamed: generate yields exactly one, finished, output
-            return [out async for out in self.tokenizer_manager.generate(r, t)][-1]
-
-        tasks = [asyncio.ensure_future(final(r, t)) for r, t in pairs]
-        try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException:  # one failed or we were cancelled: abort the others too
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
-
+    # ---- requests (generate, generate_all: fan_out.py) ------------------------------------------
     async def encode(self, inputs: list[str | list[int]], rid: str | None = None) -> list[GenerateOutput]:
         """Embeddings of several inputs (texts, or token-id lists), run together as
         prefill-only requests, in order: each output's `embedding` ([hidden] float32 numpy)
@@ -492,21 +368,6 @@ class EngineCore:
                 )
         return outs
 
-    def resolve_model(self, requested: str | None) -> str:
-        """The served model's name for a request's `model` field, which may be left out or
-        name the served model (any of its served names, "default" as SGLang clients send, or
-        its path). Raises InvalidRequestError (404, code "model_not_found") for any other model,
-        as the OpenAI API and vLLM do."""
-        names = (self.model_name, *(self.server_args.served_model_name or ()), "default", self.model_path)
-        if requested is None or requested in (*names, self.model_path_arg):
-            return self.model_name
-        raise InvalidRequestError(
-            f"The model `{requested}` does not exist; this server serves `{self.model_name}`.",
-            param="model",
-            code="model_not_found",
-            status=404,
-        )
-
     # ---- control -------------------------------------------------------------------------------
     def abort_request(self, rid: str | None = None, abort_all: bool = False) -> int:
         """End running requests: the one named `rid` and those the server derived from it
@@ -525,60 +386,6 @@ class EngineCore:
         """Empty the radix cache; False (nothing changed) while requests are queued or run."""
         return self.scheduler.flush_cache()
 
-    async def _prompt_ids(self, req: SingleReq) -> list[int]:
-        if req.input_ids is not None:
-            return req.input_ids
-        return (await self.tokenizer_manager.encode(req.text or "", req.add_special_tokens)).tolist()
-
-    async def prompt_text(self, req: SingleReq) -> str:
-        """The prompt as the tokenizer decodes its ids (special tokens skipped): what `echo`
-        returns, so that echo + output text = decode(prompt + output). Call only after the
-        request was validated."""
-        ids = await self._prompt_ids(req)
-        return await asyncio.get_running_loop().run_in_executor(
-            self.tokenizer_manager.executor, lambda: cast(str, self.tokenizer.decode(ids, skip_special_tokens=True))
-        )
-
-    async def prompt_text_offsets(self, req: SingleReq) -> tuple[str, list[int]]:
-        """`prompt_text(req)` and the character offset in it where each prompt token's text
-        starts (`text_offset` of echoed prompt logprobs)."""
-        ids = await self._prompt_ids(req)
-
-        def work() -> tuple[str, list[int]]:
-            text = cast(str, self.tokenizer.decode(ids, skip_special_tokens=True))  # one sequence: one str
-            offsets, at = [], 0
-            for delta in token_deltas(self.tokenizer, ids):
-                offsets.append(min(at, len(text)))
-                at += len(delta)
-            return text, offsets
-
-        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_manager.executor, work)
-
-    async def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
-        """The prompt text for chat `messages`; `kwargs` go to the tokenizer's
-        apply_chat_template (add_generation_prompt defaults to True). Raises
-        InvalidRequestError when the model has no chat template or the template rejects
-        the messages."""
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise InvalidRequestError(
-                "this model has no chat template; start the server with --chat-template FILE (or a built-in "
-                f"template: {', '.join(BUILTIN_TEMPLATES)})",
-                param="messages",
-            )
-        loop = asyncio.get_running_loop()
-        try:
-            return await loop.run_in_executor(
-                self.tokenizer_manager.executor,
-                lambda: cast(
-                    str,
-                    self.tokenizer.apply_chat_template(  # tokenize=False: the text
-                        messages, tokenize=False, **({"add_generation_prompt": True} | kwargs)
-                    ),
-                ),
-            )
-        except Exception as exc:  # jinja errors: the template refused these messages
-            raise InvalidRequestError(f"chat template failed: {exc}", param="messages") from exc
-
     # ---- introspection (SGLang's shapes; see server_info.py) ------------------------------------
     def get_model_info(self) -> dict[str, Any]:
         return server_info.model_info(self)
@@ -588,11 +395,6 @@ class EngineCore:
 
     def get_load(self) -> list[dict[str, Any]]:
         return server_info.load_info(self)
-
-
-def _default_name(model_path: str) -> str:
-    base = os.path.basename(model_path.rstrip("/"))
-    return base.removesuffix(".gguf")
 
 
 def _log_task_death(task: asyncio.Task) -> None:

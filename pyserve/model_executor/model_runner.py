@@ -1,5 +1,6 @@
 """ModelRunner: owns the model, its KV cache tensors and the attention backend on one device,
-and turns a ForwardBatch into logits and next token ids.
+and turns a ForwardBatch into logits and next token ids. How many KV slots the pool gets
+(free memory, the CUDA graphs' reserve) is worked out in kv_pool_sizing.py.
 
 Thread model (DESIGN.md section 1): exactly ONE worker thread calls `forward` and `sample`
 after construction; the runner holds no locks and must not be shared between threads.
@@ -30,6 +31,12 @@ from pyserve.layers.sampler import sample as sample_tokens
 from pyserve.layers.sampler import sample_checked
 from pyserve.mem_cache.memory_pool import MHATokenToKVPool
 from pyserve.model_executor.cuda_graph_runner import CudaGraphRunner, capture_batch_sizes
+from pyserve.model_executor.kv_pool_sizing import (
+    available_memory_bytes,
+    cuda_graph_reserve_bytes,
+    default_mem_fraction,
+    kv_pool_tokens,
+)
 from pyserve.model_loader.config import ModelConfig
 from pyserve.model_loader.weights import load_model
 from pyserve_kernels.quant import quantized_isas
@@ -38,21 +45,6 @@ if TYPE_CHECKING:
     from pyserve.config import ServerArgs
 
 logger = logging.getLogger(__name__)
-
-# On CPU the pool is capped at this many full-length sequences so tests and laptops keep RAM.
-# The KV pool's default share of free memory: on CUDA the device is the server's alone; on CPU
-# the machine is shared (other servers, replicas, the test suite), so a quarter
-CUDA_MEM_FRACTION_STATIC = 0.85
-CPU_MEM_FRACTION_STATIC = 0.25
-
-
-def available_memory_bytes(device: torch.device) -> int:
-    """Free memory of `device` in bytes: `torch.cuda.mem_get_info` on CUDA, available
-    physical pages (os.sysconf SC_AVPHYS_PAGES * SC_PAGE_SIZE) on CPU."""
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
-    return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
 
 
 class ModelRunner:
@@ -168,8 +160,7 @@ class ModelRunner:
         if tp is not None and is_embedding:
             raise ValueError("embedding models run with --tp-size 1")
         if mem_fraction_static is None:
-            cuda = torch_device.type == "cuda"
-            mem_fraction_static = CUDA_MEM_FRACTION_STATIC if cuda else CPU_MEM_FRACTION_STATIC
+            mem_fraction_static = default_mem_fraction(torch_device)
         if not 0.0 < mem_fraction_static <= 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1], got {mem_fraction_static}")
         self.max_running_requests = max_running_requests
@@ -237,7 +228,8 @@ class ModelRunner:
             else:
                 self.graph_sizes = capture_batch_sizes(max_running_requests, cuda_graph_max_bs, cuda_graph_bs)
         self.graph_runner: CudaGraphRunner | None = None
-        self.cuda_graph_bytes = self._cuda_graph_reserve_bytes()  # set aside for the graphs
+        # set aside for the graphs before the KV pool is sized
+        self.cuda_graph_bytes = cuda_graph_reserve_bytes(cfg, self.dtype, self.graph_sizes)
         # ranks on one CPU machine share its memory: each takes its part of the budget
         shares = tp.local_size if tp is not None and torch_device.type == "cpu" else 1
         pool = self._kv_pool_size(torch_device, max_total_tokens, mem_fraction_static, shares)
@@ -289,54 +281,27 @@ class ModelRunner:
     def _kv_pool_size(
         self, device: torch.device, max_total_tokens: int | None, mem_fraction_static: float, shares: int = 1
     ) -> int:
+        """KV pool size in tokens before page rounding: `max_total_tokens` when given, an
+        encoder's bookkeeping slots, else derived from free memory (`kv_pool_tokens`)."""
         cfg = self.model_config
-        per_token = MHATokenToKVPool.bytes_per_token_for(
-            cfg.num_hidden_layers, self.num_kv_heads, cfg.head_dim, self.dtype
-        )
         if max_total_tokens is not None:
             if int(max_total_tokens) <= 0:
                 raise ValueError(f"max_total_tokens must be > 0, got {max_total_tokens}")
             return int(max_total_tokens)
         if self.is_encoder:  # slots without memory: what admission counts
             return self.max_running_requests * cfg.context_len
-        free = available_memory_bytes(device)
-        weight_bytes = self.weight_bytes
-        if device.type == "cuda":
-            # mem_get_info already excludes the loaded weights; the decode graphs' pool is
-            # set aside first (an estimate: a padded batch's logits and activations)
-            budget = int(free * mem_fraction_static) - self.cuda_graph_bytes
-        else:
-            budget = int(free * mem_fraction_static) // shares - weight_bytes
-        num_tokens = budget // per_token
-        derivation = (
-            f"free {free / 2**20:.0f} MiB x {mem_fraction_static} "
-            f"{f'/ {shares} ranks on this machine ' if shares > 1 else ''}"
-            f"{'' if device.type == 'cuda' else f'- weights {weight_bytes / 2**20:.0f} MiB '}"
-            f"/ {per_token} B per token = {num_tokens} tokens"
+        return kv_pool_tokens(
+            cfg,
+            self.num_kv_heads,
+            self.dtype,
+            device,
+            available_memory_bytes(device),
+            mem_fraction_static,
+            weight_bytes=self.weight_bytes,
+            cuda_graph_bytes=self.cuda_graph_bytes,
+            max_running_requests=self.max_running_requests,
+            shares=shares,
         )
-        if device.type != "cuda":
-            cap = self.max_running_requests * cfg.context_len
-            if num_tokens > cap:
-                num_tokens = cap
-                derivation += f", capped on CPU at max_running_requests x context_len = {cap}"
-        logger.info("KV pool size: %s", derivation)
-        if num_tokens <= 0:
-            raise ValueError(f"not enough memory for a KV cache: {derivation}")
-        return int(num_tokens)
-
-    def _cuda_graph_reserve_bytes(self) -> int:
-        """Memory kept out of the KV pool for the decode graphs (an estimate, per row of the
-        largest padded batch): the shared float32 logits output (4 B x vocab), the largest
-        graph's transient logits (LM-head output and its float32 copy, 6 B x vocab) and
-        activations (hidden, q|k|v, gate|up, x8 for intermediates); plus 256 MiB for
-        workspaces and the allocator. Every graph shares one memory pool and one output."""
-        if not self.graph_sizes:
-            return 0
-        cfg = self.model_config
-        bs, size = self.graph_sizes[-1], torch.tensor([], dtype=self.dtype).element_size()
-        inter = int(getattr(cfg.hf_config, "intermediate_size", 4 * cfg.hidden_size))
-        per_row = 10 * cfg.vocab_size + 8 * size * (3 * cfg.hidden_size + 2 * inter)
-        return bs * per_row + (256 << 20)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Compute the new tokens of `batch` (EXTEND or DECODE) under torch.inference_mode().

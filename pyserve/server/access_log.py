@@ -18,11 +18,11 @@ the status of a 500 too. Loop thread only.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
 from collections.abc import Iterable
-from typing import Any
 from urllib.parse import quote
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -159,12 +159,9 @@ def error_message(body: bytes) -> str:
     """The message of an error response's body: its OpenAI-style error object's, else the
     body's own text (one line)."""
     text = body.decode("utf-8", "replace")
-    try:
-        obj: Any = json.loads(body)
-        message = obj["error"]["message"]
+    with contextlib.suppress(ValueError, TypeError, KeyError):  # not an error object: its text
+        message = json.loads(body)["error"]["message"]
         if isinstance(message, str):
             text = message
-    except (ValueError, TypeError, KeyError):
-        pass
     # one line whatever the client sent: messages quote request text (an unknown field's name)
     return " ".join(text.split())[:MAX_MESSAGE_CHARS] or "(no body)"

@@ -1,0 +1,157 @@
+"""Weight handling of `LlamaForCausalLM` (and the Qwen2, Qwen3 and Mistral families that
+subclass it), as the mixin `LlamaWeightsMixin`: loading a checkpoint by HF name, running GGUF
+matrices on their quantized blocks (q/k/v and gate/up stacked), oneDNN-prepacked copies of
+the float projection weights, random weights for `--load-format dummy`, and the byte counts
+the KV pool sizing takes off.
+
+Runs while the model is built and loaded (the thread that constructs `ModelRunner`, before
+the worker thread takes it over); `forward` only reads what is set here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from pyserve.layers.linear import prepack, prepack_supported
+from pyserve.models.checkpoint import copy_checkpoint
+from pyserve_kernels.quant import QuantizedWeight, dequantize
+
+if TYPE_CHECKING:
+    from pyserve.models.llama import LlamaModel
+
+
+class LlamaWeightsMixin(nn.Module):
+    """Weight loading and packing of a Llama-style causal LM. The class mixing it in holds
+    `model` (a `LlamaModel`), `lm_head` (None when tied to the embedding), `lm_head_packed`
+    and `lm_head_weight()`; the `*_packed` attributes of the layers are set here and read by
+    their `forward`."""
+
+    model: LlamaModel
+    lm_head: nn.Linear | None
+    lm_head_packed: torch.Tensor | QuantizedWeight | None
+
+    if TYPE_CHECKING:
+
+        def lm_head_weight(self) -> torch.Tensor: ...
+
+    def prepack_linear_weights(self) -> int:
+        """Keep a oneDNN-packed copy of every float projection weight (q/k/v, o, gate/up, down,
+        LM head) and use it in `forward` (see pyserve/layers/linear.py): on CPU in float32 only,
+        else a no-op; projections running on quantized blocks are left as they are. Call after
+        the weights are final; loading weights again drops the copies. Returns the bytes the
+        copies take."""
+        added = 0
+
+        def pack(weight: torch.Tensor, current: torch.Tensor | QuantizedWeight | None) -> Any:
+            nonlocal added
+            if isinstance(current, QuantizedWeight) or not prepack_supported(weight):
+                return current
+            added += weight.numel() * weight.element_size()
+            return prepack(weight)
+
+        for layer in self.model.decoder_layers():
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_packed = pack(attn.qkv_weight, attn.qkv_packed)
+            attn.o_packed = pack(attn.o_proj.weight, attn.o_packed)
+            mlp.gate_up_packed = pack(mlp.gate_up_weight, mlp.gate_up_packed)
+            mlp.down_packed = pack(mlp.down_proj.weight, mlp.down_packed)
+        self.lm_head_packed = pack(self.lm_head_weight(), self.lm_head_packed)
+        return added
+
+    def quantized_weight_bytes(self) -> int:
+        """Bytes of the quantized blocks the model runs on (0 when every weight is float)."""
+        held = {id(w): w for w in self._quantized_weights()}
+        return sum(w.nbytes for w in held.values())
+
+    def _quantized_weights(self) -> list[QuantizedWeight]:
+        found: list[Any] = [self.model.embed_quantized, self.lm_head_packed]
+        for layer in self.model.decoder_layers():
+            found += [layer.self_attn.qkv_packed, layer.self_attn.o_packed]
+            found += [layer.mlp.gate_up_packed, layer.mlp.down_packed]
+        return [w for w in found if isinstance(w, QuantizedWeight)]
+
+    def _drop_packed_weights(self) -> None:
+        self.model._native_layers = False
+        for layer in self.model.decoder_layers():
+            layer.self_attn.qkv_packed = layer.self_attn.o_packed = None
+            layer.mlp.gate_up_packed = layer.mlp.down_packed = None
+        self.lm_head_packed = None
+        self.model.embed_quantized = None
+
+    def init_dummy_weights(self, seed: int = 0) -> None:
+        """Random weights for benchmarks (`--load-format dummy`): linear and embedding weights
+        ~ N(0, 0.02), biases 0, norm weights 1. Deterministic for a given `seed`; mutates the
+        parameters in place."""
+        self._drop_packed_weights()
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.fill_(1.0)
+                elif name.endswith(".bias"):
+                    param.zero_()
+                else:
+                    values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * 0.02
+                    param.copy_(values.to(param.dtype))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]) -> None:
+        """Copy checkpoint tensors (HF names) into the parameters.
+
+        A `QuantizedWeight` (a GGUF matrix kept as blocks) is run on its blocks instead: q/k/v
+        and gate/up stacked into one matrix when all of a group came quantized in one type, the
+        embedding looked up row by row, the LM head on the embedding's blocks when tied; their
+        float parameters are then emptied (no memory). A group quantized only in part is
+        dequantized into its parameters.
+        Ignores `rotary_emb.inv_freq` buffers and, when the head is tied, `lm_head.weight`.
+        Raises KeyError for an unknown name, ValueError for a shape mismatch or for parameters
+        the checkpoint did not provide.
+        """
+        self._drop_packed_weights()
+        tied = self.lm_head is None
+        quantized: dict[str, QuantizedWeight] = {}
+
+        def float_weights() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
+                    continue
+                if isinstance(tensor, QuantizedWeight):
+                    quantized[name] = tensor
+                else:
+                    yield name, tensor
+
+        copy_checkpoint(self, float_weights(), held_elsewhere=quantized)
+        if quantized:
+            self._hold_quantized(quantized)
+
+    def _hold_quantized(self, quantized: dict[str, QuantizedWeight]) -> None:
+        params = dict(self.named_parameters())
+
+        def stack(names: list[str]) -> QuantizedWeight | None:
+            """The stacked blocks of `names`, their float parameters emptied; or None, the
+            quantized ones among them dequantized into their parameters."""
+            parts = {name: quantized[name] for name in names if name in quantized}
+            if len(parts) == len(names) and len({(p.qtype, p.data.shape[1]) for p in parts.values()}) == 1:
+                for name in names:
+                    params[name].data = params[name].data.new_empty(0)
+                return QuantizedWeight.concat(list(parts.values()))
+            with torch.no_grad():
+                for name, part in parts.items():
+                    params[name].copy_(dequantize(part, params[name].dtype))
+            return None
+
+        for i, layer in enumerate(self.model.decoder_layers()):
+            attn, mlp, pre = layer.self_attn, layer.mlp, f"model.layers.{i}."
+            attn.qkv_packed = stack([f"{pre}self_attn.{p}_proj.weight" for p in "qkv"])
+            if attn.qkv_packed is not None:
+                attn.qkv_weight = attn.qkv_weight.new_empty(0)
+            attn.o_packed = stack([f"{pre}self_attn.o_proj.weight"])
+            mlp.gate_up_packed = stack([f"{pre}mlp.gate_proj.weight", f"{pre}mlp.up_proj.weight"])
+            if mlp.gate_up_packed is not None:
+                mlp.gate_up_weight = mlp.gate_up_weight.new_empty(0)
+            mlp.down_packed = stack([f"{pre}mlp.down_proj.weight"])
+        self.model.embed_quantized = stack(["model.embed_tokens.weight"])
+        self.lm_head_packed = self.model.embed_quantized if self.lm_head is None else stack(["lm_head.weight"])
