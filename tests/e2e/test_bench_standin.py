@@ -2,105 +2,40 @@
 replies on a known schedule (a first chunk after 300 ms, then chunks of 2, 1 and 2 tokens
 100 ms apart), so the measured TTFT / ITL / TPOT / E2E can be checked against designed delays.
 Prompts containing FAIL get a 500 and prompts containing CUT a stream without [DONE].
-Tolerances are generous: the machine running the tests may be loaded."""
+The stand-in runs in its own process (tests/e2e/standin_server.py); tolerances are generous
+above, tight below: the machine running the tests may be loaded, never faster than designed."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
+import subprocess
+import sys
 import time
+import urllib.request
 
 import pytest
-import uvicorn
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
-from starlette.routing import Route
 
 from pyserve.bench.cli import main as bench_main
-from tests.conftest import STORIES_PATH, free_port
-
-TTFT_S = 0.3
-GAP_S = 0.1
-# "Once upon a time there was" is 6 stories260k tokens: 1 + 2 + 1 + 2
-CHUNKS = ["Once", " upon a", " time", " there was"]
-NUM_OUTPUT = 6
-PROMPT_TOKENS = 11  # what the stand-in reports as usage
-
-
-def _body(kind: str, text: str | None, usage: dict | None) -> str:
-    if kind == "chat":
-        choices = [] if text is None else [{"index": 0, "delta": {"content": text}, "finish_reason": None}]
-    else:
-        choices = [] if text is None else [{"index": 0, "text": text, "finish_reason": None}]
-    return f"data: {json.dumps({'choices': choices, 'usage': usage})}\n\n"
-
-
-def make_app() -> Starlette:
-    async def models(request: Request) -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [{"id": "standin-model", "object": "model"}]})
-
-    async def complete(request: Request, kind: str):  # type: ignore[no-untyped-def]
-        body = await request.json()
-        prompt = body["prompt"] if kind == "text" else body["messages"][0]["content"]
-        assert body["model"] == "standin-model" and body["stream"] is True
-        if "FAIL" in prompt:
-            return JSONResponse({"error": {"message": "no"}}, status_code=500)
-        include_usage = (body.get("stream_options") or {}).get("include_usage", False)
-
-        async def events():  # type: ignore[no-untyped-def]
-            if kind == "chat":
-                yield _body(kind, "", None)  # role-only chunk: no token
-            await asyncio.sleep(TTFT_S)
-            for i, text in enumerate(CHUNKS):
-                if i:
-                    await asyncio.sleep(GAP_S)
-                yield _body(kind, text, None)
-                if "CUT" in prompt and i == 1:
-                    return
-            if include_usage:
-                yield _body(
-                    kind,
-                    None,
-                    {
-                        "prompt_tokens": PROMPT_TOKENS,
-                        "completion_tokens": NUM_OUTPUT,
-                        "total_tokens": PROMPT_TOKENS + NUM_OUTPUT,
-                    },
-                )
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    async def completions(request: Request):  # type: ignore[no-untyped-def]
-        return await complete(request, "text")
-
-    async def chat_completions(request: Request):  # type: ignore[no-untyped-def]
-        return await complete(request, "chat")
-
-    return Starlette(
-        routes=[
-            Route("/v1/models", models, methods=["GET"]),
-            Route("/v1/completions", completions, methods=["POST"]),
-            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        ]
-    )
+from tests.conftest import REPO, STORIES_PATH, free_port
+from tests.e2e.standin_server import NUM_OUTPUT, PROMPT_TOKENS
 
 
 @pytest.fixture(scope="module")
 def standin():
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(make_app(), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
+    proc = subprocess.Popen([sys.executable, "-m", "tests.e2e.standin_server", str(port)], cwd=REPO)
+    url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline
+        try:
+            urllib.request.urlopen(f"{url}/v1/models", timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=10)
 
 
 def near(measured_ms: float, designed_ms: float, above: float, below: float = 10.0) -> bool:
@@ -139,8 +74,6 @@ def run_bench(tmp_path, base_url: str, prompts: list[str], *extra: str) -> dict:
 
 @pytest.fixture(autouse=True)
 def _repo_cwd(monkeypatch):
-    from tests.conftest import REPO
-
     monkeypatch.chdir(REPO)
 
 
