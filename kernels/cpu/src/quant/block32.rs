@@ -19,8 +19,9 @@
 //! the lanes), and the float work per block is one multiply-add per row instead of one per
 //! four weights. A result does not depend on how many rows are multiplied together: products
 //! of up to three rows (decode) run row by row (`block32_x86::row4`, four weight rows' lanes
-//! reduced to the same integer sums), larger ones in tiles of eight rows, two tiles at a time
-//! (one 512-bit register of sixteen rows where the CPU has AVX-512).
+//! reduced to the same integer sums), larger ones in tiles of eight rows, four tiles at a time
+//! on AVX2 (int16 partial sums, `block32_x86::sum_i16_groups`), two on AVX-512 (one 512-bit
+//! register of sixteen rows).
 
 #[cfg(target_arch = "x86_64")]
 use super::block32_x86;
@@ -207,7 +208,15 @@ pub(crate) fn matmul_rows(
                     let mut t = 0;
                     while t < num_tiles {
                         // SAFETY (each call): as above; each tile holds the k of every weight row.
-                        let step = if t + 2 <= num_tiles {
+                        // AVX2: four tiles share each weight block's decoding and broadcasts
+                        // (~10% faster than two at 1024 rows); AVX-512: two in one register
+                        let step = if !vnni && t + 4 <= num_tiles {
+                            let group = std::array::from_fn(|i| tiles.tile(t + i));
+                            let got =
+                                unsafe { block32_x86::tiles::<4>(w.qtype, &wrows, &group, false) };
+                            store_tiles(&got, t, valid, &mut store);
+                            4
+                        } else if t + 2 <= num_tiles {
                             let group = [tiles.tile(t), tiles.tile(t + 1)];
                             let got = if vnni {
                                 unsafe { block32_x86::tiles16(w.qtype, &wrows, &group) }

@@ -116,8 +116,49 @@ unsafe fn row4_impl<const VNNI: bool, const SIGNED: bool>(
 /// One tile of eight activation rows as `ActTiles::tile` gives it: (q, d, s).
 pub(crate) type Tile<'a> = (&'a [i8], &'a [f32], &'a [f32]);
 
+/// The eight int32 lanes of Σ_i u_i · x(i) over the eight four-byte groups i of a block,
+/// on AVX2 without VNNI: `G` `maddubs` results are added as int16 before one `madd` widens
+/// them, so a block costs 8 + 8 / G multiply instructions instead of 16 (the multiply ports
+/// bound the tiled products). Exact: each int16 lane then holds 2G products of a code and an
+/// int8 in -127..127, and G is what keeps them in range (`i16_group`).
 #[inline(always)]
-unsafe fn tiles_impl<const T: usize, const VNNI: bool, const SIGNED: bool>(
+unsafe fn sum_i16_groups<const G: usize>(
+    wu: &[__m256i; 8],
+    x: impl Fn(usize) -> __m256i,
+) -> __m256i {
+    let ones = _mm256_set1_epi16(1);
+    let mut isum = _mm256_setzero_si256();
+    for g in 0..8 / G {
+        // two chains of int16 adds, so the multiplies need not wait on one another's sums
+        let mut s16 = [_mm256_setzero_si256(); 2];
+        for j in 0..G {
+            let i = g * G + j;
+            s16[j % 2] = _mm256_add_epi16(s16[j % 2], _mm256_maddubs_epi16(wu[i], x(i)));
+        }
+        let s16 = _mm256_add_epi16(s16[0], s16[1]);
+        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(s16, ones));
+    }
+    isum
+}
+
+/// How many `maddubs` results of a block fit one int16 lane exactly: a lane adds 2G products
+/// code · x with |x| <= 127, so 2G · max|code| · 127 <= 32767: 4-bit codes (<= 15) 8, 5-bit
+/// codes (<= 31) 4, Q8_0's magnitudes (<= 128) 1.
+const fn i16_group(qt: QuantType) -> usize {
+    match qt {
+        QuantType::Q4_0 | QuantType::Q4_1 => 8,
+        QuantType::Q5_0 | QuantType::Q5_1 => 4,
+        _ => 1,
+    }
+}
+
+#[inline(always)]
+unsafe fn tiles_impl<
+    const T: usize,
+    const VNNI: bool,
+    const SIGNED: bool,
+    const I16_GROUP: usize,
+>(
     qt: QuantType,
     wrows: &[&[u8]; 4],
     tiles: &[Tile<'_>; T],
@@ -145,18 +186,24 @@ unsafe fn tiles_impl<const T: usize, const VNNI: bool, const SIGNED: bool>(
             for t in 0..T {
                 let (q, d, s) = tiles[t];
                 let xq = q.as_ptr().add(256 * b) as *const __m256i;
-                // two chains: eight dependent dot instructions would wait on each other
-                let mut isum = [_mm256_setzero_si256(); 2];
-                for i in 0..8 {
+                let x = |i: usize| {
                     let x = _mm256_loadu_si256(xq.add(i));
-                    let x = if SIGNED {
+                    if SIGNED {
                         _mm256_sign_epi8(x, wi[i])
                     } else {
                         x
-                    };
-                    isum[i % 2] = dot_add::<VNNI>(isum[i % 2], wu[i], x);
-                }
-                let isum = _mm256_add_epi32(isum[0], isum[1]);
+                    }
+                };
+                let isum = if VNNI {
+                    // two chains: eight dependent dot instructions would wait on each other
+                    let mut isum = [_mm256_setzero_si256(); 2];
+                    for i in 0..8 {
+                        isum[i % 2] = dot_add::<VNNI>(isum[i % 2], wu[i], x(i));
+                    }
+                    _mm256_add_epi32(isum[0], isum[1])
+                } else {
+                    sum_i16_groups::<I16_GROUP>(&wu, x)
+                };
                 let (d8, s8) = (
                     _mm256_loadu_ps(d.as_ptr().add(8 * b)),
                     _mm256_loadu_ps(s.as_ptr().add(8 * b)),
@@ -296,7 +343,7 @@ unsafe fn row4_vnni(qt: QuantType, wrows: &[&[u8]; 4], a: &ActRow<'_>) -> [f32; 
 }
 
 /// The products of four weight rows with T tiles of eight activation rows (`block32::ActTiles`
-/// layout): `out[c][t][r]`. Two tiles share each weight block's decoding.
+/// layout): `out[c][t][r]`. The T tiles share each weight block's decoding.
 ///
 /// # Safety
 /// As `row4`; each tile must hold as many blocks as each weight row.
@@ -319,7 +366,14 @@ unsafe fn tiles_avx2<const T: usize>(
     wrows: &[&[u8]; 4],
     tiles: &[Tile<'_>; T],
 ) -> [[[f32; 8]; T]; 4] {
-    by_sign!(qt, tiles_impl::<T, false>(qt, wrows, tiles))
+    const G4: usize = i16_group(QuantType::Q4_0);
+    const G5: usize = i16_group(QuantType::Q5_0);
+    const G8: usize = i16_group(QuantType::Q8_0);
+    match qt {
+        QuantType::Q4_0 | QuantType::Q4_1 => tiles_impl::<T, false, false, G4>(qt, wrows, tiles),
+        QuantType::Q5_0 | QuantType::Q5_1 => tiles_impl::<T, false, false, G5>(qt, wrows, tiles),
+        _ => tiles_impl::<T, false, true, G8>(qt, wrows, tiles),
+    }
 }
 
 #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
@@ -328,5 +382,10 @@ unsafe fn tiles_vnni<const T: usize>(
     wrows: &[&[u8]; 4],
     tiles: &[Tile<'_>; T],
 ) -> [[[f32; 8]; T]; 4] {
-    by_sign!(qt, tiles_impl::<T, true>(qt, wrows, tiles))
+    // the group size is unused: the dot instruction sums into int32 itself
+    if qt == QuantType::Q8_0 {
+        tiles_impl::<T, true, true, 1>(qt, wrows, tiles)
+    } else {
+        tiles_impl::<T, true, false, 1>(qt, wrows, tiles)
+    }
 }

@@ -100,6 +100,45 @@ fn every_isa_gives_identical_results() {
 }
 
 #[test]
+fn extreme_codes_and_activations_give_identical_results() {
+    // every code byte 0xff (the largest code of each format; Q8_0's -1) or 0x80 (Q8_0's -128)
+    // against activations that all round to +127 or -127: the largest integer sums the SIMD
+    // paths accumulate (a saturated int16 partial sum would differ from the scalar result)
+    let mut rng = Rng(0x51_7cc1_b727_220a);
+    for qt in QuantType::ALL {
+        for code in [0xffu8, 0x80] {
+            let (n, blocks, m) = (9, 3, 43); // 43 rows: tiles of eight in groups of four, two, one
+            let mut data = vec![code; n * blocks * qt.block_bytes()];
+            for block in data.chunks_exact_mut(qt.block_bytes()) {
+                for &at in half_fields(qt) {
+                    block[at..at + 2].copy_from_slice(&rng.half());
+                }
+            }
+            let w = QuantMatrix::new(qt, &data, blocks * qt.block_bytes()).unwrap();
+            for sign in [1.0f32, -1.0] {
+                let x: Vec<f32> = (0..m * w.k())
+                    .map(|i| sign * (1.0 + (i % 3) as f32 * 1e-3))
+                    .collect();
+                let mut want = vec![0f32; m * n];
+                matmul(&x, w, &mut want, 1, Isa::Scalar).unwrap();
+                for &isa in available_isas() {
+                    let mut got = vec![f32::NAN; m * n];
+                    matmul(&x, w, &mut got, 2, isa).unwrap();
+                    let same = got
+                        .iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(
+                        same,
+                        "{qt:?} {isa:?} code {code:#x} sign {sign}: {got:?} != {want:?}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn simd_activation_quantization_equals_the_portable_one() {
     let mut rng = Rng(5);
     // ordinary blocks, an all-zero block, tiny and huge magnitudes, exact halves (ties)
