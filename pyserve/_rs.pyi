@@ -169,7 +169,7 @@ class KVCache:
         """A request finished: cache the whole pages of its stored tokens (`token_ids`, all of
         them), free its duplicate and partial pages, unlock, free its row. False if it was
         released already. UnknownRequestError (never admitted), ShapeError."""
-    def abort_req(self, req_id: int) -> bool:
+    def free_req(self, req_id: int) -> bool:
         """Drop a request without caching (abort, retraction): free its own pages, unlock,
         free its row. False if it was released already."""
     def req_info(self, req_id: int) -> tuple[int, int, int, int]:

@@ -17,6 +17,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pyserve._rs import (
     CoreError,
     DoubleFreeError,
@@ -26,9 +28,16 @@ from pyserve._rs import (
     UnknownRequestError,
 )
 
+if TYPE_CHECKING:
+    from pyserve.forward_batch_info import EndCause
+
 
 class PyserveError(Exception):
-    """Base class of errors raised by pyserve's Python code."""
+    """Base class of errors raised by pyserve's Python code. `end_cause`: set (an EndCause)
+    on the error a request's end stands for (pyserve.engine.end_cause.end_error); the
+    server answers such an error with its cause's status and code (server/errors.py)."""
+
+    end_cause: EndCause | None = None
 
 
 class InvalidRequestError(PyserveError, ValueError):

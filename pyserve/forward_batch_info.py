@@ -1,7 +1,8 @@
 """The step's data types, below layers/ and models/ so nothing imports upward (DESIGN.md
 section 2): what the loop plans for a step (`StepPlan`, host data only), what the worker builds
 from it for the model (`ForwardBatch`, `SamplingBatchInfo`, `LogprobBatchInfo`), what comes
-back (`StepOutput`, `TokenLogprobs`), and how a request ended (`FinishReason`).
+back (`StepOutput`, `TokenLogprobs`), what the scheduler hands the detokenizer per step
+(`TokenOut`), and how a request ended (`FinishReason`, `EndCause`).
 
 Threads: a StepPlan is built on the loop thread and read on the worker thread (never mutated
 after it is handed over); a ForwardBatch lives on the worker thread only; a StepOutput is built
@@ -26,26 +27,43 @@ class FinishKind(str, enum.Enum):
     ABORT = "abort"
 
 
+class EndCause(str, enum.Enum):
+    """Why a request was ended before a stop or its length limit (a FinishReason of kind
+    ABORT). The engine turns a cause into the exception an `Engine` caller gets
+    (`pyserve.engine.end_cause.end_error`); server/errors.py's `END_CAUSE_HTTP` into the
+    HTTP status, error type and code a client gets."""
+
+    CLIENT_GONE = "client_gone"  # its consumer left: nothing more is emitted (`forget`)
+    ABORTED = "aborted"  # /abort_request, Engine.abort_request
+    STOPPED = "stopped"  # the engine stopped with the request unfinished
+    SHUTDOWN = "shutdown"  # a drain's deadline passed with the request unfinished
+    BUMPED = "bumped"  # let go from a full queue for a more urgent request
+    BAD_PARAMS = "bad_params"  # its own parameters left nothing to sample mid-way
+    GRAMMAR_REFUSED = "grammar_refused"  # its grammar did not compile (or not in time)
+    STEP_FAILED = "step_failed"  # a model step raised while it ran
+    SERVER_FAILED = "server_failed"  # serving cannot go on (a tensor-parallel rank died)
+
+
+# what a request ended by the server's shutdown (EndCause.SHUTDOWN, STOPPED) is told
+SHUTTING_DOWN_MESSAGE = "server shutting down"
+
+
 @dataclass(frozen=True)
 class FinishReason:
     """How a request ended (SGLang's meta_info `finish_reason`, typed).
 
     kind: FinishKind. matched: the stop token id (int) or stop string (str) that ended it
-    (STOP only). length: output tokens when a LENGTH limit ended it. message: why it was
-    aborted (ABORT). status_code: for aborts the server or the request caused, the HTTP
-    status the consumer reports (400: the request's own parameters, 500: a failed model
-    step); None for a plain abort (client gone, /abort_request, shutdown). param: the
-    request field a 400 is about (e.g. "json_schema"), when known. code: the error code a
-    503 reports ("server_shutting_down"; None: a full queue's "queue_full").
+    (STOP only). length: output tokens when a LENGTH limit ended it. cause: why it was
+    ended (ABORT only). message: what the consumer is told (ABORT). param: the request
+    field the end is about (BAD_PARAMS, GRAMMAR_REFUSED: e.g. "json_schema"), when known.
     """
 
     kind: FinishKind
     matched: int | str | None = None
     length: int | None = None
+    cause: EndCause | None = None
     message: str | None = None
-    status_code: int | None = None
     param: str | None = None
-    code: str | None = None
 
     @classmethod
     def stop(cls, matched: int | str) -> FinishReason:
@@ -56,10 +74,8 @@ class FinishReason:
         return cls(FinishKind.LENGTH, length=length)
 
     @classmethod
-    def abort(
-        cls, message: str, status_code: int | None = None, param: str | None = None, code: str | None = None
-    ) -> FinishReason:
-        return cls(FinishKind.ABORT, message=message, status_code=status_code, param=param, code=code)
+    def abort(cls, cause: EndCause, message: str, param: str | None = None) -> FinishReason:
+        return cls(FinishKind.ABORT, cause=cause, message=message, param=param)
 
     @property
     def is_abort(self) -> bool:
@@ -67,15 +83,12 @@ class FinishReason:
 
     def to_json(self) -> dict[str, Any]:
         """SGLang's wire shape: {"type": "stop", "matched": ...}, {"type": "length",
-        "length": n} or {"type": "abort", "message": ...} (status_code added when set)."""
+        "length": n} or {"type": "abort", "message": ...}."""
         if self.kind is FinishKind.STOP:
             return {"type": "stop", "matched": self.matched}
         if self.kind is FinishKind.LENGTH:
             return {"type": "length", "length": self.length}
-        out: dict[str, Any] = {"type": "abort", "message": self.message}
-        if self.status_code is not None:
-            out["status_code"] = self.status_code
-        return out
+        return {"type": "abort", "message": self.message}
 
 
 @dataclass(frozen=True)
@@ -255,6 +268,23 @@ class TokenLogprobs:
     token_logprobs: list[float | None]
     top_logprobs: list[list[tuple[float, int]]] | None = None
     token_ids_logprobs: list[list[tuple[float, int]]] | None = None
+
+
+@dataclass(slots=True)
+class TokenOut:
+    """New token ids of one request after one step (to the detokenizer), with their logprobs
+    (output_logprobs: one entry per id of ids_delta) and, once, the prompt's (input_logprobs
+    with the prompt ids they are about, input_logprob_ids) when the request asked."""
+
+    rid: str
+    ids_delta: list[int]
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    cached_tokens: int
+    output_logprobs: TokenLogprobs | None = None
+    input_logprobs: TokenLogprobs | None = None
+    input_logprob_ids: list[int] | None = None
+    embedding: np.ndarray | None = None  # [hidden] float32: an embedding request's result
 
 
 @dataclass

@@ -193,7 +193,7 @@ class BatchPlanner:
             self.retractor.retract()
 
     def _unadmit(self, req: Req) -> None:
-        self.kv_cache.abort_req(_kv_id(req))
+        self.kv_cache.free_req(_kv_id(req))
         req.req_id, req.req_pool_idx, req.prefix_len, req.extend_end = None, None, 0, None
 
 

@@ -26,8 +26,7 @@ from pyserve.engine.incremental_decode import (
     decode_one,
     stream_backend,
 )
-from pyserve.engine.step_pipeline import TokenOut
-from pyserve.forward_batch_info import FinishKind, FinishReason, TokenLogprobs
+from pyserve.forward_batch_info import FinishKind, FinishReason, TokenLogprobs, TokenOut
 from pyserve.io_struct import GenerateOutput, IdsPrefix, LogprobParams, json_safe_logprob
 
 

@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from pyserve.config import ServerArgs, setup_logging
 from pyserve.engine.engine_core import EngineCore
 from pyserve.errors import InvalidRequestError
+from pyserve.forward_batch_info import EndCause
 from pyserve.io_struct import GenerateOutput, GenerateReqInput, SingleReq
 from pyserve.sampling_params import GRAMMAR_KINDS, SamplingParams
 from pyserve.server.errors import request_error
@@ -236,7 +237,8 @@ class Engine:
         reason abort. Returns how many were ended. Any thread."""
 
         async def abort() -> int:
-            return self.core.abort_request(rid, abort_all=abort_all)
+            core = self.core
+            return core.end(core.rids_of(rid, every=abort_all), EndCause.ABORTED, "aborted by /abort_request")
 
         return self._call(abort())
 

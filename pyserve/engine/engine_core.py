@@ -19,7 +19,7 @@ import gc
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -28,14 +28,16 @@ from pyserve.config import ServerArgs
 from pyserve.constrained import GrammarBackend, JsonWhitespace, serving_grammar_backend
 from pyserve.engine import server_info
 from pyserve.engine.embedding_inputs import check_embedding_inputs
+from pyserve.engine.end_cause import end_error
 from pyserve.engine.fan_out import FanOutMixin
 from pyserve.engine.own_thread import run_in_own_thread
 from pyserve.engine.scheduler import Scheduler
-from pyserve.engine.tokenizer_manager import TokenizerManager, failure_of
+from pyserve.engine.scheduler_config import SchedulerConfig
+from pyserve.engine.tokenizer_manager import TokenizerManager
 from pyserve.engine.tokenizer_services import TokenizerServicesMixin, default_name
 from pyserve.engine.worker import ModelWorker
 from pyserve.errors import InvalidRequestError
-from pyserve.forward_batch_info import FinishReason
+from pyserve.forward_batch_info import SHUTTING_DOWN_MESSAGE, EndCause
 from pyserve.io_struct import GenerateOutput, SingleReq, new_rid
 from pyserve.mem_cache.kv_cache import KVCache
 from pyserve.metrics import RequestMetrics
@@ -46,7 +48,6 @@ logger = logging.getLogger(__name__)
 
 # how long shutdown waits for the steps in flight before it stops the scheduler anyway (s)
 SHUTDOWN_DRAIN_S = 30.0
-DRAIN_MESSAGE = "server shutting down"
 DRAIN_SETTLE_S = 5.0  # how long ended requests get to hand their last outputs to their consumers
 
 
@@ -140,29 +141,15 @@ class EngineCore(FanOutMixin, TokenizerServicesMixin):
                     pattern=args.constrained_json_whitespace_pattern,
                 ),
             )
+        chunked = (
+            args.resolved_chunked_prefill_size(_device_memory_bytes(str(runner.device))) if self.is_generation else None
+        )
         self.scheduler = Scheduler(
+            SchedulerConfig.from_server_args(args, self.context_len, chunked),
             self.kv_cache,
             self.worker,
-            self.context_len,
-            args.max_running_requests,
-            args.max_prefill_tokens,
             emit=self._emit,
-            stats_interval_s=args.stats_interval_s,
-            overlap=not args.disable_overlap_schedule,
-            chunked_prefill_size=(
-                args.resolved_chunked_prefill_size(_device_memory_bytes(str(runner.device)))
-                if self.is_generation
-                else None
-            ),
-            enable_mixed_chunk=args.enable_mixed_chunk,
-            schedule_policy=args.schedule_policy,
-            random_seed=args.random_seed,
-            enable_priority_scheduling=args.enable_priority_scheduling,
-            low_priority_values_first=args.schedule_low_priority_values_first,
-            preemption_threshold=args.priority_scheduling_preemption_threshold,
-            schedule_conservativeness=args.schedule_conservativeness,
             grammar_backend=self.grammar_backend,
-            grammar_compile_timeout_s=args.grammar_compile_timeout_s,
             metrics=RequestMetrics() if args.enable_metrics else None,
         )
         self.tokenizer_manager = TokenizerManager(
@@ -281,8 +268,8 @@ class EngineCore(FanOutMixin, TokenizerServicesMixin):
 
     async def drain(self, timeout_s: float) -> None:
         """Stop taking requests (ServerDrainingError, 503), let the running ones finish for up
-        to `timeout_s`, then end the rest (TokenizerManager.end_all_for_shutdown: a stream's
-        last chunk says abort, a whole response gets a 503) and wait (up to DRAIN_SETTLE_S)
+        to `timeout_s`, then end the rest (EndCause.SHUTDOWN: a stream's last chunk says abort, a
+        whole response gets ServerDrainingError, 503) and wait (up to DRAIN_SETTLE_S)
         until their consumers have their last output. Idempotent."""
         if not self.started:
             return
@@ -296,7 +283,7 @@ class EngineCore(FanOutMixin, TokenizerServicesMixin):
         while states and loop.time() < deadline:
             await asyncio.sleep(0.05)
         if states:
-            ended = tm.end_all_for_shutdown(DRAIN_MESSAGE)
+            ended = self.end(list(states), EndCause.SHUTDOWN, SHUTTING_DOWN_MESSAGE)
             logger.info("drain: %d requests still running after %g s are ended", ended, timeout_s)
             deadline = loop.time() + DRAIN_SETTLE_S
             while states and loop.time() < deadline:
@@ -310,9 +297,9 @@ class EngineCore(FanOutMixin, TokenizerServicesMixin):
     def _rank_died_threadsafe(self, rank: int, message: str) -> None:
         """A rank's watcher thread: hand the death to the loop."""
         with contextlib.suppress(RuntimeError):  # the loop is already closed: nothing runs
-            self._loop.call_soon_threadsafe(self._fail, message)
+            self._loop.call_soon_threadsafe(self._stop_serving, message)
 
-    def _fail(self, message: str) -> None:
+    def _stop_serving(self, message: str) -> None:
         """Serving cannot go on: log the one line, refuse new requests (503), end every
         request with an error (a stream's last event), tell the listeners."""
         if self.failure is not None:
@@ -323,9 +310,7 @@ class EngineCore(FanOutMixin, TokenizerServicesMixin):
             return
         tm = self.tokenizer_manager
         tm.draining = True
-        reason = FinishReason.abort(f"{message}; the server stops", status_code=500)
-        for rid in list(tm.states):
-            tm.end_request(rid, message, reason)
+        self.end(list(tm.states), EndCause.SERVER_FAILED, f"{message}; the server stops")
         for listener in self._failure_listeners:
             listener(message)
 
@@ -356,7 +341,7 @@ class EngineCore(FanOutMixin, TokenizerServicesMixin):
         ]
         outs = await self.generate_all(reqs)
         for out in outs:
-            failure = failure_of(out)
+            failure = end_error(out.finish_reason, streamed=False)
             if failure is not None:
                 raise failure
             if out.embedding is None:  # ended before its step ran (/abort_request, shutdown)
@@ -369,18 +354,25 @@ class EngineCore(FanOutMixin, TokenizerServicesMixin):
         return outs
 
     # ---- control -------------------------------------------------------------------------------
-    def abort_request(self, rid: str | None = None, abort_all: bool = False) -> int:
-        """End running requests: the one named `rid` and those the server derived from it
-        (the prompts of a batch, the samples of n > 1 and their prefill), or every one with
-        `abort_all`. Each consumer gets a last output with finish reason abort and its KV is
-        freed. Returns how many requests were ended."""
-        tm = self.tokenizer_manager
-        if abort_all:
-            rids = list(tm.states)
-        else:
-            rids = [r for r in [rid, *sorted(self._derived.get(rid or "", ()))] if r in tm.states]
-        message = "aborted by /abort_request"
-        return sum(tm.end_request(r, message) for r in rids)
+    def forget(self, rid: str) -> None:
+        """Request `rid`'s consumer left: it ends (EndCause.CLIENT_GONE), its KV is freed, and
+        nothing more of it is emitted or detokenized. Loop thread."""
+        self.tokenizer_manager.forget(rid)
+
+    def end(self, rids: Iterable[str], cause: EndCause, message: str) -> int:
+        """End the running requests `rids` with `cause`; each consumer gets a last output with
+        finish reason abort (or the error the cause stands for: end_cause.py, server/errors.py)
+        and its KV is freed. Returns how many were ended. Loop thread."""
+        return self.tokenizer_manager.end(rids, cause, message)
+
+    def rids_of(self, rid: str | None = None, every: bool = False) -> list[str]:
+        """The running requests named by SGLang's abort: `rid` and those the server derived
+        from it (the prompts of a batch, the samples of n > 1 and their prefill), or every one
+        (`every`)."""
+        states = self.tokenizer_manager.states
+        if every:
+            return list(states)
+        return [r for r in [rid, *sorted(self._derived.get(rid or "", ()))] if r in states]
 
     def flush_cache(self) -> bool:
         """Empty the radix cache; False (nothing changed) while requests are queued or run."""

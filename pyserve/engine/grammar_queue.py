@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 from pyserve.constrained import GrammarBackend, GrammarKey
 from pyserve.engine.schedule_batch import Req
-from pyserve.forward_batch_info import FinishReason
+from pyserve.forward_batch_info import SHUTTING_DOWN_MESSAGE, EndCause, FinishReason
 
 
 class _Queued(NamedTuple):
@@ -33,8 +33,9 @@ class GrammarQueue:
 
     backend: compiles grammars (None: the server takes none, `--grammar-backend none`; the
     tokenizer manager refuses such requests before they get here). admit(req): the request's
-    grammar is in req.grammar, it may be scheduled. fail(req, reason): it ends with `reason`
-    (an abort with status 400 and `param` naming the grammar field).
+    grammar is in req.grammar, it may be scheduled. end(req, reason): it ends with `reason`
+    (EndCause.GRAMMAR_REFUSED with `param` naming the grammar field; STOPPED when the
+    backend shut down).
     """
 
     def __init__(
@@ -42,12 +43,12 @@ class GrammarQueue:
         backend: GrammarBackend | None,
         timeout_s: float,
         admit: Callable[[Req], None],
-        fail: Callable[[Req, FinishReason], None],
+        end: Callable[[Req, FinishReason], None],
     ) -> None:
         self.backend = backend
         self.timeout_s = timeout_s
         self._admit = admit
-        self._fail = fail
+        self._end = end
         self._reqs: dict[str, _Queued] = {}
 
     def __len__(self) -> int:
@@ -101,11 +102,11 @@ class GrammarQueue:
 
     def _settle(self, req: Req, kind: str, future: concurrent.futures.Future[Any]) -> None:
         if future.cancelled():  # the backend shut down
-            self._fail(req, FinishReason.abort("server shutting down"))
+            self._end(req, FinishReason.abort(EndCause.STOPPED, SHUTTING_DOWN_MESSAGE))
             return
         exc = future.exception()
         if exc is not None:
-            self._fail(req, FinishReason.abort(str(exc), status_code=400, param=kind))
+            self._end(req, FinishReason.abort(EndCause.GRAMMAR_REFUSED, str(exc), param=kind))
             return
         req.grammar = future.result()
         self._admit(req)
@@ -127,4 +128,4 @@ class GrammarQueue:
             f"{kind}: the grammar did not compile within {self.timeout_s:g} s (--grammar-compile-timeout-s); "
             "simplify it or ask the operator to raise the limit"
         )
-        self._fail(req, FinishReason.abort(message, status_code=400, param=kind))
+        self._end(req, FinishReason.abort(EndCause.GRAMMAR_REFUSED, message, param=kind))

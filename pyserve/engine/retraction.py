@@ -115,7 +115,7 @@ class Retractor:
             state.running.remove(req)
         assert req.req_id is not None and req.req_pool_idx is not None
         if req.kv_invalid:
-            self.kv_cache.abort_req(req.req_id)
+            self.kv_cache.free_req(req.req_id)
         else:
             kv_len = self.kv_cache.kv_len(req.req_id)
             self.kv_cache.cache_finished_req(req.req_id, req.kv_token_ids(kv_len))

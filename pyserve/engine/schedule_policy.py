@@ -263,7 +263,7 @@ class PrefillAdder:
         need = span_tokens(admitted.prefix_len, seq_len + reserved_tokens(req), page)
         too_big = extend_len > self.prefill_budget or chunk == 0 or (chunk < extend_len and not req.can_chunk())
         if (self.admitted and too_big) or need > self.kv_cache.available_size() - self.reserved:
-            self.kv_cache.abort_req(admitted.req_id)
+            self.kv_cache.free_req(admitted.req_id)
             return False
         req.req_id = admitted.req_id
         req.prefix_len = admitted.prefix_len

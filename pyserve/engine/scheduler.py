@@ -45,9 +45,10 @@ from pyserve.engine.retraction import Retractor
 from pyserve.engine.schedule_batch import Req
 from pyserve.engine.schedule_policy import NewTokenRatio, SchedulePolicy
 from pyserve.engine.schedule_state import ScheduleState
-from pyserve.engine.step_pipeline import Launched, StepPipeline, TokenOut, token_out
+from pyserve.engine.scheduler_config import SchedulerConfig
+from pyserve.engine.step_pipeline import Launched, StepPipeline, token_out
 from pyserve.engine.worker import ModelWorker
-from pyserve.forward_batch_info import FinishReason, ForwardMode
+from pyserve.forward_batch_info import SHUTTING_DOWN_MESSAGE, EndCause, FinishReason, ForwardMode, TokenOut
 from pyserve.io_struct import TokenizedGenerateReq
 from pyserve.mem_cache.kv_cache import KVCache
 from pyserve.metrics import RequestMetrics
@@ -62,34 +63,28 @@ class Scheduler:
 
     def __init__(
         self,
+        config: SchedulerConfig,
         kv_cache: KVCache,
         worker: ModelWorker,
-        context_len: int,
-        max_running_requests: int,
-        max_prefill_tokens: int,
         emit: Callable[[list[TokenOut]], None],
-        stats_interval_s: float = 10.0,
-        overlap: bool = True,
-        chunked_prefill_size: int | None = None,
-        enable_mixed_chunk: bool = False,
-        schedule_policy: str = "fcfs",
-        random_seed: int | None = None,
-        enable_priority_scheduling: bool = False,
-        low_priority_values_first: bool = False,
-        preemption_threshold: int = 10,
-        schedule_conservativeness: float = 1.0,
         grammar_backend: GrammarBackend | None = None,
-        grammar_compile_timeout_s: float = 60.0,
         metrics: RequestMetrics | None = None,
     ) -> None:
+        """config: the flags it runs by (SchedulerConfig.from_server_args). emit: hands each
+        step's TokenOuts on (the detokenizer's queue). grammar_backend: compiles the grammars
+        of structured-output requests (None: refused earlier). metrics: the request
+        histograms to fill (--enable-metrics), or None. Raises ValueError for an unknown
+        schedule policy."""
+        self.config = config
         self.kv_cache = kv_cache
         self.worker = worker
-        self.context_len = context_len
+        self.context_len = config.context_len
         self.emit = emit
-        self.stats_interval_s = stats_interval_s
-        self.overlap = overlap
-        policy = SchedulePolicy(schedule_policy, kv_cache, seed=random_seed)
-        new_token_ratio = NewTokenRatio(schedule_conservativeness)
+        # runtime toggles (the tests and `pyserve bench host` change them)
+        self.stats_interval_s = config.stats_interval_s
+        self.overlap = config.overlap
+        policy = SchedulePolicy(config.schedule_policy, kv_cache, seed=config.random_seed)
+        new_token_ratio = NewTokenRatio(config.schedule_conservativeness)
         # seeded requests draw from a generator on the model's device
         self.generator_device = str(getattr(getattr(worker, "model_runner", None), "device", "cpu"))
         self.state = ScheduleState(metrics=metrics)
@@ -99,10 +94,10 @@ class Scheduler:
             self.state,
             self.pipeline,
             new_token_ratio,
-            max_running_requests,
-            enable_priority_scheduling,
-            low_priority_values_first,
-            preemption_threshold,
+            config.max_running_requests,
+            config.enable_priority_scheduling,
+            config.low_priority_values_first,
+            config.preemption_threshold,
         )
         self.planner = BatchPlanner(
             kv_cache,
@@ -111,14 +106,17 @@ class Scheduler:
             self.retractor,
             new_token_ratio,
             policy,
-            max_running_requests,
-            max_prefill_tokens,
-            chunked_prefill_size,
-            enable_mixed_chunk,
+            config.max_running_requests,
+            config.max_prefill_tokens,
+            config.chunked_prefill_size,
+            config.enable_mixed_chunk,
         )
         # requests whose grammar compiles; they join `waiting` once it is ready
         self.grammar_queue = GrammarQueue(
-            grammar_backend, grammar_compile_timeout_s, self._admit_compiled, self._fail_unadmitted
+            grammar_backend,
+            config.grammar_compile_timeout_s,
+            self._admit_compiled,
+            lambda req, reason: self.end(req.rid, reason),
         )
         self._failure: BaseException | None = None  # a bug in a step-done callback
         self._wake = asyncio.Event()
@@ -198,21 +196,23 @@ class Scheduler:
         self.state.waiting.append(req)
         self._wake.set()
 
-    def finish_request(self, rid: str, finish_reason: FinishReason) -> None:
-        """End a request now (client gone, or a stop string matched). Its KV is released once
-        no step in flight holds it; tokens computed meanwhile are dropped. Unknown rids are
-        ignored."""
+    def end(self, rid: str, reason: FinishReason, emit: bool = True) -> None:
+        """End request `rid` now with `reason` (an abort: `EndCause`). Its KV is released once
+        no step in flight holds it; tokens computed meanwhile are dropped. emit: its consumer
+        is told (a last TokenOut); False: nobody listens (`TokenizerManager.forget`), so
+        nothing of it is emitted or detokenized. Unknown or finished rids are ignored."""
         req = self.state.reqs.get(rid)
         if req is None or req.finished:
             return
-        if req.req_id is None:  # still waiting (for admission or its grammar): nothing allocated
-            req.finish_reason = finish_reason
-            if self.grammar_queue.remove(rid) is None:
+        if req.req_id is None:  # not admitted (waiting, or its grammar compiles or failed)
+            req.finish_reason = reason
+            if self.grammar_queue.remove(rid) is None and req in self.state.waiting:
                 self.state.waiting.remove(req)
             self.state.forget(req)
-        else:  # its KV goes once no step holds it; the consumer hears of the end now
-            self.pipeline.end(req, finish_reason)
-        self.emit([token_out(req)])
+        else:  # its KV goes once no step holds it
+            self.pipeline.end(req, reason)
+        if emit:
+            self.emit([token_out(req)])
         self._wake.set()
 
     def pause_request(self, rid: str, paused: bool) -> None:
@@ -235,16 +235,16 @@ class Scheduler:
         """A request's priority as the scheduler keeps it (`Retractor.priority_of`)."""
         return self.retractor.priority_of(priority)
 
-    def bump_least_urgent_waiting(self, priority: int) -> bool:
+    def bump_for(self, priority: int) -> bool:
         """Queue full, a request of `priority` arrives: with priority scheduling, if it is
         strictly more urgent than the least urgent waiting request (the newest of equals),
-        that one ends with 503 (its consumer is told) and True lets the new one in."""
+        that one ends (EndCause.BUMPED: its consumer is told) and True lets the new one in."""
         victim = self.retractor.bumped_by(priority)
         if victim is None:
             return False
-        self.finish_request(
+        self.end(
             victim.rid,
-            FinishReason.abort("the request was let go from the full queue for a more urgent one", status_code=503),
+            FinishReason.abort(EndCause.BUMPED, "the request was let go from the full queue for a more urgent one"),
         )
         return True
 
@@ -258,12 +258,6 @@ class Scheduler:
         req.queue_start = time.perf_counter()
         self.state.waiting.append(req)
         self._wake.set()
-
-    def _fail_unadmitted(self, req: Req, reason: FinishReason) -> None:
-        """A request that holds nothing yet ends (its grammar failed to compile)."""
-        req.finish_reason = reason
-        self.state.forget(req)
-        self.emit([token_out(req)])
 
     def flush_cache(self) -> bool:
         """Empty the radix cache (every cached prefix's KV is freed). Only while no request
@@ -322,7 +316,7 @@ class Scheduler:
         chunked = [state.chunked_req] if state.chunked_req is not None else []
         for req in list(state.waiting) + state.running + chunked + self.grammar_queue.take_all():
             if not req.finished:
-                req.finish_reason = FinishReason.abort("server shutting down")
+                req.finish_reason = FinishReason.abort(EndCause.STOPPED, SHUTTING_DOWN_MESSAGE)
                 self.emit([token_out(req)])
 
     def _pump(self) -> None:

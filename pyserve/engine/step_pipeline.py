@@ -22,30 +22,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
-
 from pyserve.engine.schedule_batch import Req, ScheduleBatch
 from pyserve.engine.schedule_state import ScheduleState
 from pyserve.engine.worker import ModelWorker
-from pyserve.forward_batch_info import FinishReason, ForwardMode, StepOutput, TokenLogprobs
+from pyserve.forward_batch_info import EndCause, FinishReason, ForwardMode, StepOutput, TokenOut
 from pyserve.mem_cache.kv_cache import KVCache
-
-
-@dataclass(slots=True)
-class TokenOut:
-    """New token ids of one request after one step (to the detokenizer), with their logprobs
-    (output_logprobs: one entry per id of ids_delta) and, once, the prompt's (input_logprobs
-    with the prompt ids they are about, input_logprob_ids) when the request asked."""
-
-    rid: str
-    ids_delta: list[int]
-    finish_reason: FinishReason | None
-    prompt_tokens: int
-    cached_tokens: int
-    output_logprobs: TokenLogprobs | None = None
-    input_logprobs: TokenLogprobs | None = None
-    input_logprob_ids: list[int] | None = None
-    embedding: np.ndarray | None = None  # [hidden] float32: an embedding request's result
 
 
 @dataclass
@@ -139,8 +120,7 @@ class StepPipeline:
                 # had finished normally one step before (its stop token's KV is in here)
                 req.kv_invalid = True
                 if not req.finished:
-                    # status_code: a server-side failure, not the client's (HTTP 500)
-                    self.end(req, FinishReason.abort(f"model step failed: {exc}", status_code=500))
+                    self.end(req, FinishReason.abort(EndCause.STEP_FAILED, f"model step failed: {exc}"))
                     self.emit([token_out(req)])
             return
         self.process_batch_result(batch, launched.future.result())
@@ -170,10 +150,10 @@ class StepPipeline:
                 self.end(
                     req,
                     FinishReason.abort(
+                        EndCause.BAD_PARAMS,
                         "the sampling parameters leave no token to sample at output token "
                         f"{len(req.output_ids)} (every logit banned or masked by its grammar, or a bias or "
                         "penalty overflowed)",
-                        status_code=400,
                     ),
                 )
                 outs.append(token_out(req))
@@ -242,7 +222,7 @@ class StepPipeline:
                 continue
             if req.req_id is not None:
                 if req.finish_reason.is_abort or req.kv_invalid:  # type: ignore[union-attr]
-                    self.kv_cache.abort_req(req.req_id)
+                    self.kv_cache.free_req(req.req_id)
                 else:
                     kv_len = self.kv_cache.kv_len(req.req_id)
                     self.kv_cache.cache_finished_req(req.req_id, req.kv_token_ids(kv_len))

@@ -3,8 +3,8 @@
 It tokenizes through a `BatchEncoder` (batch_encoder.py: the encoding runs on its executor
 thread; the loop never runs a tokenizer), checks the request against the model's limits,
 keeps a `ReqState` per `rid`, hands the tokenized request to the scheduler and yields the
-detokenizer's outputs. Leaving the output iterator early (a client disconnect) aborts the
-request.
+detokenizer's outputs. Leaving the output iterator early (a client disconnect) ends the
+request (`forget`: nothing more of it is emitted).
 """
 
 from __future__ import annotations
@@ -12,16 +12,17 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pyserve.engine.batch_encoder import BatchEncoder
 from pyserve.engine.detokenizer import Detokenizer
+from pyserve.engine.end_cause import end_error
 from pyserve.engine.scheduler import Scheduler
-from pyserve.errors import InvalidRequestError, ModelStepError, QueueFullError, ServerDrainingError
-from pyserve.forward_batch_info import FinishReason
+from pyserve.errors import InvalidRequestError, QueueFullError, ServerDrainingError
+from pyserve.forward_batch_info import EndCause, FinishReason
 from pyserve.io_struct import GenerateOutput, SingleReq, TokenizedGenerateReq
 
 if TYPE_CHECKING:
@@ -59,7 +60,7 @@ class ReqState:
 
 
 class TokenizerManager:
-    """Tokenizes, validates, tracks and aborts requests. Loop thread only."""
+    """Tokenizes, validates, tracks and ends requests (`forget`, `end`). Loop thread only."""
 
     def __init__(
         self,
@@ -96,7 +97,7 @@ class TokenizerManager:
         self.executor = self.encoder.executor
         self.states: dict[str, ReqState] = {}
         self.draining = False  # new requests are refused (EngineCore.drain)
-        self.detokenizer = Detokenizer(tokenizer, self._deliver, scheduler.finish_request)
+        self.detokenizer = Detokenizer(tokenizer, self._deliver, scheduler.end)
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> np.ndarray:
         """Token ids of `text`, [n] int32, encoded on the executor thread in one batched call
@@ -260,7 +261,7 @@ class TokenizerManager:
                 out = await state.get()
                 if out.finished:
                     state.finished = True
-                    failure = failure_of(out)
+                    failure = end_error(out.finish_reason, req.stream)
                     if failure is not None:
                         raise failure
                     yield out
@@ -270,13 +271,13 @@ class TokenizerManager:
         finally:
             self.states.pop(req.rid, None)
             if not state.finished:
-                self.abort_request(req.rid)
+                self.forget(req.rid)
 
     def start_stream(self, req: SingleReq, treq: TokenizedGenerateReq, sink: Callable[[GenerateOutput], None]) -> None:
         """Start `req` (tokenized as `treq`) with its outputs handed to `sink` as they come,
         synchronously on the loop (every chunk when req.stream, else the final output; a
-        failure is the final output with its finish reason's status_code, not an exception).
-        The caller must call `abort_request(rid)` if it stops listening before the final
+        failure is the final output with its finish reason's `EndCause`, not an exception).
+        The caller must call `forget(rid)` if it stops listening before the final
         output. Raises what `check_can_start` raises."""
         self.check_can_start(req)
         self._begin(req, treq, ReqState(sink))
@@ -293,7 +294,7 @@ class TokenizerManager:
         if limit is not None and len(self.scheduler.waiting) >= limit:
             # with priority scheduling a more urgent request takes the place of the least
             # urgent waiting one (the newest of equals), which gets the 503 instead (SGLang)
-            if not self.scheduler.bump_least_urgent_waiting(self.scheduler.priority_of(req.priority)):
+            if not self.scheduler.bump_for(self.scheduler.priority_of(req.priority)):
                 raise QueueFullError(f"the request queue is full ({limit} requests waiting); retry later")
 
     def _begin(self, req: SingleReq, treq: TokenizedGenerateReq, state: ReqState) -> ReqState:
@@ -314,35 +315,30 @@ class TokenizerManager:
         self.scheduler.add_request(treq)
         return state
 
-    def abort_request(self, rid: str) -> None:
-        """Stop a request and free what it holds; its consumer gets no more output."""
+    def forget(self, rid: str) -> None:
+        """Its consumer left (a client disconnect, an iterator closed early): the request
+        ends (EndCause.CLIENT_GONE), its KV is freed, and nothing more of it is emitted or
+        detokenized. Unknown rids are ignored."""
         self.states.pop(rid, None)
         self.detokenizer.forget(rid)
-        self.scheduler.finish_request(rid, FinishReason.abort("aborted by the client"))
+        self.scheduler.end(rid, FinishReason.abort(EndCause.CLIENT_GONE, "the client left"), emit=False)
 
     def pause_request(self, rid: str, paused: bool) -> None:
         """Its streaming client is behind (True) or caught up: the request's decoding pauses
         meanwhile (Scheduler.pause_request)."""
         self.scheduler.pause_request(rid, paused)
 
-    def end_request(self, rid: str, message: str, reason: FinishReason | None = None) -> bool:
-        """Stop a running request and free what it holds; its consumer receives a last
-        output with finish reason `reason` (default: a plain abort with `message`). False for
-        an unknown rid."""
-        if rid not in self.states:
-            return False
-        self.scheduler.finish_request(rid, reason or FinishReason.abort(message))
-        return True
-
-    def end_all_for_shutdown(self, message: str) -> int:
-        """End every request (a drain's timeout): a streamed one's consumer gets a plain
-        abort (its last chunk, then [DONE]); a whole-response consumer a 503
-        ServerDrainingError. Returns how many were ended."""
-        refused = FinishReason.abort(message, status_code=503, code="server_shutting_down")
-        return sum(
-            self.end_request(rid, message, None if state.stream else refused)
-            for rid, state in list(self.states.items())
-        )
+    def end(self, rids: Iterable[str], cause: EndCause, message: str) -> int:
+        """End the running requests `rids` with `cause`: each consumer receives a last output
+        with finish reason abort (`end_cause.end_error` says what it raises); their KV is
+        freed. Unknown rids are skipped. Returns how many were ended."""
+        reason = FinishReason.abort(cause, message)
+        ended = 0
+        for rid in rids:
+            if rid in self.states:
+                self.scheduler.end(rid, reason)
+                ended += 1
+        return ended
 
     def _deliver(self, out: GenerateOutput) -> None:
         state = self.states.get(out.rid)
@@ -355,22 +351,3 @@ class TokenizerManager:
             state.finished = True
             del self.states[out.rid]
         state.sink(out)
-
-
-def failure_of(out: GenerateOutput) -> InvalidRequestError | ModelStepError | None:
-    """The error a final output stands for, or None: a failed model step (status 500 in its
-    finish reason) or the request's own parameters failing it mid-way (400)."""
-    reason = out.finish_reason
-    status = (reason.status_code if reason is not None else None) or 0
-    if status == 503 and reason.code == "server_shutting_down":  # type: ignore[union-attr]
-        return ServerDrainingError()
-    if status == 503:  # let go from a full queue for a more urgent request
-        return QueueFullError(reason.message or "the request queue is full")  # type: ignore[union-attr]
-    if status >= 500:
-        return ModelStepError(reason.message or "the model step failed")  # type: ignore[union-attr]
-    if status >= 400:
-        return InvalidRequestError(
-            reason.message or "invalid request",  # type: ignore[union-attr]
-            param=reason.param or "sampling_params",  # type: ignore[union-attr]
-        )
-    return None

@@ -1,7 +1,9 @@
 """`TokenizerServicesMixin`: EngineCore's tokenizer-facing services for the server's routes.
 
-Chat template application, the prompt text (and its token offsets) that `echo` returns, and
-the served model's name for a request's `model` field. Called on the loop thread; the
+A streamed request's start (tokenize, admit, start with a sink, pause), encoding and
+decoding, chat template application, the prompt text (and its token offsets) that `echo`
+returns, and the served model's name for a request's `model` field: the routes call these on
+the engine, never the tokenizer manager. Called on the loop thread; the
 tokenizer work itself runs on the TokenizerManager's executor thread, off the loop.
 """
 
@@ -9,14 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from pyserve.engine.incremental_decode import token_deltas
 from pyserve.errors import InvalidRequestError
-from pyserve.io_struct import SingleReq
+from pyserve.io_struct import GenerateOutput, SingleReq, TokenizedGenerateReq
 from pyserve.model_loader.chat_template import BUILTIN_TEMPLATES
 
 if TYPE_CHECKING:
+    import numpy as np
     import transformers
 
     from pyserve.config import ServerArgs
@@ -46,6 +50,42 @@ class TokenizerServicesMixin:
             param="model",
             code="model_not_found",
             status=404,
+        )
+
+    # ---- a request's start, for the streaming routes (the tokenizer manager's, behind us) ----
+    async def tokenize_to_start(self, req: SingleReq) -> TokenizedGenerateReq:
+        """`req` tokenized and checked (TokenizerManager.tokenize) and admitted to start
+        (`check_can_start`), as a route does before its stream's 200. Raises what those
+        raise (InvalidRequestError and its 503 kinds)."""
+        tm = self.tokenizer_manager
+        treq = await tm.tokenize(req)
+        tm.check_can_start(req)
+        return treq
+
+    async def check_prompt(self, req: SingleReq) -> None:
+        """Raise InvalidRequestError if `req`'s prompt is invalid (what `tokenize` checks)."""
+        await self.tokenizer_manager.tokenize(req)
+
+    def start_stream(self, req: SingleReq, treq: TokenizedGenerateReq, sink: Callable[[GenerateOutput], None]) -> None:
+        """Start `req` with its outputs handed to `sink` as they come (every chunk when
+        req.stream, else the final output; TokenizerManager.start_stream). The caller must
+        `forget(rid)` if it stops listening before the final output."""
+        self.tokenizer_manager.start_stream(req, treq, sink)
+
+    def pause(self, rid: str, paused: bool) -> None:
+        """Its streaming client is behind (True) or caught up: the request's decoding pauses
+        meanwhile (Scheduler.pause_request)."""
+        self.tokenizer_manager.pause_request(rid, paused)
+
+    async def encode_text(self, text: str, add_special_tokens: bool) -> np.ndarray:
+        """`text`'s token ids ([n] int, numpy), tokenized off the loop."""
+        return await self.tokenizer_manager.encode(text, add_special_tokens)
+
+    async def decode_ids(self, seqs: list[list[int]], skip_special_tokens: bool) -> list[str]:
+        """The text of each id sequence, decoded off the loop. Ids must be in the vocabulary."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self.tokenizer_manager.executor,
+            lambda: [cast(str, self.tokenizer.decode(s, skip_special_tokens=skip_special_tokens)) for s in seqs],
         )
 
     async def _prompt_ids(self, req: SingleReq) -> list[int]:

@@ -133,9 +133,9 @@ class KVCache:
         """Tokens with stored KV of a live request (the Rust core's count)."""
         return self.core.req_info(req_id)[2]
 
-    def abort_req(self, req_id: int) -> bool:
+    def free_req(self, req_id: int) -> bool:
         """Free everything a request holds without caching it. False if released already."""
-        return self.core.abort_req(req_id)
+        return self.core.free_req(req_id)
 
     # ---- one step ------------------------------------------------------------------------------
     def prepare_extend(self, req_ids: list[int], extend_lens: list[int]) -> BatchArrays | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
@@ -13,6 +13,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
 from pyserve.errors import InvalidRequestError, ModelStepError, RequestTooLargeError
+from pyserve.forward_batch_info import EndCause
 from pyserve.server.access_log import access_record
 from pyserve.server.render import SafeJSONResponse, error_body
 
@@ -144,13 +145,46 @@ def _lone_surrogate_path(obj: Any) -> str | None:
     return None
 
 
+class EndHttp(NamedTuple):
+    """The HTTP status and error code of a request ended with an `EndCause` (the error type
+    follows from the status: `exception_response`, `sse.error_event`)."""
+
+    status: int
+    code: str | None = None
+
+
+# EndCause -> HTTP, the one table: what a client gets when its request is ended with a cause
+# (the engine's `end_error` says which exception the cause raises; its status and code are
+# these). None: no error, the consumer gets its last output with finish reason abort. A stream
+# ended by the drain's deadline gets its last chunk too (end_error with streamed=True).
+END_CAUSE_HTTP: dict[EndCause, EndHttp | None] = {
+    EndCause.CLIENT_GONE: None,  # nobody is listening
+    EndCause.ABORTED: None,
+    EndCause.STOPPED: None,
+    EndCause.SHUTDOWN: EndHttp(503, "server_shutting_down"),
+    EndCause.BUMPED: EndHttp(503, "queue_full"),
+    EndCause.BAD_PARAMS: EndHttp(400),
+    EndCause.GRAMMAR_REFUSED: EndHttp(400),
+    EndCause.STEP_FAILED: EndHttp(500),
+    EndCause.SERVER_FAILED: EndHttp(500),
+}
+
+
+def http_of(exc: InvalidRequestError) -> tuple[int, str | int | None]:
+    """(status, code) of an error: END_CAUSE_HTTP's for the error a request's end stands for
+    (`exc.end_cause`), else the error's own."""
+    http = END_CAUSE_HTTP[exc.end_cause] if exc.end_cause is not None else None
+    return (exc.status, exc.code) if http is None else (http.status, http.code)
+
+
 def exception_response(exc: InvalidRequestError | ModelStepError) -> JSONResponse:
     """The error response of a request that failed before anything was sent: the request's
     own fault (its status) or a failed model step (500)."""
     if isinstance(exc, InvalidRequestError):
-        type_ = "server_error" if exc.status >= 500 else "invalid_request_error"
-        response = error_response(exc.status, str(exc), type_=type_, param=exc.param, code=exc.code)
-        if exc.status == 503:  # queue full, model loading: worth a retry (RFC 9110 10.2.3)
+        status, code = http_of(exc)
+        type_ = "server_error" if status >= 500 else "invalid_request_error"
+        response = error_response(status, str(exc), type_=type_, param=exc.param, code=code)
+        if status == 503:  # queue full, model loading: worth a retry (RFC 9110 10.2.3)
             response.headers["Retry-After"] = "1"
         return response
     # the worker has logged the failed step with its traceback

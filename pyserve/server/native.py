@@ -10,6 +10,7 @@ from starlette.routing import Route
 
 from pyserve.engine.engine_core import EngineCore
 from pyserve.errors import InvalidRequestError, ModelLoadingError, ServerDrainingError
+from pyserve.forward_batch_info import EndCause
 from pyserve.io_struct import GenerateReqInput, SingleReq
 from pyserve.server.errors import parse_json
 from pyserve.server.render import NativeStreamEncoder, SafeJSONResponse
@@ -46,15 +47,13 @@ async def stream_response(request: Request, req: SingleReq, encode: StreamEncode
     hub = stream_hub_of(request)
     if req.sampling_params.n > 1:
         return outputs_response(hub, encode, engine.generate(req))
-    tm = engine.tokenizer_manager
-    treq = await tm.tokenize(req)
-    tm.check_can_start(req)
+    treq = await engine.tokenize_to_start(req)
     return StreamResponse(
         hub,
         encode,
-        lambda stream: tm.start_stream(req, treq, stream.push),
-        lambda: tm.abort_request(req.rid),
-        lambda paused: tm.pause_request(req.rid, paused),
+        lambda stream: engine.start_stream(req, treq, stream.push),
+        lambda: engine.forget(req.rid),
+        lambda paused: engine.pause(req.rid, paused),
     )
 
 
@@ -119,7 +118,8 @@ async def abort_request(request: Request) -> Response:
     body = AbortReq.model_validate(await parse_json(request))
     if body.rid is None and not body.abort_all:
         raise InvalidRequestError("give 'rid' or 'abort_all': true", param="rid")
-    num = engine_of(request).abort_request(body.rid, abort_all=body.abort_all)
+    engine = engine_of(request)
+    num = engine.end(engine.rids_of(body.rid, every=body.abort_all), EndCause.ABORTED, "aborted by /abort_request")
     return SafeJSONResponse({"success": True, "num_aborted": num})
 
 

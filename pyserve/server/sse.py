@@ -13,6 +13,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from pyserve.errors import InvalidRequestError, ModelStepError
 from pyserve.server.access_log import note_outputs
+from pyserve.server.errors import http_of
 from pyserve.server.render import error_body, sse_event
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,8 @@ def error_event(exc: Exception) -> bytes:
     failed model step (ModelStepError, logged by the worker: 500), or a pyserve bug (logged
     here: 500)."""
     if isinstance(exc, InvalidRequestError):
-        return sse_event(error_body(exc.message, param=exc.param, code=exc.code or exc.status))
+        status, code = http_of(exc)
+        return sse_event(error_body(exc.message, param=exc.param, code=code or status))
     if isinstance(exc, ModelStepError):
         return sse_event(error_body(str(exc), type_="internal_server_error", code=500))
     logger.error("stream failed", exc_info=exc)

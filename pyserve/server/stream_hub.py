@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from starlette.types import Receive, Scope, Send
 
-from pyserve.engine.tokenizer_manager import failure_of
+from pyserve.engine.end_cause import end_error
 from pyserve.errors import InvalidRequestError, ModelStepError
 from pyserve.io_struct import GenerateOutput
 from pyserve.server.access_log import AccessRecord, access_record
@@ -131,7 +131,7 @@ class Stream:
 
     def _add(self, out: GenerateOutput, last: bool) -> None:
         self.held = None  # (this output comes after it: a cumulative one holds it)
-        failure = failure_of(out) if out.finish_reason is not None else None
+        failure = end_error(out.finish_reason, streamed=True)
         if failure is not None:
             self.fail_request(failure)
             return

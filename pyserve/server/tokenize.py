@@ -4,7 +4,6 @@ renders them: `return_text` shows the rendered prompt) and the text of ids."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any, cast
 
 from pydantic import BaseModel, Field
@@ -80,7 +79,6 @@ async def tokenize(request: Request) -> Response:
     engine = engine_of(request)
     engine.resolve_model(body.model)
     body.check()
-    tm = engine.tokenizer_manager
     headers: dict[str, str] = {}
     text: str | list[str]
     if body.messages is not None:
@@ -89,7 +87,7 @@ async def tokenize(request: Request) -> Response:
         )
         text, headers = prompt.text, prompt.headers
         special = bool(body.add_special_tokens)
-        ids: list[int] | list[list[int]] = (await tm.encode(text, special)).tolist()
+        ids: list[int] | list[list[int]] = (await engine.encode_text(text, special)).tolist()
         count: int | list[int] = len(ids)
     else:
         special = body.add_special_tokens is not False
@@ -100,11 +98,11 @@ async def tokenize(request: Request) -> Response:
                     f"{len(body.prompt)} prompts; at most {limit} are allowed (--max-prompts-per-request)",
                     param="prompt",
                 )
-            each: list[list[int]] = [(await tm.encode(p, special)).tolist() for p in body.prompt]
+            each: list[list[int]] = [(await engine.encode_text(p, special)).tolist() for p in body.prompt]
             ids, count, text = each, [len(i) for i in each], body.prompt
         else:
             text = body.prompt or ""
-            ids = (await tm.encode(text, special)).tolist()
+            ids = (await engine.encode_text(text, special)).tolist()
             count = len(ids)
     reply: dict[str, Any] = {"tokens": ids, "count": count, "max_model_len": engine.context_len}
     if body.return_text:
@@ -127,10 +125,7 @@ async def detokenize(request: Request) -> Response:
         if bad is not None:
             where = f"tokens.{i}" if batch else "tokens"
             raise InvalidRequestError(f"token id {bad} is outside the vocabulary (0..{size - 1})", param=where)
-    texts = await asyncio.get_running_loop().run_in_executor(
-        engine.tokenizer_manager.executor,
-        lambda: [cast(str, tokenizer.decode(s, skip_special_tokens=body.skip_special_tokens)) for s in seqs],
-    )
+    texts = await engine.decode_ids(seqs, body.skip_special_tokens)
     return SafeJSONResponse({"text": texts if batch else texts[0]})
 
 

@@ -7,8 +7,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from pyserve.engine.detokenizer import Detokenizer
-from pyserve.engine.step_pipeline import TokenOut
-from pyserve.forward_batch_info import FinishReason
+from pyserve.forward_batch_info import FinishReason, TokenOut
 
 
 @pytest.fixture(scope="module")

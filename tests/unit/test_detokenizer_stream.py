@@ -12,8 +12,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from pyserve.engine.detokenizer import Detokenizer
-from pyserve.engine.step_pipeline import TokenOut
-from pyserve.forward_batch_info import FinishReason
+from pyserve.forward_batch_info import FinishReason, TokenOut
 
 TEXT = (
     'Once upon a time, Tom saw 日本 and a café ☃ by the sea. "Hi!" said Lily.\n'

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from pyserve.forward_batch_info import FinishReason
+from pyserve.forward_batch_info import EndCause, FinishReason
 from pyserve.io_struct import GenerateOutput
 from pyserve.server.openai.chat_reply import FORCED, ReplyPlan, chat_finish_reason, parse_reply
 from pyserve.server.openai.protocol import ChatCompletionRequest
@@ -215,7 +215,10 @@ def test_finish_reason_rule():
     assert chat_finish_reason(stop, True) == "tool_calls"
     assert chat_finish_reason(stop, False) == "stop"
     assert chat_finish_reason(running, True) is None
-    assert chat_finish_reason(GenerateOutput("r", "", "", [], [], 4, 0, FinishReason.abort("x")), True) == "abort"
+    assert (
+        chat_finish_reason(GenerateOutput("r", "", "", [], [], 4, 0, FinishReason.abort(EndCause.ABORTED, "x")), True)
+        == "abort"
+    )
 
 
 def test_each_choice_has_its_own_parser():

@@ -11,7 +11,7 @@ import pytest
 import xgrammar as xgr
 
 from pyserve.errors import InvalidRequestError
-from pyserve.forward_batch_info import FinishReason
+from pyserve.forward_batch_info import EndCause, FinishReason
 from pyserve.io_struct import GenerateOutput
 from pyserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pyserve.server.openai.structured import (
@@ -189,9 +189,22 @@ def test_engine_refusal_is_renamed_to_the_request_field():
     same = rename_param(InvalidRequestError("x", param="json_schema"), None)
     assert same.param == "json_schema"
 
-    out = GenerateOutput("r", "", "", [], [], 3, 0, FinishReason.abort("json_schema: invalid: x", 400, "json_schema"))
+    out = GenerateOutput(
+        "r",
+        "",
+        "",
+        [],
+        [],
+        3,
+        0,
+        FinishReason.abort(EndCause.GRAMMAR_REFUSED, "json_schema: invalid: x", "json_schema"),
+    )
     renamed = renamed_output(out, Constraint("json_schema", "{}", "guided_json")).finish_reason
     assert renamed is not None
-    assert (renamed.param, renamed.message, renamed.status_code) == ("guided_json", "guided_json: invalid: x", 400)
+    assert (renamed.param, renamed.message, renamed.cause) == (
+        "guided_json",
+        "guided_json: invalid: x",
+        EndCause.GRAMMAR_REFUSED,
+    )
     stop = GenerateOutput("r", "", "", [], [], 3, 0, FinishReason.stop(2))
     assert renamed_output(stop, constraint).finish_reason == FinishReason.stop(2)

@@ -15,7 +15,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from pyserve.config import ServerArgs
-from pyserve.forward_batch_info import FinishReason
+from pyserve.forward_batch_info import EndCause, FinishReason
 from pyserve.io_struct import GenerateOutput
 from pyserve.model_executor.simulated_runner import SimulatedRunner
 from pyserve.model_loader.tokenizer import get_tokenizer
@@ -96,7 +96,7 @@ def sse(events: list[tuple[str, dict]]) -> bytes:
     [
         (FinishReason.stop("!"), "completed", None, "response.completed"),
         (FinishReason.length_limit(6), "incomplete", {"reason": "max_output_tokens"}, "response.incomplete"),
-        (FinishReason.abort("aborted"), "cancelled", None, "response.incomplete"),
+        (FinishReason.abort(EndCause.ABORTED, "aborted"), "cancelled", None, "response.incomplete"),
     ],
 )
 def test_events_are_exactly_the_responses_apis(finish, status, details, last):

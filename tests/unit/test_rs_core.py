@@ -124,15 +124,15 @@ def test_finish_caches_whole_pages_and_prefix_is_page_aligned():
     c.prepare_extend([rid], [30])
     assert c.cache_finished_req(rid, prompt) is True
     assert c.cache_finished_req(rid, prompt) is False  # idempotent
-    assert c.abort_req(rid) is False
+    assert c.free_req(rid) is False
     assert (c.evictable_size(), c.protected_size(), c.free_size()) == (16, 0, 48)
     rid2, _, prefix_len = c.add_req(prompt[:-1])
     assert prefix_len == 16
     assert c.protected_size() == 16
     assert c.req_slots(rid2).tolist() == list(range(16, 32))
-    assert c.abort_req(rid2) is True
+    assert c.free_req(rid2) is True
     with pytest.raises(UnknownRequestError):
-        c.abort_req(1000)
+        c.free_req(1000)
     assert c.match_prefix(prompt)[0].tolist() == list(range(16, 32))
 
 
@@ -153,7 +153,7 @@ def test_duplicates_freed_exactly_and_unfinished_relocks():
     assert c.protected_size() == 5
     with pytest.raises(ShapeError):
         c.cache_unfinished_req(re_, [8])
-    c.abort_req(re_)
+    c.free_req(re_)
     assert (c.evictable_size(), c.protected_size(), c.num_reqs()) == (5, 0, 0)
     assert c.evict(100) == 5
     assert c.free_size() == 20
@@ -201,7 +201,7 @@ def test_lifecycle_reads_only_the_tokens_after_the_locked_prefix():
     assert (c.req_info(r2)[:3], c.req_slots(r2).tolist()) == ((1, 6, 6), [1, 2, 3, 4, 5, 6])
     assert c.match_prefix([1, 2, 3, 4, 5, 6])[0].tolist() == [1, 2, 3, 4, 5, 6]
     assert c.match_prefix([9, 9])[0].tolist() == []
-    assert c.abort_req(r2)
+    assert c.free_req(r2)
     assert (c.free_size(), c.evictable_size(), c.protected_size()) == (26, 6, 0)
 
 

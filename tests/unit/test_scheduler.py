@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 
 from pyserve.engine.scheduler import Scheduler
-from pyserve.forward_batch_info import FinishKind, FinishReason, ForwardMode, StepOutput
+from pyserve.engine.scheduler_config import SchedulerConfig
+from pyserve.forward_batch_info import EndCause, FinishKind, FinishReason, ForwardMode, StepOutput
 from pyserve.io_struct import TokenizedGenerateReq
 from pyserve.mem_cache.kv_cache import KVCache
 from pyserve.model_executor.device_state import DeviceState
 from pyserve.sampling_params import SamplingParams
 
-ABORT = FinishReason.abort("test")
+ABORT = FinishReason.abort(EndCause.ABORTED, "test")
 POOL = 100
 VOCAB = 128
 
@@ -88,13 +89,10 @@ class Harness:
         self.kv = KVCache(pool, max_running_requests=4, max_context_len=64)
         self.worker = FakeWorker(self.kv)
         self.sched = Scheduler(
+            SchedulerConfig(context_len=64, max_running_requests=4, max_prefill_tokens=64, overlap=overlap),
             self.kv,
             self.worker,
-            context_len=64,
-            max_running_requests=4,
-            max_prefill_tokens=64,
             emit=self.outs.extend,
-            overlap=overlap,
         )
 
     async def start(self) -> None:
@@ -302,7 +300,7 @@ def test_abort_mid_flight_frees_once_and_spares_the_others():
         await h.start()
         await h.step([10, 20])  # extend done; decode 1 runs, decode 2 is planned
         row_a = h.sched.reqs["a"].req_pool_idx
-        h.sched.finish_request("a", ABORT)
+        h.sched.end("a", ABORT)
         assert h.outs_of("a")[-1].finish_reason == ABORT  # the consumer hears now
         assert h.kv.num_reqs() == 2  # but two steps in flight still hold a
         await h.step([11, 21])
@@ -361,7 +359,7 @@ def test_rid_reused_before_the_old_request_is_released():
         h = Harness()
         h.sched.add_request(treq("R", [1, 2, 3]))
         await h.start()
-        h.sched.finish_request("R", ABORT)  # the client left; its step is still in flight
+        h.sched.end("R", ABORT)  # the client left; its step is still in flight
         h.sched.add_request(treq("R", [4, 5]))  # a new request reuses the rid meanwhile
         await h.step([7])
         while h.worker.pending:
@@ -490,7 +488,10 @@ def test_a_request_as_large_as_the_pool_runs(page_size):
         h.kv = KVCache(40, max_running_requests=4, max_context_len=64, page_size=page_size)
         h.worker = FakeWorker(h.kv)
         h.sched = Scheduler(
-            h.kv, h.worker, context_len=64, max_running_requests=4, max_prefill_tokens=64, emit=h.outs.extend
+            SchedulerConfig(context_len=64, max_running_requests=4, max_prefill_tokens=64),
+            h.kv,
+            h.worker,
+            h.outs.extend,
         )
         h.sched.add_request(treq("a", list(range(1, 11)), max_new_tokens=30))
         await h.start()

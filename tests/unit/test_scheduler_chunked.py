@@ -6,7 +6,8 @@ mid-prefill, prompt-logprob requests kept whole, and no leak."""
 from __future__ import annotations
 
 from pyserve.engine.scheduler import Scheduler
-from pyserve.forward_batch_info import FinishReason
+from pyserve.engine.scheduler_config import SchedulerConfig
+from pyserve.forward_batch_info import EndCause, FinishReason
 from pyserve.io_struct import LogprobParams, TokenizedGenerateReq
 from pyserve.mem_cache.kv_cache import KVCache
 from pyserve.sampling_params import SamplingParams
@@ -21,16 +22,10 @@ class ChunkHarness(Harness):
         self.outs = []
         self.kv = KVCache(POOL, max_running_requests=4, max_context_len=64, page_size=page_size)
         self.worker = FakeWorker(self.kv)
-        self.sched = Scheduler(
-            self.kv,
-            self.worker,
-            context_len=64,
-            max_running_requests=4,
-            max_prefill_tokens=64,
-            emit=self.outs.extend,
-            overlap=overlap,
-            chunked_prefill_size=chunk,
+        config = SchedulerConfig(
+            context_len=64, max_running_requests=4, max_prefill_tokens=64, overlap=overlap, chunked_prefill_size=chunk
         )
+        self.sched = Scheduler(config, self.kv, self.worker, emit=self.outs.extend)
 
 
 def shape(plan):
@@ -151,7 +146,7 @@ def test_abort_mid_prefill_frees_everything():
         h.sched.add_request(treq("long", LONG, max_new_tokens=3))
         await h.start()
         assert [p.seq_lens.tolist() for p in h.worker.plans] == [[8], [16]]  # overlap: 2 chunks planned
-        h.sched.finish_request("long", FinishReason.abort("gone"))
+        h.sched.end("long", FinishReason.abort(EndCause.CLIENT_GONE, "gone"))
         await h.step([99])
         await h.step([98])
         assert len(h.worker.plans) == 2  # nothing more was planned for it
@@ -252,19 +247,15 @@ def test_a_full_pool_sends_the_chunked_prompt_back_not_the_running_request():
         h = ChunkHarness(chunk=8)
         h.kv = KVCache(40, max_running_requests=4, max_context_len=64)
         h.worker = FakeWorker(h.kv)
-        from pyserve.engine.scheduler import Scheduler as S
-
-        h.sched = S(
-            h.kv,
-            h.worker,
+        config = SchedulerConfig(
             context_len=64,
             max_running_requests=4,
             max_prefill_tokens=64,
-            emit=h.outs.extend,
             overlap=False,
             chunked_prefill_size=8,
             schedule_conservativeness=0.01,
         )
+        h.sched = Scheduler(config, h.kv, h.worker, emit=h.outs.extend)
         h.sched.add_request(treq("A", [1, 2, 3], max_new_tokens=30))
         await h.start()
         await h.step([10])

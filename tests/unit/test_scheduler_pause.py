@@ -6,7 +6,7 @@ until its client catches up)."""
 
 from __future__ import annotations
 
-from pyserve.forward_batch_info import FinishKind, FinishReason
+from pyserve.forward_batch_info import EndCause, FinishKind, FinishReason
 from tests.unit.test_scheduler import Harness, run, settle, treq
 
 
@@ -66,7 +66,7 @@ def test_a_paused_request_can_be_aborted_and_frees_its_kv():
         await h.step([11])
         await h.step([12])  # the two decode steps planned before the pause
         assert not h.worker.pending
-        h.sched.finish_request("a", FinishReason.abort("client gone"))
+        h.sched.end("a", FinishReason.abort(EndCause.CLIENT_GONE, "client gone"))
         await settle()
         assert h.outs_of("a")[-1].finish_reason.is_abort
         h.sched.pause_request("a", False)  # (the writer's resume after the end: ignored)

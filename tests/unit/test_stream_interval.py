@@ -47,7 +47,7 @@ def test_a_sink_stream_left_by_its_client_leaves_nothing_behind(engine):
         tm.start_stream(req, await tm.tokenize(req), got.append)
         while len(got) < 3:
             await asyncio.sleep(0.005)
-        tm.abort_request("left")  # what StreamResponse does when the client disconnects
+        tm.forget("left")  # what StreamResponse does when the client disconnects
 
     engine._call(run())
     wait_engine_idle(engine)

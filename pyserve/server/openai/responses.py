@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from pyserve.engine.tokenizer_manager import failure_of
+from pyserve.engine.end_cause import end_error
 from pyserve.errors import InvalidRequestError
 from pyserve.io_struct import GenerateOutput, SingleReq
 from pyserve.server.errors import parse_json
@@ -81,27 +81,26 @@ async def _stream(
     error response (as on the other routes); one failing after it ends with
     `response.failed` (the encoder's), not the chat routes' error event."""
     engine = engine_of(request)
-    tm = engine.tokenizer_manager
-    treq = await tokenize_to_start(tm, req, constraint)
+    treq = await tokenize_to_start(engine, req, constraint)
 
     def start(stream: Stream) -> None:
         def sink(out: GenerateOutput) -> None:
             out = renamed_output(out, constraint)
-            failure = failure_of(out) if out.finish_reason is not None else None
+            failure = end_error(out.finish_reason, streamed=True)
             if failure is not None and encode.started:
                 encode.fail(failure)
                 stream.end()
             else:
                 stream.push(out)
 
-        tm.start_stream(req, treq, sink)
+        engine.start_stream(req, treq, sink)
 
     return StreamResponse(
         stream_hub_of(request),
         encode,
         start,
-        lambda: tm.abort_request(req.rid),
-        lambda paused: tm.pause_request(req.rid, paused),
+        lambda: engine.forget(req.rid),
+        lambda paused: engine.pause(req.rid, paused),
     )
 
 

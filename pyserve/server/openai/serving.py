@@ -174,14 +174,13 @@ async def _stream(
     hub = stream_hub_of(request)
     if req.sampling_params.n > 1:
         return outputs_response(hub, encode, renamed_outputs(engine.generate(req), constraint))
-    tm = engine.tokenizer_manager
-    treq = await tokenize_to_start(tm, req, constraint)
+    treq = await tokenize_to_start(engine, req, constraint)
     return StreamResponse(
         hub,
         encode,
-        lambda stream: tm.start_stream(req, treq, lambda out: stream.push(renamed_output(out, constraint))),
-        lambda: tm.abort_request(req.rid),
-        lambda paused: tm.pause_request(req.rid, paused),
+        lambda stream: engine.start_stream(req, treq, lambda out: stream.push(renamed_output(out, constraint))),
+        lambda: engine.forget(req.rid),
+        lambda paused: engine.pause(req.rid, paused),
     )
 
 
@@ -211,7 +210,7 @@ async def completions(request: Request) -> Response | StreamResponse:
     created = int(time.time())
     if body.stream:  # (one prompt: check_supported)
         if body.echo:  # a prompt is echoed only once it was found valid
-            await engine.tokenizer_manager.tokenize(reqs[0])
+            await engine.check_prompt(reqs[0])
         echo = await _echo(engine, reqs[0], body)
         return await _stream(request, reqs[0], CompletionStreamEncoder(body, rid, created, name, echo), constraint)
     outs = await _generate_all(request, reqs, constraint)

@@ -20,7 +20,7 @@ from pyserve.errors import InvalidRequestError
 from pyserve.io_struct import GenerateOutput, SingleReq, TokenizedGenerateReq
 
 if TYPE_CHECKING:
-    from pyserve.engine.tokenizer_manager import TokenizerManager
+    from pyserve.engine.engine_core import EngineCore
 
 # the top-level fields that ask for a grammar (SGLang's, then vLLM's)
 GRAMMAR_FIELDS = (
@@ -183,14 +183,11 @@ def rename_param(exc: InvalidRequestError, constraint: Constraint | None) -> Inv
     return exc
 
 
-async def tokenize_to_start(
-    tm: TokenizerManager, req: SingleReq, constraint: Constraint | None
-) -> TokenizedGenerateReq:
-    """`req` tokenized and admitted to start (TokenizerManager.tokenize, check_can_start), as
-    a route does before its stream's 200; a refusal names the request field (rename_param)."""
+async def tokenize_to_start(engine: EngineCore, req: SingleReq, constraint: Constraint | None) -> TokenizedGenerateReq:
+    """`req` tokenized and admitted to start (EngineCore.tokenize_to_start), as a route does
+    before its stream's 200; a refusal names the request field (rename_param)."""
     try:
-        treq = await tm.tokenize(req)
-        tm.check_can_start(req)
+        treq = await engine.tokenize_to_start(req)
     except InvalidRequestError as exc:
         raise rename_param(exc, constraint) from None
     return treq

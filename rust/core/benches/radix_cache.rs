@@ -114,7 +114,7 @@ fn benches(cr: &mut Criterion) {
             for i in 0..iters {
                 if i % 64 == 63 {
                     // keep sequence lengths realistic: replace the batch now and then
-                    ids.iter().for_each(|&id| assert!(c.abort_req(id).unwrap()));
+                    ids.iter().for_each(|&id| assert!(c.free_req(id).unwrap()));
                     ids = admit_256(&mut c);
                 }
                 let start = Instant::now();

@@ -315,7 +315,7 @@ impl KVCache {
     /// it was already released.
     ///
     /// Errors: [`CoreError::UnknownReq`] if `req_id` was never admitted.
-    pub fn abort_req(&mut self, req_id: u64) -> CoreResult<bool> {
+    pub fn free_req(&mut self, req_id: u64) -> CoreResult<bool> {
         let Some(r) = self.live_or_released(req_id)? else {
             return Ok(false);
         };

@@ -7,7 +7,7 @@
 //!   (`i32`, page-aligned), locks the prefixes running requests use, and evicts the rest
 //!   LRU-first through a heap.
 //! * [`KVCache`] owns all three plus the admitted requests: the request lifecycle
-//!   (`add_req`, `cache_unfinished_req`, `cache_finished_req`, `abort_req`), the per-step
+//!   (`add_req`, `cache_unfinished_req`, `cache_finished_req`, `free_req`), the per-step
 //!   arrays ([`BatchArrays`] from `prepare_extend` / `prepare_decode`) and the global
 //!   `check_integrity`.
 //! * [`socket_send`] sends many buffers, each to its own non-blocking socket, in one call

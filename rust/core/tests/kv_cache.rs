@@ -118,11 +118,11 @@ fn finish_caches_whole_pages_and_frees_the_partial_tail() {
     assert_eq!((a.prefix_lens, a.positions), (vec![8], vec![8, 9]));
     assert_eq!(a.kv_indices, vec![4, 5, 6, 7, 8, 9, 10, 11, 16, 17]);
     // Idempotent: the second finish / abort changes nothing.
-    assert!(c.abort_req(r2.req_id).unwrap());
-    assert!(!c.abort_req(r2.req_id).unwrap());
+    assert!(c.free_req(r2.req_id).unwrap());
+    assert!(!c.free_req(r2.req_id).unwrap());
     assert!(!c.cache_finished_req(r2.req_id, &tokens).unwrap());
     assert!(!c.cache_finished_req(r, &tokens).unwrap());
-    assert_eq!(c.abort_req(99), Err(CoreError::UnknownReq(99)));
+    assert_eq!(c.free_req(99), Err(CoreError::UnknownReq(99)));
     ok(&c);
     assert_eq!(c.alloc.available_pages() + c.tree.evictable_size() / 4, 4);
 }
@@ -164,7 +164,7 @@ fn unfinished_req_relocks_and_keeps_its_partial_page() {
             "6 token ids given for a request with KV for 9 tokens".into()
         ))
     );
-    assert!(c.abort_req(r).unwrap());
+    assert!(c.free_req(r).unwrap());
     ok(&c);
     assert_eq!((c.tree.protected_size(), c.tree.evictable_size()), (0, 4));
     assert_eq!(c.alloc.available_pages(), 7);

@@ -272,7 +272,7 @@ impl Model {
             Op::Unlock(i) | Op::Abort(i) => {
                 if let Some(i) = self.pick(i) {
                     let r = self.reqs.swap_remove(i);
-                    assert!(self.c.abort_req(r.id).unwrap());
+                    assert!(self.c.free_req(r.id).unwrap());
                     self.released.push(r.id);
                 }
             }
@@ -315,7 +315,7 @@ impl Model {
             Op::Again(i) => {
                 if !self.released.is_empty() {
                     let id = self.released[i as usize % self.released.len()];
-                    assert!(!self.c.abort_req(id).unwrap());
+                    assert!(!self.c.free_req(id).unwrap());
                     assert!(!self.c.cache_finished_req(id, &[]).unwrap());
                 }
             }
@@ -337,7 +337,7 @@ fn run(ps: usize, ops: Vec<Op>) {
         m.apply(op);
     }
     for r in std::mem::take(&mut m.reqs) {
-        assert!(m.c.abort_req(r.id).unwrap());
+        assert!(m.c.free_req(r.id).unwrap());
     }
     if std::env::var_os("MODEL_STATS").is_some() {
         eprintln!(

@@ -1,7 +1,7 @@
 //! Python classes `KVCache` and `BatchArrays`: thin wrappers over `pyserve_core::KVCache`.
 //!
 //! Every call but `check_integrity` comes from the event loop thread and keeps the GIL: the
-//! per-batch calls (`prepare_extend`, `prepare_decode`), `abort_req` and `evict` take tens of
+//! per-batch calls (`prepare_extend`, `prepare_decode`), `free_req` and `evict` take tens of
 //! microseconds, while giving the GIL up on the loop lets another Python thread (the
 //! tokenizer's, the worker) take it, and the loop then waits for it to be handed back: up to
 //! the interpreter's switch interval (5 ms) per call, measured at ~30 us -> ~4.6 ms for a
@@ -213,8 +213,8 @@ impl KVCache {
         with_tokens(token_ids, |t| self.inner.cache_finished_req(req_id, t))?.py()
     }
 
-    fn abort_req(&mut self, req_id: u64) -> PyResult<bool> {
-        self.inner.abort_req(req_id).py()
+    fn free_req(&mut self, req_id: u64) -> PyResult<bool> {
+        self.inner.free_req(req_id).py()
     }
 
     fn req_info(&self, req_id: u64) -> PyResult<(usize, usize, usize, usize)> {
