@@ -26,13 +26,13 @@ import torch
 
 from pyserve.config import ServerArgs
 from pyserve.constrained import GrammarBackend, JsonWhitespace, serving_grammar_backend
-from pyserve.engine import server_info
 from pyserve.engine.embedding_inputs import check_embedding_inputs
 from pyserve.engine.end_cause import end_error
 from pyserve.engine.fan_out import FanOutMixin
 from pyserve.engine.own_thread import run_in_own_thread
 from pyserve.engine.scheduler import Scheduler
 from pyserve.engine.scheduler_config import SchedulerConfig
+from pyserve.engine.server_info import ServerInfoMixin
 from pyserve.engine.tokenizer_manager import TokenizerManager
 from pyserve.engine.tokenizer_services import TokenizerServicesMixin, default_name
 from pyserve.engine.worker import ModelWorker
@@ -51,7 +51,7 @@ SHUTDOWN_DRAIN_S = 30.0
 DRAIN_SETTLE_S = 5.0  # how long ended requests get to hand their last outputs to their consumers
 
 
-class EngineCore(FanOutMixin, TokenizerServicesMixin):
+class EngineCore(FanOutMixin, TokenizerServicesMixin, ServerInfoMixin):
     """The pipeline: TokenizerManager -> Scheduler -> ModelWorker -> Detokenizer.
 
     All methods run on the loop that called `start()`, except `start` work done in executors.
@@ -377,16 +377,6 @@ class EngineCore(FanOutMixin, TokenizerServicesMixin):
     def flush_cache(self) -> bool:
         """Empty the radix cache; False (nothing changed) while requests are queued or run."""
         return self.scheduler.flush_cache()
-
-    # ---- introspection (SGLang's shapes; see server_info.py) ------------------------------------
-    def get_model_info(self) -> dict[str, Any]:
-        return server_info.model_info(self)
-
-    def get_server_info(self) -> dict[str, Any]:
-        return server_info.server_info(self)
-
-    def get_load(self) -> list[dict[str, Any]]:
-        return server_info.load_info(self)
 
 
 def _log_task_death(task: asyncio.Task) -> None:

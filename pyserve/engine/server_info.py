@@ -1,6 +1,7 @@
-"""What the introspection routes report, in SGLang's shapes: /get_model_info, /get_server_info
-(with `internal_states`, one entry per data-parallel rank) and /get_load. Loop thread only
-(they read the scheduler's and the KV cache's live figures)."""
+"""`ServerInfoMixin`: what the introspection routes report, in SGLang's shapes:
+/get_model_info, /get_server_info (with `internal_states`, one entry per data-parallel rank)
+and /get_load. EngineCore's mixin; loop thread only (they read the scheduler's and the KV
+cache's live figures)."""
 
 from __future__ import annotations
 
@@ -8,105 +9,120 @@ import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pyserve.engine.engine_core import EngineCore
+    from pyserve.config import ServerArgs
+    from pyserve.engine.scheduler import Scheduler
+    from pyserve.engine.worker import ModelWorker
+    from pyserve.mem_cache.kv_cache import KVCache
+    from pyserve.model_executor.runner_protocol import Runner
 
 
-def model_info(core: EngineCore) -> dict[str, Any]:
-    """SGLang's /get_model_info fields (model_path, tokenizer_path, is_generation,
-    preferred_sampling_params, weight_version) and pyserve's own."""
-    mc = core.model_runner.model_config
-    return {
-        "model_path": core.model_path,
-        "tokenizer_path": os.path.abspath(core.server_args.tokenizer_path or core.model_path),
-        "is_generation": core.is_generation,
-        "preferred_sampling_params": None,
-        "weight_version": "default",
-        "served_model_name": core.model_name,
-        "architecture": mc.architecture,
-        "architectures": [mc.architecture],
-        "context_length": core.context_len,
-        "vocab_size": mc.vocab_size,
-    }
+class ServerInfoMixin:
+    """The introspection answers over EngineCore's parts; EngineCore sets the attributes
+    below."""
 
+    server_args: ServerArgs
+    model_runner: Runner
+    model_path: str
+    model_name: str
+    context_len: int
+    is_generation: bool
+    kv_cache: KVCache
+    scheduler: Scheduler
+    worker: ModelWorker
 
-def server_info(core: EngineCore) -> dict[str, Any]:
-    """SGLang's /get_server_info shape: the server args, the scheduler's figures
-    (max_total_num_tokens, max_req_input_len), `internal_states` (one entry per data-parallel
-    rank: here one) and version, plus pyserve's live KV figures and `cache_hit_rate` (the
-    /metrics gauge: cached over prompt tokens of the ended requests; None with
-    --disable-metrics)."""
-    kv = core.kv_cache
-    sched = core.scheduler
-    metrics = sched.state.metrics
-    info: dict[str, Any] = dict(vars(core.server_args))
-    info.pop("api_key")  # a secret: never reported
-    info.update(
-        {
-            "model_path": core.model_path,
-            "served_model_name": core.model_name,  # SGLang's one name (ServerArgs holds vLLM's list)
-            "context_length": core.context_len,
-            "max_total_tokens": kv.max_total_tokens,
-            "max_total_num_tokens": kv.max_total_tokens,
-            "max_req_input_len": min(core.context_len, kv.max_total_tokens) - 1,
-            "status": "ready",
-            "internal_states": [_internal_state(core)],
-            "version": version(),
-            "device": core.model_runner.device,
-            "kv_free_slots": kv.free_slots(),
-            "kv_total_slots": kv.max_total_tokens,
-            "kv_evictable_slots": kv.evictable_slots(),
-            "kv_protected_slots": kv.protected_slots(),
-            "kv_cache_bytes": core.model_runner.kv_cache_bytes,
-            "num_running_reqs": len(sched.running),
-            "num_paused_reqs": sched.num_paused(),
-            "num_waiting_reqs": len(sched.waiting),
-            "num_inflight_steps": len(sched.inflight),
-            "num_req_rows_used": kv.num_reqs(),
-            "num_sampling_rows_live": core.worker.num_live_sampling_rows,
-            "num_grammar_rows_live": core.worker.num_live_grammar_rows,
-            "num_grammar_queue_reqs": len(sched.grammar_queue),
-            "num_generated_tokens": sched.num_generated_tokens,
-            "cache_hit_rate": None
-            if metrics is None
-            else (metrics.cached_tokens / metrics.prompt_tokens if metrics.prompt_tokens else 0.0),
+    def get_model_info(self) -> dict[str, Any]:
+        """SGLang's /get_model_info fields (model_path, tokenizer_path, is_generation,
+        preferred_sampling_params, weight_version) and pyserve's own."""
+        mc = self.model_runner.model_config
+        return {
+            "model_path": self.model_path,
+            "tokenizer_path": os.path.abspath(self.server_args.tokenizer_path or self.model_path),
+            "is_generation": self.is_generation,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "served_model_name": self.model_name,
+            "architecture": mc.architecture,
+            "architectures": [mc.architecture],
+            "context_length": self.context_len,
+            "vocab_size": mc.vocab_size,
         }
-    )
-    return info
 
+    def get_server_info(self) -> dict[str, Any]:
+        """SGLang's /get_server_info shape: the server args, the scheduler's figures
+        (max_total_num_tokens, max_req_input_len), `internal_states` (one entry per data-parallel
+        rank: here one) and version, plus pyserve's live KV figures and `cache_hit_rate` (the
+        /metrics gauge: cached over prompt tokens of the ended requests; None with
+        --disable-metrics)."""
+        kv = self.kv_cache
+        sched = self.scheduler
+        metrics = sched.state.metrics
+        info: dict[str, Any] = dict(vars(self.server_args))
+        info.pop("api_key")  # a secret: never reported
+        info.update(
+            {
+                "model_path": self.model_path,
+                "served_model_name": self.model_name,  # SGLang's one name (ServerArgs holds vLLM's list)
+                "context_length": self.context_len,
+                "max_total_tokens": kv.max_total_tokens,
+                "max_total_num_tokens": kv.max_total_tokens,
+                "max_req_input_len": min(self.context_len, kv.max_total_tokens) - 1,
+                "status": "ready",
+                "internal_states": [self._internal_state()],
+                "version": version(),
+                "device": self.model_runner.device,
+                "kv_free_slots": kv.free_slots(),
+                "kv_total_slots": kv.max_total_tokens,
+                "kv_evictable_slots": kv.evictable_slots(),
+                "kv_protected_slots": kv.protected_slots(),
+                "kv_cache_bytes": self.model_runner.kv_cache_bytes,
+                "num_running_reqs": len(sched.running),
+                "num_paused_reqs": sched.num_paused(),
+                "num_waiting_reqs": len(sched.waiting),
+                "num_inflight_steps": len(sched.inflight),
+                "num_req_rows_used": kv.num_reqs(),
+                "num_sampling_rows_live": self.worker.num_live_sampling_rows,
+                "num_grammar_rows_live": self.worker.num_live_grammar_rows,
+                "num_grammar_queue_reqs": len(sched.grammar_queue),
+                "num_generated_tokens": sched.num_generated_tokens,
+                "cache_hit_rate": None
+                if metrics is None
+                else (metrics.cached_tokens / metrics.prompt_tokens if metrics.prompt_tokens else 0.0),
+            }
+        )
+        return info
 
-def load_info(core: EngineCore) -> list[dict[str, Any]]:
-    """SGLang's /get_load: one entry per data-parallel rank (here one) with the requests
-    running and waiting and `num_tokens`, the load the router's policies compare: KV slots held
-    by running requests plus the prompt tokens of waiting ones (as SGLang counts)."""
-    sched = core.scheduler
-    return [
-        {
-            "dp_rank": 0,
-            "num_reqs": len(sched.running) + len(sched.waiting),
-            "num_waiting_reqs": len(sched.waiting),
-            "num_tokens": sched.load(),
+    def get_load(self) -> list[dict[str, Any]]:
+        """SGLang's /get_load: one entry per data-parallel rank (here one) with the requests
+        running and waiting and `num_tokens`, the load the router's policies compare: KV slots held
+        by running requests plus the prompt tokens of waiting ones (as SGLang counts)."""
+        sched = self.scheduler
+        return [
+            {
+                "dp_rank": 0,
+                "num_reqs": len(sched.running) + len(sched.waiting),
+                "num_waiting_reqs": len(sched.waiting),
+                "num_tokens": sched.load(),
+            }
+        ]
+
+    def _internal_state(self) -> dict[str, Any]:
+        """What SGLang's scheduler reports per rank and its clients read (bench_serving reads
+        `avg_spec_accept_length`, absent without speculative decoding)."""
+        kv = self.kv_cache
+        sched = self.scheduler
+        runner = self.model_runner
+        return {
+            "attention_backend": runner.attention_backend_name,
+            "page_size": kv.page_size,
+            "last_gen_throughput": sched.last_gen_throughput,
+            "memory_usage": {
+                "weight": round(runner.weight_bytes / 2**30, 2),
+                "kvcache": round(runner.kv_cache_bytes / 2**30, 2),
+                "token_capacity": kv.max_total_tokens,
+                "graph": round(getattr(runner, "cuda_graph_bytes", 0) / 2**30, 2),
+            },
+            "load": sched.load(),
         }
-    ]
-
-
-def _internal_state(core: EngineCore) -> dict[str, Any]:
-    """What SGLang's scheduler reports per rank and its clients read (bench_serving reads
-    `avg_spec_accept_length`, absent without speculative decoding)."""
-    kv = core.kv_cache
-    sched = core.scheduler
-    runner = core.model_runner
-    return {
-        "attention_backend": runner.attention_backend_name,
-        "page_size": kv.page_size,
-        "last_gen_throughput": sched.last_gen_throughput,
-        "memory_usage": {
-            "weight": round(runner.weight_bytes / 2**30, 2),
-            "kvcache": round(runner.kv_cache_bytes / 2**30, 2),
-            "token_capacity": kv.max_total_tokens,
-            "graph": round(getattr(runner, "cuda_graph_bytes", 0) / 2**30, 2),
-        },
-        "load": sched.load(),
-    }
 
 
 def version() -> str:

@@ -20,9 +20,6 @@ from pyserve.layers.linear import prepack, prepack_supported
 from pyserve.models.checkpoint import copy_checkpoint
 from pyserve_kernels.quant import QuantizedWeight, dequantize
 
-if TYPE_CHECKING:
-    from pyserve.models.llama import LlamaModel
-
 
 class LlamaWeightsMixin(nn.Module):
     """Weight loading and packing of a Llama-style causal LM. The class mixing it in holds
@@ -30,7 +27,7 @@ class LlamaWeightsMixin(nn.Module):
     and `lm_head_weight()`; the `*_packed` attributes of the layers are set here and read by
     their `forward`."""
 
-    model: LlamaModel
+    model: Any  # a LlamaModel (llama.py imports this module: no import back)
     lm_head: nn.Linear | None
     lm_head_packed: torch.Tensor | QuantizedWeight | None
 

@@ -11,19 +11,28 @@ worker thread, as the model.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 import numpy as np
 import torch
+from torch import nn
 
 from pyserve_kernels._native import _cpu
 from pyserve_kernels.quant import QuantizedWeight
 
-if TYPE_CHECKING:
-    from pyserve.models.llama import LlamaModel
+
+class DecoderStack(Protocol):
+    """What native decode reads of a Llama-style decoder (`LlamaModel`): its layers (each with
+    `self_attn`, `mlp` and the two RMS norms) and its final norm."""
+
+    @property
+    def norm(self) -> nn.Module: ...
+
+    def decoder_layers(self) -> Iterable[Any]: ...
 
 
-def build_native_layers(model: LlamaModel) -> list[Any] | None:
+def build_native_layers(model: DecoderStack) -> list[Any] | None:
     """One `QuantDecoderLayer` per decoder layer, or None when some layer cannot run natively:
     a projection kept in float, a bias, per-head q/k norms, or no native module."""
     if _cpu is None or not hasattr(_cpu, "QuantDecoderLayer"):
@@ -53,7 +62,7 @@ def build_native_layers(model: LlamaModel) -> list[Any] | None:
 
 
 def native_decode(
-    model: LlamaModel, layers: list[Any], hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, metadata: Any
+    model: DecoderStack, layers: list[Any], hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, metadata: Any
 ) -> torch.Tensor:
     """Runs every decoder layer natively and the final norm: hidden [B, hidden] float32 (the
     embedded new tokens), cos/sin [B, head_dim], metadata the backend's `NativeDecodeMetadata`.

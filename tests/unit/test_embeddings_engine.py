@@ -136,9 +136,7 @@ def test_an_encoder_cannot_run_past_its_position_embeddings() -> None:
 def test_an_embedding_server_refuses_generation(minilm_engine) -> None:
     with pytest.raises(InvalidRequestError, match="this server serves an embedding model"):
         minilm_engine.generate("hello", {"max_new_tokens": 4})
-    from pyserve.engine.server_info import model_info
-
-    assert model_info(minilm_engine.core)["is_generation"] is False
+    assert minilm_engine.core.get_model_info()["is_generation"] is False
 
 
 def _hf_last_token(model: transformers.PreTrainedModel, ids: list[int]) -> np.ndarray:

@@ -1,6 +1,6 @@
 """Ending a request: `EngineCore.end(rids, cause, message)` answers every route as
 server/errors.py's END_CAUSE_HTTP says, and `forget(rid)` (the client left) emits nothing
-more: no output of the request reaches the detokenizer after it."""
+more: the scheduler hands the detokenizer no output of the request after it."""
 
 from __future__ import annotations
 
@@ -101,15 +101,16 @@ def test_a_forgotten_request_reaches_the_detokenizer_no_more(stories_path) -> No
     try:
         core = engine.core
         tm = core.tokenizer_manager
-        seen: list[tuple[str, bool]] = []  # (rid, after forget) of every TokenOut handled
+        seen: list[tuple[str, bool]] = []  # (rid, after forget) of every TokenOut emitted
         forgotten = threading.Event()
-        handle_batch = tm.detokenizer.handle_batch
+        queue = tm.detokenizer.queue
+        put = queue.put_nowait
 
         def counting(outs):  # type: ignore[no-untyped-def]
             seen.extend((o.rid, forgotten.is_set()) for o in outs)
-            return handle_batch(outs)
+            put(outs)
 
-        tm.detokenizer.handle_batch = counting
+        queue.put_nowait = counting  # type: ignore[method-assign]
         (req,) = GenerateReqInput(
             text="Once upon a time",
             stream=True,
@@ -122,14 +123,14 @@ def test_a_forgotten_request_reaches_the_detokenizer_no_more(stories_path) -> No
             tm.start_stream(req, await tm.tokenize(req), got.append)
             while len(got) < 3:
                 await asyncio.sleep(0.005)
+            forgotten.set()  # (the loop's thread: what forget emits counts as after)
             core.forget("left")
-            forgotten.set()
             await asyncio.sleep(0.2)  # steps in flight finish meanwhile
 
         engine._call(run())
         wait_engine_idle(engine)
         before = [rid for rid, after in seen if not after]
-        assert "left" in before  # it was decoded while its client listened
+        assert "left" in before  # it was emitted while its client listened
         assert [rid for rid, after in seen if after] == []
         assert "left" not in tm.states and "left" not in core.scheduler.reqs
         assert not got[-1].finished
