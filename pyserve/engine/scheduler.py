@@ -197,10 +197,11 @@ class Scheduler:
         self._wake.set()
 
     def end(self, rid: str, reason: FinishReason, emit: bool = True) -> None:
-        """End request `rid` now with `reason` (an abort: `EndCause`). Its KV is released once
-        no step in flight holds it; tokens computed meanwhile are dropped. emit: its consumer
-        is told (a last TokenOut); False: nobody listens (`TokenizerManager.forget`), so
-        nothing of it is emitted or detokenized. Unknown or finished rids are ignored."""
+        """End request `rid` now with `reason` (an abort with its `EndCause`, or the stop string
+        the detokenizer matched). Its KV is released once no step in flight holds it; tokens
+        computed meanwhile are dropped. emit: its consumer is told (a last TokenOut); False:
+        nobody listens (`TokenizerManager.forget`), so nothing of it is emitted or
+        detokenized. Unknown or finished rids are ignored."""
         req = self.state.reqs.get(rid)
         if req is None or req.finished:
             return
