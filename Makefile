@@ -72,7 +72,7 @@ serve: setup
 test: setup test-rust test-rust-debug test-stubs test-python
 
 test-rust:
-	cargo test -p pyserve-core -p pyserve-kernels-cpu --release
+	cargo test -p pyserve-core -p pyserve-py -p pyserve-kernels-cpu --release
 
 # The native kernels' tests once more in a debug build: it keeps the debug assertions (the
 # quantized kernels' bounds checks on their unchecked writes) and integer-overflow checks that

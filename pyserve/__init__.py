@@ -18,7 +18,7 @@ except _metadata.PackageNotFoundError:  # a source tree on sys.path, not install
 
 def __getattr__(name: str):  # lazy: importing pyserve must not import torch
     if name == "Engine":
-        from pyserve.engine.engine import Engine
+        from pyserve.entrypoints.engine import Engine
 
         return Engine
     if name == "create_app":

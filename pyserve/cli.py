@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
             setup_logging(args.log_level)
             logger.info("--trust-remote-code changes nothing: pyserve runs no code from model checkpoints")
         if args.node_rank > 0:  # a further machine of a tensor-parallel group: ranks only
-            from pyserve.distributed.launch import serve_node
+            from pyserve.engine.rank_launch import serve_node
 
             return serve_node(args)
         from pyserve.server.launch import StartupError, launch_server

@@ -46,6 +46,8 @@ class EndCause(str, enum.Enum):
 
 # what a request ended by the server's shutdown (EndCause.SHUTDOWN, STOPPED) is told
 SHUTTING_DOWN_MESSAGE = "server shutting down"
+# what a request an operator ended (EndCause.ABORTED: /abort_request, Engine.abort_request) is told
+ABORTED_MESSAGE = "aborted by /abort_request"
 
 
 @dataclass(frozen=True)

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Sequence, Sized
+from typing import TYPE_CHECKING, Protocol
 
-if TYPE_CHECKING:
-    from pyserve.engine.schedule_batch import Req
+if TYPE_CHECKING:  # (importing the step types imports torch: the CLI's checks run without it)
+    from pyserve.forward_batch_info import FinishReason
 
 # Bucket upper bounds in seconds: SGLang's, so its dashboards read ours.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -28,6 +28,24 @@ ITL_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.06, 
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 40.0, 60.0, 90.0, 120.0, 180.0, 300.0, 600.0)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 GRAMMAR_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class TimedRequest(Protocol):
+    """What the figures read of a request (the scheduler's `Req` has these): perf_counter
+    seconds at arrival, at entering the waiting queue and at its end (None while running)."""
+
+    @property
+    def arrival_time(self) -> float: ...
+    @property
+    def queue_start(self) -> float: ...
+    @property
+    def finish_time(self) -> float | None: ...
+    @property
+    def origin_input_ids(self) -> Sized: ...
+    @property
+    def cached_tokens(self) -> int: ...
+    @property
+    def finish_reason(self) -> FinishReason | None: ...
 
 
 class Histogram:
@@ -80,11 +98,11 @@ class RequestMetrics:
         self.cached_tokens = 0
         self.finished: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
 
-    def first_prefill(self, req: Req, now: float) -> None:
+    def first_prefill(self, req: TimedRequest, now: float) -> None:
         """`req`'s first prefill (or first prompt chunk) launches at `now`."""
         self.queue_time.observe(now - req.queue_start)
 
-    def tokens_out(self, now: float, gaps: dict[float, int], firsts: list[Req]) -> None:
+    def tokens_out(self, now: float, gaps: dict[float, int], firsts: Sequence[TimedRequest]) -> None:
         """A step's output tokens were processed at `now`: `firsts` got their first token,
         and gaps[t] requests whose previous token came at time t got their next."""
         for req in firsts:
@@ -93,7 +111,7 @@ class RequestMetrics:
         for last, times in gaps.items():
             itl.observe(now - last, times)
 
-    def request_left(self, req: Req) -> None:
+    def request_left(self, req: TimedRequest) -> None:
         """`req` ended and left the scheduler (called once per request)."""
         end = req.finish_time or time.perf_counter()
         self.e2e_latency.observe(end - req.arrival_time)

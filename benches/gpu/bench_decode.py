@@ -224,10 +224,9 @@ class DecodeDriver:
             for layer in range(runner.model_config.num_hidden_layers):
                 for buf in runner.kv_pool.get_kv_buffer(layer):
                     buf.normal_()
-        init_graphs = getattr(runner, "init_cuda_graphs", None)
-        if self.cuda and init_graphs is not None:
+        if self.cuda:
             torch.cuda.synchronize()  # the rows and the pool are written before capture reads them
-            init_graphs(self.state.req_to_token, self.stream)  # as the worker does at start
+            runner.init_cuda_graphs(self.state.req_to_token, self.stream)  # as the worker does at start
         self._plan, self._mode = StepPlan, ForwardMode
 
     def slot(self, row: np.ndarray, position: np.ndarray) -> np.ndarray:

@@ -175,7 +175,7 @@ class HostServer:
             stats_interval_s=3600.0,
         )
         self.app = create_app(args, model_runner=self.runner)
-        self.app.state.stream_hub = StreamHub(socket_writes=socket_writes)
+        self.app.context.stream_hub = StreamHub(socket_writes=socket_writes)
         config = uvicorn.Config(
             self.app, host="127.0.0.1", port=self.port, loop="uvloop", http=HTTP1Protocol, log_level="warning"
         )
@@ -208,13 +208,13 @@ class HostServer:
 
     def set_overlap(self, overlap: bool) -> None:
         """Overlap scheduling on or off from the next scheduler tick (between cases only)."""
-        self.app.state.engine.scheduler.overlap = overlap
+        self.app.context.serving_engine().scheduler.overlap = overlap
 
     def set_metrics(self, on: bool) -> None:
         """The engine's request metrics recorded or not (between cases only)."""
         from pyserve.metrics import RequestMetrics
 
-        self.app.state.engine.scheduler.state.metrics = RequestMetrics() if on else None
+        self.app.context.serving_engine().scheduler.state.metrics = RequestMetrics() if on else None
 
     def stop(self) -> None:
         self.server.should_exit = True

@@ -42,7 +42,7 @@ def run_offline(args: Any) -> dict[str, Any]:
     the workload does not fit the model."""
     from pyserve.bench.serve import BenchError
     from pyserve.config import ServerArgs
-    from pyserve.engine.engine import Engine
+    from pyserve.entrypoints.engine import Engine
     from pyserve.errors import InvalidRequestError
 
     # the whole workload is one batch call to the bench's own engine: the per-request prompt

@@ -74,7 +74,7 @@ def run_case(runner: Any, batch_size: int, input_len: int, output_len: int, seed
     kv = KVCache(runner.max_total_num_tokens, batch_size, input_len + output_len, disable_radix_cache=True)
     # the worker's device tables, driven here on the calling thread as the worker does
     state = DeviceState(kv.num_rows, kv.max_context_len, vocab, device)
-    tp = getattr(runner, "tp", None)
+    tp = runner.tp
     if tp is not None:
         tp.send_object(RankStart(kv.num_rows, kv.max_context_len, vocab))
     gen = torch.Generator().manual_seed(seed)
@@ -171,7 +171,7 @@ def run_one_batch(args: Any) -> list[dict[str, Any]]:
         tp = None
         if args.tp_size > 1:
             from pyserve.config import ServerArgs
-            from pyserve.distributed.launch import start_first_rank
+            from pyserve.engine.rank_launch import start_first_rank
 
             server_args = ServerArgs(
                 model_path=model_path,

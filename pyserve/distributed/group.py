@@ -5,11 +5,11 @@ process, as the tests' do).
 Tensors go over the device group (NCCL on CUDA, gloo on CPU); the step plans rank 0 sends to the
 other ranks are pickled and broadcast over a gloo group on the CPU (objects never touch the
 device). Every rank calls the same collectives in the same order: rank 0 from its worker
-thread, the others from their main thread (`pyserve.distributed.rank_main`).
+thread, the others from their main thread (`pyserve.engine.rank_main`).
 
 A peer that dies closes its sockets: a gloo collective waiting for it fails within moments
 (`RankLostError`), which is how a step learns of a dead rank; the launcher
-(`pyserve.distributed.launch`) says which one. The gloo group's timeout is long, so an idle
+(`pyserve.engine.rank_launch`) says which one. The gloo group's timeout is long, so an idle
 server's ranks may wait for the next plan for days; NCCL's is NCCL_TIMEOUT.
 """
 

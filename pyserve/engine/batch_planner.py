@@ -22,9 +22,9 @@ from pyserve.engine.schedule_batch import Req, ScheduleBatch, decodable
 from pyserve.engine.schedule_policy import NewTokenRatio, PrefillAdder, SchedulePolicy
 from pyserve.engine.schedule_state import ScheduleState
 from pyserve.engine.step_pipeline import StepPipeline
-from pyserve.mem_cache.kv_cache import KVCache
+from pyserve.mem_cache.kv_cache import Admission, KVCache
 
-_REQ_ID = attrgetter("req_id")  # (a decode plan's pass over its requests runs in C)
+_REQ_ID = attrgetter("admission.req_id")  # (a decode plan's pass over its requests runs in C)
 
 
 class BatchPlanner:
@@ -129,13 +129,14 @@ class BatchPlanner:
         computed it meanwhile): caching would then swap the request's pages for the cache's
         under the worker's row. A chunk in progress is cached when its next chunk is planned."""
         for req in leaders:
-            if req is partial or req.req_id is None:
+            admission = req.admission
+            if req is partial or admission is None:
                 continue
-            kv_len = self.kv_cache.kv_len(req.req_id)
+            kv_len = self.kv_cache.kv_len(admission.req_id)
             stored = req.fill_ids()[:kv_len]
-            if int(self.kv_cache.match_lens([stored])[0]) > req.prefix_len:
+            if int(self.kv_cache.match_lens([stored])[0]) > admission.prefix_len:
                 continue
-            self.kv_cache.cache_unfinished_req(req.req_id, stored)
+            self.kv_cache.cache_unfinished_req(admission.req_id, stored)
 
     def _mixed_decodes(self, admitted: list[Req]) -> list[Req]:
         """The running requests that decode inside this prefill step (mixed chunk): all that
@@ -153,18 +154,21 @@ class BatchPlanner:
         token each in it, or None, putting `reqs` back to wait, when their pages do not fit
         after all (without `decodes` first)."""
         decodes = decodes or []
+        held = [_admission(r) for r in reqs]
         fill = [r.fill_ids() for r in reqs]
-        fill = [f if r.extend_end is None else f[: r.extend_end] for f, r in zip(fill, reqs)]
-        extend_lens = [len(f) - r.prefix_len for f, r in zip(fill, reqs)]
-        ids = [_kv_id(r) for r in reqs]
-        arrays = self.kv_cache.prepare_extend(ids + [_kv_id(r) for r in decodes], extend_lens + [1] * len(decodes))
+        fill = [f if a.extend_end is None else f[: a.extend_end] for f, a in zip(fill, held)]
+        extend_lens = [len(f) - a.prefix_len for f, a in zip(fill, held)]
+        ids = [a.req_id for a in held]
+        arrays = self.kv_cache.prepare_extend(
+            ids + [_admission(r).req_id for r in decodes], extend_lens + [1] * len(decodes)
+        )
         if arrays is None and decodes:
             decodes = []
             arrays = self.kv_cache.prepare_extend(ids, extend_lens)
         state = self.state
         if arrays is None:  # admission raced with reservations: put them back
             for req in reversed(reqs):
-                if req.prefix_len > req.cached_tokens:  # a chunked one: its own chunks are
+                if _admission(req).prefix_len > req.cached_tokens:  # a chunked one: its own chunks are
                     req.num_retractions += 1  # not what it found cached at admission
                 self._unadmit(req)
                 state.waiting.appendleft(req)
@@ -193,11 +197,11 @@ class BatchPlanner:
             self.retractor.retract()
 
     def _unadmit(self, req: Req) -> None:
-        self.kv_cache.free_req(_kv_id(req))
-        req.req_id, req.req_pool_idx, req.prefix_len, req.extend_end = None, None, 0, None
+        """Free what `req` holds (no step ran it: the worker's tables never saw its row)."""
+        self.kv_cache.release(req, None)
 
 
-def _kv_id(req: Req) -> int:
-    """The Rust core's id of an admitted request (set at admission, None once released)."""
-    assert req.req_id is not None
-    return req.req_id
+def _admission(req: Req) -> Admission:
+    """An admitted request's hold on the KV core (set at admission, None once released)."""
+    assert req.admission is not None
+    return req.admission

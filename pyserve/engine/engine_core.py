@@ -26,6 +26,7 @@ import torch
 
 from pyserve.config import ServerArgs
 from pyserve.constrained import GrammarBackend, JsonWhitespace, serving_grammar_backend
+from pyserve.engine.detokenizer import Detokenizer
 from pyserve.engine.embedding_inputs import check_embedding_inputs
 from pyserve.engine.end_cause import end_error
 from pyserve.engine.fan_out import FanOutMixin
@@ -37,11 +38,11 @@ from pyserve.engine.tokenizer_manager import TokenizerManager
 from pyserve.engine.tokenizer_services import TokenizerServicesMixin, default_name
 from pyserve.engine.worker import ModelWorker
 from pyserve.errors import InvalidRequestError
-from pyserve.forward_batch_info import SHUTTING_DOWN_MESSAGE, EndCause
+from pyserve.forward_batch_info import SHUTTING_DOWN_MESSAGE, EndCause, TokenOut
 from pyserve.io_struct import GenerateOutput, SingleReq, new_rid
 from pyserve.mem_cache.kv_cache import KVCache
 from pyserve.metrics import RequestMetrics
-from pyserve.model_executor.runner_protocol import Runner
+from pyserve.model_executor.runner_protocol import EmbeddingInfo, Runner
 from pyserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,8 @@ DRAIN_SETTLE_S = 5.0  # how long ended requests get to hand their last outputs t
 
 
 class EngineCore(FanOutMixin, TokenizerServicesMixin, ServerInfoMixin):
-    """The pipeline: TokenizerManager -> Scheduler -> ModelWorker -> Detokenizer.
+    """The pipeline: TokenizerManager -> Scheduler -> ModelWorker -> Detokenizer, each
+    made and owned here (the tokenizer manager only registers requests with the detokenizer).
 
     All methods run on the loop that called `start()`, except `start` work done in executors.
     """
@@ -72,6 +74,12 @@ class EngineCore(FanOutMixin, TokenizerServicesMixin, ServerInfoMixin):
         self._failure_listeners: list[Callable[[str], None]] = []
         # rid -> the rids running for it (a batch's prompts, n > 1 samples and their prefill)
         self._derived: dict[str, set[str]] = {}
+
+    @property
+    def embedding_info(self) -> EmbeddingInfo | None:
+        """What the served model's embeddings are (pooling, size, matryoshka sizes); None for
+        a model that generates. After start."""
+        return self.model_runner.info.embedding
 
     async def start(self) -> None:
         """Load the tokenizer and model, size the KV pool, start the scheduler. Raises what
@@ -111,9 +119,9 @@ class EngineCore(FanOutMixin, TokenizerServicesMixin, ServerInfoMixin):
         # keeps no KV, so it has no prefix to reuse either, and a decoder only when it pools
         # the last token (mean or CLS pooling needs the hidden states of every token, which a
         # cached prefix does not recompute)
-        self.is_generation = not getattr(runner, "is_embedding", False)
-        pooling = getattr(runner, "pooling", None)
-        no_prefix_reuse = getattr(runner, "is_encoder", False) or (pooling is not None and pooling.mode != "last")
+        embedding = runner.info.embedding
+        self.is_generation = embedding is None
+        no_prefix_reuse = runner.info.is_encoder or (embedding is not None and embedding.pooling.mode != "last")
         self.kv_cache = KVCache(
             runner.max_total_num_tokens,
             args.max_running_requests,
@@ -145,16 +153,19 @@ class EngineCore(FanOutMixin, TokenizerServicesMixin, ServerInfoMixin):
             args.resolved_chunked_prefill_size(_device_memory_bytes(str(runner.device))) if self.is_generation else None
         )
         self.scheduler = Scheduler(
-            SchedulerConfig.from_server_args(args, self.context_len, chunked),
+            SchedulerConfig.from_server_args(args, self.context_len, chunked, runner.device),
             self.kv_cache,
             self.worker,
             emit=self._emit,
             grammar_backend=self.grammar_backend,
             metrics=RequestMetrics() if args.enable_metrics else None,
         )
+        # the detokenizer hands each output to the tokenizer manager, which tracks the consumers
+        self.detokenizer = Detokenizer(self.tokenizer, self._deliver, self.scheduler.end)
         self.tokenizer_manager = TokenizerManager(
             self.tokenizer,
             self.scheduler,
+            self.detokenizer,
             self.context_len,
             runner.max_total_num_tokens,
             vocab_size=mc.vocab_size,
@@ -167,7 +178,7 @@ class EngineCore(FanOutMixin, TokenizerServicesMixin, ServerInfoMixin):
         self._scheduler_task = asyncio.create_task(self.scheduler.run(), name="pyserve-scheduler")
         self._tasks = [
             self._scheduler_task,
-            asyncio.create_task(self.tokenizer_manager.detokenizer.run(), name="pyserve-detokenizer"),
+            asyncio.create_task(self.detokenizer.run(), name="pyserve-detokenizer"),
         ]
         for task in self._tasks:
             task.add_done_callback(_log_task_death)
@@ -211,7 +222,7 @@ class EngineCore(FanOutMixin, TokenizerServicesMixin, ServerInfoMixin):
             return
         tp = None
         if args.tp_size > 1:
-            from pyserve.distributed.launch import start_first_rank
+            from pyserve.engine.rank_launch import start_first_rank
 
             logger.info("starting tensor-parallel ranks 1..%d", args.tp_size - 1)
             tp, self.ranks = start_first_rank(args, args.resolved_device, self._rank_died_threadsafe)
@@ -249,7 +260,7 @@ class EngineCore(FanOutMixin, TokenizerServicesMixin, ServerInfoMixin):
         # streams close instead of hanging
         with contextlib.suppress(Exception, asyncio.TimeoutError):
             await asyncio.wait_for(asyncio.shield(self._scheduler_task), timeout=SHUTDOWN_DRAIN_S)
-        queue = self.tokenizer_manager.detokenizer.queue
+        queue = self.detokenizer.queue
         for _ in range(100):
             if queue.empty():
                 break
@@ -314,8 +325,13 @@ class EngineCore(FanOutMixin, TokenizerServicesMixin, ServerInfoMixin):
         for listener in self._failure_listeners:
             listener(message)
 
-    def _emit(self, outs: list) -> None:
-        self.tokenizer_manager.detokenizer.queue.put_nowait(outs)
+    def _emit(self, outs: list[TokenOut]) -> None:
+        """The scheduler's step outputs, to the detokenizer's queue."""
+        self.detokenizer.queue.put_nowait(outs)
+
+    def _deliver(self, out: GenerateOutput) -> None:
+        """A detokenized output, to its consumer through the tokenizer manager."""
+        self.tokenizer_manager.deliver(out)
 
     # ---- requests (generate, generate_all: fan_out.py) ------------------------------------------
     async def encode(self, inputs: list[str | list[int]], rid: str | None = None) -> list[GenerateOutput]:

@@ -11,7 +11,7 @@ import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
 
-from pyserve.forward_batch_info import EndCause, FinishReason
+from pyserve.forward_batch_info import ABORTED_MESSAGE, EndCause, FinishReason
 from pyserve.io_struct import GenerateOutput, SingleReq, TokenizedGenerateReq
 
 _GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads consecutive indices apart
@@ -46,7 +46,7 @@ def aborted_output(treq: TokenizedGenerateReq, index: int | None) -> GenerateOut
         ids_delta=[],
         prompt_tokens=len(treq.input_ids),
         cached_tokens=0,
-        finish_reason=FinishReason.abort(EndCause.ABORTED, "aborted by /abort_request"),
+        finish_reason=FinishReason.abort(EndCause.ABORTED, ABORTED_MESSAGE),
         index=index,
     )
 

@@ -113,14 +113,8 @@ class Retractor:
             state.chunked_req = None
         else:
             state.running.remove(req)
-        assert req.req_id is not None and req.req_pool_idx is not None
-        if req.kv_invalid:
-            self.kv_cache.free_req(req.req_id)
-        else:
-            kv_len = self.kv_cache.kv_len(req.req_id)
-            self.kv_cache.cache_finished_req(req.req_id, req.kv_token_ids(kv_len))
-        self.pipeline.released_rows.append(req.req_pool_idx)
-        req.req_id, req.req_pool_idx, req.prefix_len, req.extend_end = None, None, 0, None
+        row = self.kv_cache.release(req, None if req.kv_invalid else req.kv_token_ids)
+        self.pipeline.released_rows.append(row)
         req.num_planned = len(req.output_ids)
         req.num_retractions += 1
         state.waiting.appendleft(req)
@@ -188,8 +182,10 @@ class Retractor:
                 break
             chosen.append(victim)
             rows_short = False
-            assert victim.req_id is not None  # running requests hold their KV
-            short -= self.kv_cache.kv_len(victim.req_id) + int(reserved_tokens(victim) * self.new_token_ratio.value)
+            assert victim.admission is not None  # running requests hold their KV
+            short -= self.kv_cache.kv_len(victim.admission.req_id) + int(
+                reserved_tokens(victim) * self.new_token_ratio.value
+            )
         if not chosen or short > 0:
             return False
         if self.pipeline.inflight:  # their KV is being written: drain first, decide again then

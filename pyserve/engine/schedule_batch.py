@@ -24,7 +24,7 @@ from pyserve.forward_batch_info import (
     StepPlan,
 )
 from pyserve.io_struct import LogprobParams
-from pyserve.mem_cache.kv_cache import BatchArrays
+from pyserve.mem_cache.kv_cache import Admission, BatchArrays
 from pyserve.sampling_params import SamplingParams
 
 # (attrgetters: the per-step passes over a batch's requests run in C)
@@ -43,15 +43,11 @@ def decodable(reqs: list[Req]) -> list[Req]:
 class Req:
     """A request inside the scheduler.
 
-    rid: the client's request id (a string, unique among running requests); req_id: the Rust
-    core's integer handle while admitted (None while waiting).
+    rid: the client's request id (a string, unique among running requests).
+    admission: its hold on the KV core while admitted (the core's handle, its row, its stored
+    prefix and chunk end: `pyserve.mem_cache.kv_cache.Admission`); None while it waits.
     origin_input_ids: the prompt, [n] int32 (made once, where it was tokenized; a list given
         here is converted). output_ids: tokens generated so far (processed results).
-    prefix_len: tokens with stored KV before its next extend step: the cached prefix reused at
-        admission (whole pages), or, while its prompt is prefilled in chunks, what the
-        chunks so far stored (the Rust core's count).
-    extend_end: while its prompt is prefilled in chunks, where the chunk being planned ends
-        (an index into fill_ids); None: the extend covers the whole of fill_ids.
     max_new_tokens: already clipped so that prompt + output fits the context.
     num_planned: output tokens the steps launched so far will have produced (ahead of
         output_ids by the steps in flight); a request is not planned past max_new_tokens.
@@ -84,10 +80,7 @@ class Req:
         self.max_new_tokens = max_new_tokens
         self.stop_token_ids = stop_token_ids
         self.output_ids: list[int] = []
-        self.req_id: int | None = None
-        self.req_pool_idx: int | None = None
-        self.prefix_len = 0
-        self.extend_end: int | None = None
+        self.admission: Admission | None = None
         self.priority = 0  # priority scheduling: larger is more urgent (unless low-first)
         self._prefix_key: np.ndarray | None = None
         self._prefix_key_outputs = 0
@@ -199,9 +192,9 @@ class Req:
             seen = self.fill_ids()
         resumes = bool(self.output_ids) and (sp.has_penalties or self.grammar is not None)
         outputs = np.asarray(self.output_ids, dtype=np.int32) if resumes else None
-        assert self.req_pool_idx is not None
+        assert self.admission is not None
         return SamplingRow(
-            self.req_pool_idx,
+            self.admission.req_pool_idx,
             sp,
             self.stop_token_ids,
             seen_ids=seen,
@@ -242,9 +235,7 @@ class ScheduleBatch:
         not the last) starts its sampling row. `decodes`: running requests that decode one
         token each in the same step (a mixed chunk; rows after `reqs`, inputs on the worker)."""
         decodes = decodes or []
-        input_ids = np.concatenate([f[r.prefix_len :] for f, r in zip(fill, reqs)], dtype=np.int32)
-        for r, row in zip(reqs, arrays.req_pool_indices.tolist()):
-            r.req_pool_idx = row
+        input_ids = np.concatenate([f[r.admission.prefix_len :] for f, r in zip(fill, reqs)], dtype=np.int32)  # type: ignore[union-attr]
         prefills, reqs = reqs, reqs + decodes
         plan = StepPlan(
             ForwardMode.EXTEND,
@@ -292,7 +283,7 @@ def _logprob_info(reqs: list[Req], extend: bool, partial: Req | None = None) -> 
     if extend:
         for i, r in enumerate(reqs):
             if r.wants_input_logprobs:
-                starts[i] = r.logprob.logprob_start_len - r.prefix_len  # type: ignore[operator]
+                starts[i] = r.logprob.logprob_start_len - r.admission.prefix_len  # type: ignore[operator,union-attr]
     wants = [r.logprob.return_logprob and r is not partial for r in reqs]
     return LogprobBatchInfo(
         return_logprob=wants,

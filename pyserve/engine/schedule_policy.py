@@ -208,11 +208,12 @@ class PrefillAdder:
     def _continue(self, req: Req) -> None:
         """Plan the next chunk of `req` (admitted, its prompt partly prefilled): cache what
         its chunks stored, then take as much of the rest as the chunk budget allows."""
-        assert req.req_id is not None
-        kv_len = self.kv_cache.kv_len(req.req_id)
+        admission = req.admission
+        assert admission is not None
+        kv_len = self.kv_cache.kv_len(admission.req_id)
         fill_ids = req.fill_ids()
-        self.kv_cache.cache_unfinished_req(req.req_id, fill_ids[:kv_len])
-        req.prefix_len = kv_len  # the stored tokens: the next chunk starts after them
+        self.kv_cache.cache_unfinished_req(admission.req_id, fill_ids[:kv_len])
+        admission.prefix_len = kv_len  # the stored tokens: the next chunk starts after them
         remaining = len(fill_ids) - kv_len
         # the rest of its prompt and its output stay reserved
         self._take(req, remaining, span_tokens(kv_len, len(fill_ids) + reserved_tokens(req), self.kv_cache.page_size))
@@ -221,7 +222,9 @@ class PrefillAdder:
         """Admit `req` into the batch with the part of its `extend_len` new tokens that fits
         the chunk budget (all of them, or a page-aligned chunk), `need` tokens reserved."""
         chunk = self._chunk_len(extend_len)
-        req.extend_end = req.prefix_len + chunk if chunk < extend_len else None
+        admission = req.admission
+        assert admission is not None
+        admission.extend_end = admission.prefix_len + chunk if chunk < extend_len else None
         if chunk < extend_len:
             self.chunked_req = req
         self.reserved += need
@@ -254,21 +257,20 @@ class PrefillAdder:
             return False
         if self.kv_cache.free_req_rows() == 0:
             return False
-        admitted = self.kv_cache.admit(req.prefix_key())
-        if admitted is None:
+        admission = self.kv_cache.admit(req.prefix_key())
+        if admission is None:
             return False
-        extend_len = seq_len - admitted.prefix_len
+        extend_len = seq_len - admission.prefix_len
         chunk = self._chunk_len(extend_len)
         # Whole pages; a chunked prompt reserves all of it.
-        need = span_tokens(admitted.prefix_len, seq_len + reserved_tokens(req), page)
+        need = span_tokens(admission.prefix_len, seq_len + reserved_tokens(req), page)
         too_big = extend_len > self.prefill_budget or chunk == 0 or (chunk < extend_len and not req.can_chunk())
         if (self.admitted and too_big) or need > self.kv_cache.available_size() - self.reserved:
-            self.kv_cache.free_req(admitted.req_id)
+            self.kv_cache.free_req(admission.req_id)
             return False
-        req.req_id = admitted.req_id
-        req.prefix_len = admitted.prefix_len
+        req.admission = admission
         if req.num_retractions == 0:
-            req.cached_tokens = admitted.prefix_len
+            req.cached_tokens = admission.prefix_len
         if req.can_chunk():
             self._take(req, extend_len, need)
         else:  # prompt logprobs: one extend step, however long
@@ -276,6 +278,5 @@ class PrefillAdder:
             self.prefill_budget -= extend_len
             if self.chunk_budget is not None:
                 self.chunk_budget = max(0, self.chunk_budget - extend_len)
-            req.extend_end = None
             self.admitted.append(req)
         return True

@@ -86,7 +86,7 @@ class Scheduler:
         policy = SchedulePolicy(config.schedule_policy, kv_cache, seed=config.random_seed)
         new_token_ratio = NewTokenRatio(config.schedule_conservativeness)
         # seeded requests draw from a generator on the model's device
-        self.generator_device = str(getattr(getattr(worker, "model_runner", None), "device", "cpu"))
+        self.generator_device = config.device
         self.state = ScheduleState(metrics=metrics)
         self.pipeline = StepPipeline(kv_cache, worker, self.state, emit, self._step_done)
         self.retractor = Retractor(
@@ -205,7 +205,7 @@ class Scheduler:
         req = self.state.reqs.get(rid)
         if req is None or req.finished:
             return
-        if req.req_id is None:  # not admitted (waiting, or its grammar compiles or failed)
+        if req.admission is None:  # not admitted (waiting, or its grammar compiles or failed)
             req.finish_reason = reason
             if self.grammar_queue.remove(rid) is None and req in self.state.waiting:
                 self.state.waiting.remove(req)

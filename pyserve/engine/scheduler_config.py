@@ -20,7 +20,8 @@ class SchedulerConfig:
     "lof" or "random" (schedule_policy.py); random_seed: its seed. enable_priority_scheduling,
     low_priority_values_first, preemption_threshold: priority order and preemption
     (retraction.py). schedule_conservativeness: scales SGLang's new-token ratio.
-    grammar_compile_timeout_s: a grammar's compile limit (grammar_queue.py)."""
+    grammar_compile_timeout_s: a grammar's compile limit (grammar_queue.py). device: the
+    model's ("cpu", "cuda:0"...): seeded requests draw from a generator there."""
 
     context_len: int
     max_running_requests: int
@@ -36,9 +37,12 @@ class SchedulerConfig:
     preemption_threshold: int = 10
     schedule_conservativeness: float = 1.0
     grammar_compile_timeout_s: float = 60.0
+    device: str = "cpu"
 
     @classmethod
-    def from_server_args(cls, args: ServerArgs, context_len: int, chunked_prefill_size: int | None) -> SchedulerConfig:
+    def from_server_args(
+        cls, args: ServerArgs, context_len: int, chunked_prefill_size: int | None, device: str
+    ) -> SchedulerConfig:
         """The scheduler's part of the server's flags; `chunked_prefill_size` as resolved for
         the device (ServerArgs.resolved_chunked_prefill_size; None for an embedding model)."""
         return cls(
@@ -56,4 +60,5 @@ class SchedulerConfig:
             preemption_threshold=args.priority_scheduling_preemption_threshold,
             schedule_conservativeness=args.schedule_conservativeness,
             grammar_compile_timeout_s=args.grammar_compile_timeout_s,
+            device=device,
         )

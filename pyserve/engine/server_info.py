@@ -6,14 +6,41 @@ cache's live figures)."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pyserve.config import ServerArgs
+    from pyserve.constrained import GrammarBackend
     from pyserve.engine.scheduler import Scheduler
     from pyserve.engine.worker import ModelWorker
     from pyserve.mem_cache.kv_cache import KVCache
+    from pyserve.metrics import Histogram, RequestMetrics
     from pyserve.model_executor.runner_protocol import Runner
+
+
+@dataclass(frozen=True)
+class ServingFigures:
+    """The live figures /metrics exports, read at one moment (loop thread).
+
+    requests: the ended requests' histograms and counts (pyserve.metrics.RequestMetrics).
+    generated_tokens: every token sampled. retractions: requests sent back to wait.
+    running / waiting / grammar_waiting: requests admitted, queued, compiling a grammar.
+    kv_total / kv_used / kv_cached: KV tokens of the pool, held by requests, held only by the
+    evictable prefix cache. gen_throughput: output tokens/s over the last stats interval.
+    grammar_compile_time: the grammar backend's compile histogram (None without one)."""
+
+    requests: RequestMetrics
+    generated_tokens: int
+    retractions: int
+    running: int
+    waiting: int
+    grammar_waiting: int
+    kv_total: int
+    kv_used: int
+    kv_cached: int
+    gen_throughput: float
+    grammar_compile_time: Histogram | None
 
 
 class ServerInfoMixin:
@@ -29,6 +56,7 @@ class ServerInfoMixin:
     kv_cache: KVCache
     scheduler: Scheduler
     worker: ModelWorker
+    grammar_backend: GrammarBackend | None
 
     def get_model_info(self) -> dict[str, Any]:
         """SGLang's /get_model_info fields (model_path, tokenizer_path, is_generation,
@@ -91,6 +119,35 @@ class ServerInfoMixin:
         )
         return info
 
+    def serving_figures(self) -> ServingFigures | None:
+        """What /metrics reports now; None when request metrics are off (--enable-metrics)."""
+        sched = self.scheduler
+        metrics = sched.state.metrics
+        if metrics is None:
+            return None
+        kv = self.kv_cache
+        total, cached = kv.max_total_tokens, kv.evictable_slots()
+        backend = self.grammar_backend
+        return ServingFigures(
+            requests=metrics,
+            generated_tokens=sched.num_generated_tokens,
+            retractions=sched.retractor.num_retracted,
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            grammar_waiting=len(sched.grammar_queue),
+            kv_total=total,
+            kv_used=total - kv.free_slots() - cached,
+            kv_cached=cached,
+            gen_throughput=sched.last_gen_throughput,
+            grammar_compile_time=None if backend is None else backend.compile_time,
+        )
+
+    def ready_facts(self) -> tuple[str, str, int, int]:
+        """(device, dtype name, KV cache tokens, KV cache bytes): what the ready line says."""
+        runner = self.model_runner
+        dtype = str(runner.dtype).removeprefix("torch.")
+        return runner.device, dtype, self.kv_cache.max_total_tokens, runner.kv_cache_bytes
+
     def get_load(self) -> list[dict[str, Any]]:
         """SGLang's /get_load: one entry per data-parallel rank (here one) with the requests
         running and waiting and `num_tokens`, the load the router's policies compare: KV slots held
@@ -119,7 +176,7 @@ class ServerInfoMixin:
                 "weight": round(runner.weight_bytes / 2**30, 2),
                 "kvcache": round(runner.kv_cache_bytes / 2**30, 2),
                 "token_capacity": kv.max_total_tokens,
-                "graph": round(getattr(runner, "cuda_graph_bytes", 0) / 2**30, 2),
+                "graph": round(runner.info.cuda_graph_bytes / 2**30, 2),
             },
             "load": sched.load(),
         }

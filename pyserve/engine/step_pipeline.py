@@ -220,15 +220,9 @@ class StepPipeline:
             if req.num_inflight > 0:
                 pending.append(req)
                 continue
-            if req.req_id is not None:
-                if req.finish_reason.is_abort or req.kv_invalid:  # type: ignore[union-attr]
-                    self.kv_cache.free_req(req.req_id)
-                else:
-                    kv_len = self.kv_cache.kv_len(req.req_id)
-                    self.kv_cache.cache_finished_req(req.req_id, req.kv_token_ids(kv_len))
-                assert req.req_pool_idx is not None  # admitted: it holds a row
-                self.released_rows.append(req.req_pool_idx)
-                req.req_id = req.req_pool_idx = None
+            if req.admission is not None:
+                abort = req.finish_reason.is_abort or req.kv_invalid  # type: ignore[union-attr]
+                self.released_rows.append(self.kv_cache.release(req, None if abort else req.kv_token_ids))
             released.add(id(req))
             self.state.forget(req)
         self._to_release = pending

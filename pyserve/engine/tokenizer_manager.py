@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pyserve.engine.batch_encoder import BatchEncoder
-from pyserve.engine.detokenizer import Detokenizer
 from pyserve.engine.end_cause import end_error
 from pyserve.engine.scheduler import Scheduler
 from pyserve.errors import InvalidRequestError, QueueFullError, ServerDrainingError
@@ -27,6 +26,8 @@ from pyserve.io_struct import GenerateOutput, SingleReq, TokenizedGenerateReq
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from pyserve.engine.detokenizer import Detokenizer
 
 
 class ReqState:
@@ -66,6 +67,7 @@ class TokenizerManager:
         self,
         tokenizer: PreTrainedTokenizerBase,
         scheduler: Scheduler,
+        detokenizer: Detokenizer,
         context_len: int,
         max_total_tokens: int,
         vocab_size: int,
@@ -75,8 +77,10 @@ class TokenizerManager:
         abort_on_priority_when_disabled: bool = False,
         is_generation: bool = True,
     ) -> None:
-        """is_generation: the server generates text (else it serves embeddings: only
-        `SingleReq.embed` requests are taken, and those only there). stream_interval: the
+        """detokenizer: EngineCore's, which this registers each request's text state with and
+        whose outputs come back through `deliver`. is_generation: the server generates text
+        (else it serves embeddings: only `SingleReq.embed` requests are taken, and those only
+        there). stream_interval: the
         server's default tokens per streamed chunk (a request's own stream_interval overrides
         it). max_queued_requests: refuse new requests (503) while that many wait for
         admission; None: no limit. abort_on_priority_when_disabled: a request giving a
@@ -97,7 +101,7 @@ class TokenizerManager:
         self.executor = self.encoder.executor
         self.states: dict[str, ReqState] = {}
         self.draining = False  # new requests are refused (EngineCore.drain)
-        self.detokenizer = Detokenizer(tokenizer, self._deliver, scheduler.end)
+        self.detokenizer = detokenizer
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> np.ndarray:
         """Token ids of `text`, [n] int32, encoded on the executor thread in one batched call
@@ -340,7 +344,9 @@ class TokenizerManager:
                 ended += 1
         return ended
 
-    def _deliver(self, out: GenerateOutput) -> None:
+    def deliver(self, out: GenerateOutput) -> None:
+        """Hand `out` (the detokenizer's) to its request's consumer; a forgotten rid's is
+        dropped. Loop thread."""
         state = self.states.get(out.rid)
         if state is None:
             return

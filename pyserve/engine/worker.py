@@ -22,7 +22,7 @@ to the host (`embed`) and never sample.
 With tensor parallelism (a runner with a `tp` group) this worker is rank 0's: before each
 step it broadcasts the plan (without its sampling rows, which only rank 0 holds) to the other
 ranks, which apply it to their own tables and run the same forward on their shards
-(`pyserve.distributed.rank_main`); after sampling it broadcasts the step's ids, which the
+(`pyserve.engine.rank_main`); after sampling it broadcasts the step's ids, which the
 ranks write into their token tables, the inputs of the next decode step.
 """
 
@@ -64,21 +64,20 @@ class ModelWorker:
     def __init__(self, model_runner: Runner, num_rows: int, row_width: int, vocab_size: int) -> None:
         self.model_runner = model_runner
         self.state = DeviceState(num_rows, row_width, vocab_size, model_runner.device)
-        self._tp: TensorParallelGroup | None = getattr(model_runner, "tp", None)
+        self._tp: TensorParallelGroup | None = model_runner.tp
         self._rank_lost: RankLostError | None = None  # the group broke: every later step fails
         # told (from this thread) when rank 0 itself put the ranks out of step, which no
         # rank's death reports: EngineCore fails the server
         self.on_fatal: Callable[[str], None] | None = None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()  # plans (C queue: no Python lock per put)
         self._cuda = str(model_runner.device).startswith("cuda")
+        info = model_runner.info
         # a CPU runner whose launches are asynchronous (SimulatedRunner) says how to wait for a step
-        self._step_done_waiter: Callable[[], Callable[[], None]] | None = getattr(
-            model_runner, "step_done_waiter", None
+        self._step_done_waiter: Callable[[], Callable[[], None]] | None = (
+            model_runner.step_done_waiter if info.async_launch else None
         )
-        # an embedding runner (ModelRunner.is_embedding) computes pooled embeddings instead
-        self._embed: Callable[[Any], torch.Tensor] | None = (
-            model_runner.embed if getattr(model_runner, "is_embedding", False) else None  # type: ignore[attr-defined]
-        )
+        # an embedding runner computes pooled embeddings instead
+        self._embed: Callable[[Any], torch.Tensor] | None = model_runner.embed if info.embedding is not None else None
         self._async = (self._cuda or self._step_done_waiter is not None) and self._embed is None
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._ready = threading.Event()
@@ -171,9 +170,8 @@ class ModelWorker:
                 num_rows, row_width = self.state.req_to_token.shape
                 vocab = self.state.sampling.vocab_size
                 self._tp.send_object(RankStart(num_rows, row_width, vocab, capture_graphs=stream is not None))
-            init_graphs = getattr(runner, "init_cuda_graphs", None)
-            if stream is not None and init_graphs is not None:
-                init_graphs(self.state.req_to_token, stream)
+            if stream is not None:
+                runner.init_cuda_graphs(self.state.req_to_token, stream)
         except BaseException as exc:  # the constructor raises it on the caller's thread
             self._start_error = exc
             return

@@ -12,7 +12,9 @@ is reserved, so the KV tensors need `max_total_tokens + page_size` rows (`num_sl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -21,14 +23,28 @@ from pyserve import _rs
 BatchArrays = _rs.BatchArrays
 
 
-@dataclass(frozen=True)
-class AdmittedReq:
-    """An admitted request: its core handle, its row and the tokens of its key found cached
-    (a multiple of page_size; their KV is reused, not recomputed)."""
+@dataclass(slots=True)
+class Admission:
+    """A request's hold on the KV core, from `KVCache.admit` to `KVCache.release` (the only
+    places that make and end one).
+
+    req_id: the core's handle; req_pool_idx: its row of the request tables.
+    prefix_len: tokens with stored KV before its next extend step: the cached prefix found at
+    admission (whole pages: reused, not recomputed), then, while its prompt is prefilled in
+    chunks, what the chunks so far stored. extend_end: while its prompt is prefilled in
+    chunks, where the chunk being planned ends (an index into its fill ids); None: the extend
+    covers all of them."""
 
     req_id: int
     req_pool_idx: int
     prefix_len: int
+    extend_end: int | None = None
+
+
+class Admitted(Protocol):
+    """What holds an Admission (the scheduler's `Req`): None while it waits."""
+
+    admission: Admission | None
 
 
 def usable_pool_tokens(max_total_tokens: int, page_size: int) -> int:
@@ -112,11 +128,26 @@ class KVCache:
         return self.core.dfs_weight_order(tokens, offsets)
 
     # ---- a request's life ----------------------------------------------------------------------
-    def admit(self, key: list[int] | np.ndarray) -> AdmittedReq | None:
+    def admit(self, key: list[int] | np.ndarray) -> Admission | None:
         """Match `key` (the tokens whose cached KV may be reused), take a row, lock the
         prefix. None when no row is free."""
         out = self.core.add_req(np.asarray(key, dtype=np.int32))
-        return None if out is None else AdmittedReq(*out)
+        return None if out is None else Admission(*out)
+
+    def release(self, holder: Admitted, stored_ids: Callable[[int], np.ndarray] | None) -> int:
+        """End `holder`'s admission and clear it: its stored KV goes to the radix cache
+        (`stored_ids(kv_len)`: the int32 tokens of the kv_len slots it stored) or, with
+        `stored_ids` None (an abort, a failed step, a request never run), is freed. Returns its
+        row, which the worker's tables then forget."""
+        admission = holder.admission
+        assert admission is not None, "released twice"
+        holder.admission = None
+        if stored_ids is None:
+            self.core.free_req(admission.req_id)
+        else:
+            kv_len = self.kv_len(admission.req_id)
+            self.core.cache_finished_req(admission.req_id, np.asarray(stored_ids(kv_len), dtype=np.int32))
+        return admission.req_pool_idx
 
     def cache_unfinished_req(self, req_id: int, token_ids: list[int] | np.ndarray) -> int:
         """A prefill chunk ended and the request goes on: its stored KV (`token_ids`, exactly

@@ -18,13 +18,11 @@ from pyserve.distributed.group import TensorParallelGroup
 from pyserve.distributed.shard import ShardLayout
 from pyserve.forward_batch_info import (
     ForwardBatch,
-    ForwardMode,
     SamplingBatchInfo,
     StepOutput,
 )
 from pyserve.layers.attention.base import AttentionBackend, CapturableAttentionBackend
 from pyserve.layers.attention.registry import backend_class, capturable_backend, create_attention_backend
-from pyserve.layers.logprobs import logprobs_of_rows
 from pyserve.layers.pooler import PoolingSpec, pool, sentence_transformers_pooling
 from pyserve.layers.rotary_embedding import RotaryEmbedding
 from pyserve.layers.sampler import sample as sample_tokens
@@ -37,8 +35,10 @@ from pyserve.model_executor.kv_pool_sizing import (
     default_mem_fraction,
     kv_pool_tokens,
 )
+from pyserve.model_executor.runner_protocol import EmbeddingInfo, Runner, RunnerInfo
+from pyserve.model_executor.step_logprobs import fill_logprobs, plan_input_logprobs
 from pyserve.model_loader.config import ModelConfig
-from pyserve.model_loader.weights import load_model
+from pyserve.models.loader import load_model
 from pyserve_kernels.quant import quantized_isas
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class ModelRunner:
+class ModelRunner(Runner):
     """Loads a model (HF folder or .gguf file) and runs forward passes and sampling.
 
     model_path: HF folder or .gguf file.
@@ -167,17 +167,43 @@ class ModelRunner:
         self.device: str = str(torch_device)  # a plain string: callers log and JSON-encode it
         if random_seed is not None:
             torch.manual_seed(random_seed)
-        self.model_config = ModelConfig.from_path(
-            model_path, dtype=dtype, device=torch_device, context_length=context_length
+        self._load(model_path, dtype, torch_device, context_length, load_progress, load_format, quantization)
+        self.pooling = self._pooling(model_path, is_embedding, pooling)
+        self.weight_bytes: int = self._count_weight_bytes()
+        for module in self.model.modules():  # positions stay below the context: no host check
+            if isinstance(module, RotaryEmbedding):
+                module.reserve(self.model_config.context_len)
+        self.graph_sizes = self._graph_sizes(
+            torch_device, disable_cuda_graph, attention_backend, cuda_graph_max_bs, cuda_graph_bs
         )
+        self.graph_runner: CudaGraphRunner | None = None
+        # set aside for the graphs before the KV pool is sized
+        self.cuda_graph_bytes = cuda_graph_reserve_bytes(self.model_config, self.dtype, self.graph_sizes)
+        self._make_kv_pool(torch_device, max_total_tokens, mem_fraction_static, page_size)
+        self._make_attention(attention_backend)
+        self.info = RunnerInfo(
+            embedding=None if self.pooling is None else self._embedding_info(self.pooling),
+            is_encoder=self.is_encoder,
+            cuda_graph_bytes=self.cuda_graph_bytes,
+        )
+
+    def _load(
+        self,
+        model_path: str,
+        dtype: str | torch.dtype,
+        device: torch.device,
+        context_length: int | None,
+        progress: bool,
+        load_format: str,
+        quantization: str,
+    ) -> None:
+        """Read the config and build the model with its weights (this rank's shard); sets
+        model_config, dtype, model, num_kv_heads and is_encoder."""
+        tp = self.tp
+        self.model_config = ModelConfig.from_path(model_path, dtype=dtype, device=device, context_length=context_length)
         self.dtype = self.model_config.dtype
         self.model = load_model(
-            self.model_config,
-            torch_device,
-            progress=load_progress,
-            load_format=load_format,
-            quantization=quantization,
-            tp=tp,
+            self.model_config, device, progress=progress, load_format=load_format, quantization=quantization, tp=tp
         )
         self.num_kv_heads = (  # this rank's
             ShardLayout.of(self.model_config.hf_config, tp.rank, tp.size).num_kv_heads
@@ -191,14 +217,31 @@ class ModelRunner:
                 f"context length {self.model_config.context_len} exceeds the encoder's "
                 f"{positions} position embeddings (an encoder cannot go past them)"
             )
-        self.is_embedding: bool = is_embedding or self.is_encoder
-        self.pooling: PoolingSpec | None = None
-        if self.is_embedding:
-            declared = sentence_transformers_pooling(model_path) if os.path.isdir(model_path) else None
-            self.pooling = declared or PoolingSpec("last", normalize=True)
-            if pooling is not None:
-                self.pooling = PoolingSpec(pooling, normalize=self.pooling.normalize)
-        # On CPU in float32, oneDNN-packed copies of the projection weights (layers/linear.py).
+
+    def _pooling(self, model_path: str, is_embedding: bool, pooling: str | None) -> PoolingSpec | None:
+        """How embeddings are pooled, None when the runner generates: `pooling` when given,
+        else the folder's sentence-transformers files, else the last token, normalised
+        unless those files leave Normalize out."""
+        if not (is_embedding or self.is_encoder):
+            return None
+        declared = sentence_transformers_pooling(model_path) if os.path.isdir(model_path) else None
+        spec = declared or PoolingSpec("last", normalize=True)
+        return PoolingSpec(pooling, normalize=spec.normalize) if pooling is not None else spec
+
+    def _embedding_info(self, pooling: PoolingSpec) -> EmbeddingInfo:
+        hf_config = self.model_config.hf_config
+        sizes = getattr(hf_config, "matryoshka_dimensions", None)
+        return EmbeddingInfo(
+            pooling=pooling,
+            hidden_size=self.model_config.hidden_size,
+            matryoshka=bool(getattr(hf_config, "is_matryoshka", False) or sizes),
+            matryoshka_dimensions=tuple(int(n) for n in sizes) if sizes else None,
+        )
+
+    def _count_weight_bytes(self) -> int:
+        """Bytes of the parameters plus the copies the CPU kernels run on: oneDNN-packed
+        projections in float32 (layers/linear.py, `packed_weight_bytes`) and a GGUF's blocks
+        (`quantized_weight_bytes`)."""
         prepack_weights = getattr(self.model, "prepack_linear_weights", None)
         self.packed_weight_bytes: int = prepack_weights() if prepack_weights else 0
         quantized_bytes = getattr(self.model, "quantized_weight_bytes", None)
@@ -209,30 +252,42 @@ class ModelRunner:
                 self.quantized_weight_bytes / 2**20,
                 quantized_isas()[-1],
             )
-        self.weight_bytes: int = (
+        return (
             self.packed_weight_bytes
             + self.quantized_weight_bytes
             + sum(p.numel() * p.element_size() for p in self.model.parameters())
         )
+
+    def _graph_sizes(
+        self,
+        device: torch.device,
+        disable_cuda_graph: bool,
+        attention_backend: str,
+        cuda_graph_max_bs: int | None,
+        cuda_graph_bs: list[int] | None,
+    ) -> list[int]:
+        """The decode batch sizes to capture as CUDA graphs ([] for none: not CUDA, disabled,
+        an embedding model, a backend that cannot be captured, or a dynamic rope)."""
+        if device.type != "cuda" or disable_cuda_graph or self.pooling is not None:
+            return []
+        if not capturable_backend(attention_backend, device.type):
+            logger.info("CUDA graphs off: attention backend %s cannot be captured", attention_backend)
+            return []
+        if any(isinstance(m, RotaryEmbedding) and m.is_dynamic for m in self.model.modules()):
+            logger.info("CUDA graphs off: dynamic rope reads positions on the host")
+            return []
+        return capture_batch_sizes(self.max_running_requests, cuda_graph_max_bs, cuda_graph_bs)
+
+    def _make_kv_pool(
+        self, device: torch.device, max_total_tokens: int | None, mem_fraction_static: float, page_size: int
+    ) -> None:
+        """Size the KV pool (the same slots on every rank) and allocate it; sets page_size,
+        max_total_num_tokens, kv_pool and kv_cache_bytes."""
+        tp = self.tp
         self.page_size = int(page_size)
-        cfg = self.model_config
-        for module in self.model.modules():  # positions stay below the context: no host check
-            if isinstance(module, RotaryEmbedding):
-                module.reserve(cfg.context_len)
-        self.graph_sizes: list[int] = []
-        if torch_device.type == "cuda" and not disable_cuda_graph and not self.is_embedding:
-            if not capturable_backend(attention_backend, torch_device.type):
-                logger.info("CUDA graphs off: attention backend %s cannot be captured", attention_backend)
-            elif any(isinstance(m, RotaryEmbedding) and m.is_dynamic for m in self.model.modules()):
-                logger.info("CUDA graphs off: dynamic rope reads positions on the host")
-            else:
-                self.graph_sizes = capture_batch_sizes(max_running_requests, cuda_graph_max_bs, cuda_graph_bs)
-        self.graph_runner: CudaGraphRunner | None = None
-        # set aside for the graphs before the KV pool is sized
-        self.cuda_graph_bytes = cuda_graph_reserve_bytes(cfg, self.dtype, self.graph_sizes)
         # ranks on one CPU machine share its memory: each takes its part of the budget
-        shares = tp.local_size if tp is not None and torch_device.type == "cpu" else 1
-        pool = self._kv_pool_size(torch_device, max_total_tokens, mem_fraction_static, shares)
+        shares = tp.local_size if tp is not None and device.type == "cpu" else 1
+        pool = self._kv_pool_size(device, max_total_tokens, mem_fraction_static, shares)
         if tp is not None:  # every rank holds the same slots
             pool = tp.min_int(pool)
         self.max_total_num_tokens = pool - pool % self.page_size
@@ -240,14 +295,18 @@ class ModelRunner:
             raise ValueError(f"a KV pool of {pool} tokens holds no page of {self.page_size}")
         self.kv_pool = MHATokenToKVPool(
             self.max_total_num_tokens,
-            0 if self.is_encoder else cfg.num_hidden_layers,
+            0 if self.is_encoder else self.model_config.num_hidden_layers,
             self.num_kv_heads,
-            cfg.head_dim,
+            self.model_config.head_dim,
             self.dtype,
-            torch_device,
+            device,
             page_size=self.page_size,
         )
         self.kv_cache_bytes = self.kv_pool.total_bytes
+
+    def _make_attention(self, attention_backend: str) -> None:
+        """The attention backend over the pool (an encoder: SDPA within each sequence);
+        drops the graph sizes when "auto" chose a backend that cannot be captured."""
         self._input_groups: list | None = None  # prompt-logprob plan of the last forward
         if self.is_encoder:  # no KV to read: the model attends within each sequence itself
             self.attn_backend: AttentionBackend = backend_class("torch_native")(self.kv_pool)
@@ -311,7 +370,7 @@ class ModelRunner:
         Worker thread only. Raises ValueError for inconsistent batch lengths.
         """
         with torch.inference_mode():
-            self._input_groups = self._plan_input_logprobs(batch)
+            self._input_groups = plan_input_logprobs(batch)
             if self.graph_runner is not None and self.graph_runner.can_run(batch):
                 return self.graph_runner.replay(batch)
             self.attn_backend.init_forward_metadata(batch)
@@ -333,34 +392,6 @@ class ModelRunner:
                 hidden = decoder(batch, self.attn_backend)
             return pool(hidden, batch.extend_seq_lens.tolist(), self.pooling)
 
-    @staticmethod
-    def _plan_input_logprobs(batch: ForwardBatch) -> list[tuple[int, int, int] | None] | None:
-        """For prompt logprobs: set batch.input_logits_rows to the token rows whose logits
-        predict the wanted prompt tokens; returns per request (start, first row in
-        input_logits, count) or None."""
-        info = batch.logprob_info
-        if (
-            info is None
-            or batch.forward_mode != ForwardMode.EXTEND
-            or all(s is None for s in info.input_logprob_starts)
-        ):
-            return None
-        rows: list[int] = []
-        groups: list[tuple[int, int, int] | None] = []
-        token_start = 0
-        assert batch.extend_seq_lens is not None  # input logprobs come from EXTEND batches
-        for start, ext in zip(info.input_logprob_starts, batch.extend_seq_lens.tolist()):
-            if start is None:
-                groups.append(None)
-            else:
-                # token j of the extend range is predicted by row j - 1 (none for j == 0)
-                first = max(start, 1)
-                groups.append((start, len(rows), max(ext - first, 0)))
-                rows.extend(range(token_start + first - 1, token_start + ext - 1))
-            token_start += ext
-        batch.input_logits_rows = torch.tensor(rows, dtype=torch.int64, device=batch.input_ids.device)
-        return groups
-
     def sample_next(self, logits: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Next token ids [B] int64 on the device of `batch` (after `forward(batch)`) and the
         mask [B] bool of rows whose own parameters left nothing to sample (see
@@ -371,43 +402,9 @@ class ModelRunner:
 
     def add_logprobs(self, out: StepOutput, logits: torch.Tensor, batch: ForwardBatch, next_ids: torch.Tensor) -> None:
         """Fill out.output_logprobs / input_logprobs with what batch.logprob_info asks for
-        (nothing when it asks for none). Worker thread only."""
-        info = batch.logprob_info
-        if info is None or not any(info.return_logprob):
-            return
-        with torch.inference_mode():
-            rows = [i for i, want in enumerate(info.return_logprob) if want]
-            rows_t = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-            picked = logprobs_of_rows(
-                logits[rows_t],
-                next_ids[rows_t],
-                [info.top_logprobs_nums[i] for i in rows],
-                [info.token_ids_logprob[i] for i in rows],
-                [(k, 1) for k in range(len(rows))],
-            )
-            out.output_logprobs = [None] * batch.batch_size
-            for i, item in zip(rows, picked):
-                out.output_logprobs[i] = item
-            groups = self._input_groups
-            if groups is not None and batch.input_logits is not None and batch.input_logits_rows is not None:
-                targets = batch.input_ids[batch.input_logits_rows + 1]
-                wanted = [i for i, g in enumerate(groups) if g is not None]
-                items = logprobs_of_rows(
-                    batch.input_logits,
-                    targets,
-                    [info.top_logprobs_nums[i] for i in wanted],
-                    [info.token_ids_logprob[i] for i in wanted],
-                    [groups[i][1:] for i in wanted],
-                )
-                out.input_logprobs = [None] * batch.batch_size
-                for i, item in zip(wanted, items):
-                    if groups[i][0] == 0:  # the first prompt token has no context
-                        item.token_logprobs.insert(0, None)
-                        if item.top_logprobs is not None:
-                            item.top_logprobs.insert(0, [])
-                        if item.token_ids_logprobs is not None:
-                            item.token_ids_logprobs.insert(0, [])
-                    out.input_logprobs[i] = item
+        (nothing when it asks for none; see step_logprobs.py). Worker thread only."""
+        if batch.logprob_info is not None:
+            fill_logprobs(out, logits, batch, next_ids, self._input_groups)
 
     def sample(self, logits: torch.Tensor, sampling_info: SamplingBatchInfo) -> torch.Tensor:
         """Next token ids [B] int64 on the device: argmax where temperature == 0, else

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from pyserve.forward_batch_info import ForwardBatch, ForwardMode, StepOutput
+from pyserve.model_executor.runner_protocol import Runner, RunnerInfo
 
 # ids drawn ahead for sample_next (the largest batch it serves)
 _STREAM_LEN = 1 << 20
@@ -43,7 +44,7 @@ class SimulatedModelConfig:
     dtype: torch.dtype = torch.float32
 
 
-class SimulatedRunner:
+class SimulatedRunner(Runner):
     """Serves a tokenizer's vocabulary on a simulated device.
 
     vocab_size, eos_token_ids: the tokenizer's (ids are drawn from the non-EOS ones).
@@ -55,6 +56,7 @@ class SimulatedRunner:
     Worker thread: forward, sample_next, add_logprobs, step_output. Any thread: busy_s, reset_busy.
     """
 
+    info = RunnerInfo(async_launch=True)
     device = "cpu"
     dtype = torch.float32
     attention_backend_name = "simulated"

@@ -1,4 +1,5 @@
-"""Model loading: locate the model, read its config, stream its weights, load its tokenizer.
+"""Model loading: locate the model, read its config, stream its weights, load its tokenizer
+(building the model from them is `pyserve.models.loader.load_model`).
 
 The names below load lazily: `pyserve.model_loader.default_model` and `.model_path` (what the
 CLI checks before anything loads) must not import torch or transformers."""
@@ -12,7 +13,6 @@ _LAZY = {
     "resolve_dtype": "pyserve.model_loader.config",
     "get_tokenizer": "pyserve.model_loader.tokenizer",
     "iter_weights": "pyserve.model_loader.weights",
-    "load_model": "pyserve.model_loader.weights",
 }
 
 
@@ -30,6 +30,5 @@ __all__ = [
     "default_model_path",
     "get_tokenizer",
     "iter_weights",
-    "load_model",
     "resolve_dtype",
 ]

@@ -1,20 +1,15 @@
-"""Build a model for a ModelConfig and fill it with the checkpoint's weights (HF folder or
-GGUF file)."""
+"""Stream a checkpoint's weights (HF folder or GGUF file) as (name, tensor) pairs, a rank's
+shard of each when tensor-parallel; whether quantized GGUF blocks stay quantized."""
 
 from __future__ import annotations
 
-import logging
-import time
 from collections.abc import Iterator
 
 import torch
 
-from pyserve.distributed.group import TensorParallelGroup
 from pyserve.distributed.shard import ShardLayout, shard
 from pyserve.model_loader.config import ModelConfig
 from pyserve_kernels.quant import QuantizedWeight, quantized_kernels_available
-
-logger = logging.getLogger(__name__)
 
 
 def iter_weights(
@@ -74,58 +69,3 @@ def keeps_quantized(model_config: ModelConfig, device: str | torch.device, quant
         and torch.device(device).type == "cpu"
         and quantized_kernels_available()
     )
-
-
-def load_model(
-    model_config: ModelConfig,
-    device: str | torch.device,
-    progress: bool = True,
-    load_format: str = "auto",
-    quantization: str = "auto",
-    tp: TensorParallelGroup | None = None,
-) -> torch.nn.Module:
-    """Instantiate the registered class of `model_config.architecture` on `device` in
-    `model_config.dtype`, load its weights (load_format "auto") or fill it with seeded random
-    weights (load_format "dummy", nothing read but the config) and put it in eval mode.
-    quantization "auto" keeps a GGUF's quantized matrices quantized when the model runs on CPU
-    (`keeps_quantized`); "none" dequantizes every weight to the model's dtype.
-
-    tp: a tensor-parallel rank's group: the model holds and loads that rank's shard (every
-    weight dequantized: the native quantized kernels run unsharded only).
-
-    Raises ValueError for an unsupported architecture (or one without tensor parallelism
-    when `tp` is given, or a model that does not split `tp.size` ways), KeyError/ValueError
-    from the model's `load_weights` for unknown or missing tensors.
-    """
-    from pyserve.models.registry import get_model_class
-
-    model_cls = get_model_class(model_config.architecture)
-    start = time.perf_counter()
-    layout = None
-    kwargs = {}
-    if tp is not None:
-        if not getattr(model_cls, "supports_tensor_parallel", False):
-            raise ValueError(f"{model_config.architecture} has no tensor-parallel version; use --tp-size 1")
-        layout = ShardLayout.of(model_config.hf_config, tp.rank, tp.size)
-        kwargs["tp"] = tp
-    with torch.device(device):
-        model = model_cls(model_config.hf_config, dtype=model_config.dtype, device=device, **kwargs)
-    if load_format == "dummy":
-        model.init_dummy_weights()
-    elif load_format == "auto":
-        keep = tp is None and keeps_quantized(model_config, device, quantization)
-        model.load_weights(iter_weights(model_config, progress=progress, keep_quantized=keep, layout=layout))
-        if keep:  # the blocks were copied out: unmap the file
-            from pyserve.model_loader.gguf_reader import open_gguf
-
-            open_gguf.cache_clear()
-    else:
-        raise ValueError(f"load_format {load_format!r} is not supported; supported: auto, dummy")
-    model.eval()
-    logger.info(
-        "loaded %s (%s) in %.2f s",
-        model_config.model_path,
-        model_config.architecture,
-        time.perf_counter() - start,
-    )
-    return model

@@ -389,7 +389,7 @@ class LlamaForCausalLM(LlamaWeightsMixin):
     """
 
     spec = DecoderSpec()
-    supports_tensor_parallel = True  # `pyserve.model_loader.weights.load_model` asks
+    supports_tensor_parallel = True  # `pyserve.models.loader.load_model` asks
 
     def __init__(
         self,

@@ -20,6 +20,7 @@ from pyserve.model_executor.runner_protocol import Runner
 from pyserve.server import metrics, native, openapi, parse_routes, playground, tokenize
 from pyserve.server.access_log import AccessLogMiddleware
 from pyserve.server.auth import ApiKeyMiddleware
+from pyserve.server.context import ServerContext
 from pyserve.server.drain import drain
 from pyserve.server.errors import EXCEPTION_HANDLERS
 from pyserve.server.openai import embeddings, responses, serving
@@ -36,12 +37,13 @@ def create_app(
     on_load_error: Callable[[BaseException], None] | None = None,
     on_failure: Callable[[str], None] | None = None,
     on_ready: Callable[[EngineCore], None] | None = None,
-) -> Starlette:
+) -> PyserveApp:
     """The pyserve ASGI app. The model loads when the app's lifespan starts (ASGI lifespan
     protocol), on the server's event loop, and the engine stops when the lifespan ends.
-    `app.state.engine` is the EngineCore (None until loaded); `app.state.stream_hub` the
-    StreamHub every streamed response goes through (set one before the start to choose its
-    writers). model_runner: see EngineCore (benchmarks).
+    `app.context` is the app's ServerContext (server/context.py): `.engine` the EngineCore
+    (None until loaded), `.stream_hub` the StreamHub every streamed response goes through
+    (replace it before the start to choose its writers). model_runner: see EngineCore
+    (benchmarks).
 
     load_in_background: the lifespan's start returns at once and the model loads in a task,
     so the server answers meanwhile: `/health` 503 {"status": "loading"}, every route that
@@ -49,7 +51,7 @@ def create_app(
     `on_load_error` (`pyserve serve` then exits 1). False (the default, for embedding): the
     start returns once the model is loaded, and a failed load fails the start.
     `on_ready(engine)` is called on the loop once the model serves (`pyserve serve` logs its
-    ready line); `app.state.loading` is True while the model loads.
+    ready line); `app.context.loading` is True while the model loads.
 
     When serving fails for good (a tensor-parallel rank died: EngineCore.on_failure) the
     routes answer 503, `/health` 503 {"status": "failed", "message": ...}, and
@@ -65,18 +67,17 @@ def create_app(
     `disable_log_requests`; an exception behind a 500 that went out whole is not raised on to
     the ASGI server (its traceback was logged once, by errors.handle_internal_error)."""
     args = server_args or ServerArgs()
+    ctx = ServerContext(
+        StreamHub(max_buffer_bytes=args.max_stream_buffer_bytes, stall_timeout_s=args.stream_stall_timeout_s),
+        max_request_body_bytes=args.max_request_body_bytes,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         setup_logging(args.log_level)  # (a no-op where the program configured logging)
         engine = EngineCore(args, model_runner=model_runner)
-        app.state.engine = None
-        app.state.max_request_body_bytes = args.max_request_body_bytes
-        if getattr(app.state, "stream_hub", None) is None:
-            app.state.stream_hub = StreamHub(
-                max_buffer_bytes=args.max_stream_buffer_bytes, stall_timeout_s=args.stream_stall_timeout_s
-            )
-        hub: StreamHub = app.state.stream_hub
+        ctx.engine = None
+        hub = ctx.stream_hub
 
         async def load() -> None:
             try:
@@ -89,20 +90,20 @@ def create_app(
                     on_load_error(exc)
                 return
             finally:
-                app.state.loading = False
-            app.state.engine = engine
+                ctx.loading = False
+            ctx.engine = engine
             if on_ready is not None:
                 on_ready(engine)
 
             def failed(message: str) -> None:
-                app.state.draining = True
-                app.state.failure = message
+                ctx.draining = True
+                ctx.failure = message
                 if on_failure is not None:
                     on_failure(message)
 
             engine.on_failure(failed)
 
-        app.state.loading = True
+        ctx.loading = True
         loading = asyncio.ensure_future(load())
         if not load_in_background:
             await loading
@@ -111,12 +112,12 @@ def create_app(
         finally:
             if not loading.done():  # shut down while loading: the load (a thread) ends first
                 await asyncio.wait([loading])
-            if app.state.engine is not None:
+            if ctx.engine is not None:
                 # under any ASGI server: what still runs when the lifespan ends drains as on
                 # SIGTERM (after `pyserve serve`'s own drain there is nothing left)
-                await drain(app, args.shutdown_timeout_s)
+                await drain(ctx, args.shutdown_timeout_s)
             hub.close()
-            if app.state.engine is not None:
+            if ctx.engine is not None:
                 await engine.shutdown()
 
     app = PyserveApp(
@@ -132,6 +133,7 @@ def create_app(
         exception_handlers=EXCEPTION_HANDLERS,
         middleware=_middleware(args),
     )
+    app.context = ctx
     app.log_requests = not args.disable_log_requests
     if args.enable_metrics:
         app.router.routes.extend(metrics.ROUTES)
@@ -143,6 +145,7 @@ class PyserveApp(Starlette):
     Starlette's ServerErrorMiddleware included, so it sees every response's status."""
 
     log_requests = True  # write the access lines (False: --disable-log-requests)
+    context: ServerContext  # what the routes share (set by create_app)
 
     def build_middleware_stack(self) -> ASGIApp:
         return AccessLogMiddleware(super().build_middleware_stack(), self.log_requests)

@@ -15,19 +15,21 @@ import signal
 import sys
 from collections.abc import Iterator
 from types import FrameType
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import uvicorn
-from starlette.applications import Starlette
+
+if TYPE_CHECKING:  # (the CLI imports this module before its checks, which run without torch)
+    from pyserve.server.context import ServerContext
 
 logger = logging.getLogger(__name__)
 
 
-async def drain(app: Starlette, timeout_s: float) -> None:
+async def drain(ctx: ServerContext, timeout_s: float) -> None:
     """Stop taking requests (the routes answer 503 ServerDrainingError, /health 503
     {"status": "draining"}) and drain the engine (EngineCore.drain). Loop thread."""
-    app.state.draining = True
-    engine = getattr(app.state, "engine", None)
+    ctx.draining = True
+    engine = ctx.engine
     if engine is None:  # still loading: nothing runs
         return
     await engine.drain(timeout_s)
@@ -78,15 +80,15 @@ def signals_exit_now(what: str) -> Iterator[None]:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's Server whose first SIGTERM / SIGINT drains `app` (see `drain`) before the
+    """uvicorn's Server whose first SIGTERM / SIGINT drains the app of `ctx` (see `drain`) before the
     usual shutdown, and whose second one ends the process at once (`exit_now`), as does one
-    while the model loads (`app.state.loading`: the load runs on a thread nothing can stop).
+    while the model loads (`ctx.loading`: the load runs on a thread nothing can stop).
     The signal is not raised again after the server stops (uvicorn's default), so a drained
     server exits with status 0."""
 
-    def __init__(self, config: uvicorn.Config, app: Starlette, timeout_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, ctx: ServerContext, timeout_s: float) -> None:
         super().__init__(config)
-        self._app = app
+        self._ctx = ctx
         self._timeout_s = timeout_s
         self._drain_requested = False
         self._drain_task: asyncio.Future[None] | None = None
@@ -95,7 +97,7 @@ class DrainingServer(uvicorn.Server):
         # a signal handler: only flags here (or the exit); the drain starts on the loop (on_tick)
         if self._drain_requested:
             exit_now(sig, f"second {signal_text(sig)}")
-        if getattr(self._app.state, "loading", False):
+        if self._ctx.loading:
             exit_now(sig, f"{signal_text(sig)} while the model loads")
         self._drain_requested = True
 
@@ -111,7 +113,7 @@ class DrainingServer(uvicorn.Server):
             self._timeout_s,
         )
         try:
-            await drain(self._app, self._timeout_s)
+            await drain(self._ctx, self._timeout_s)
         except Exception:
             logger.exception("drain failed; shutting down")
         finally:

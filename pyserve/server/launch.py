@@ -118,7 +118,7 @@ def launch_server(server_args: ServerArgs) -> int:
         access_log=False,  # pyserve writes its own (server/access_log.py)
         timeout_graceful_shutdown=5,
     )
-    server = DrainingServer(config, app, server_args.shutdown_timeout_s)
+    server = DrainingServer(config, app.context, server_args.shutdown_timeout_s)
     server.run(sockets=[sock])
     if failed:
         return 1
@@ -144,7 +144,7 @@ def ready_line(engine: EngineCore, url: str) -> str:
     the name the API serves it under when --served-model-name sets one; a Hub model's served
     name and commit), on which device and
     dtype, and the KV cache's size in tokens and bytes. Loop thread (reads the engine)."""
-    runner = engine.model_runner
+    device, dtype, kv_tokens, kv_bytes = engine.ready_facts()
     path = engine.model_path.rstrip("/")
     if os.path.basename(os.path.dirname(path)) == "snapshots":  # a Hub model in the HF cache
         model = f"{engine.model_name} (commit {os.path.basename(path)[:12]})"
@@ -152,10 +152,9 @@ def ready_line(engine: EngineCore, url: str) -> str:
         model = os.path.basename(path)
         if engine.server_args.served_model_name:
             model += f" (served as {engine.model_name})"
-    dtype = str(runner.dtype).removeprefix("torch.")
     return (
-        f"pyserve ready on {url}: {model} on {runner.device} ({dtype}), "
-        f"KV cache {engine.kv_cache.max_total_tokens:,} tokens ({_bytes_text(runner.kv_cache_bytes)})"
+        f"pyserve ready on {url}: {model} on {device} ({dtype}), "
+        f"KV cache {kv_tokens:,} tokens ({_bytes_text(kv_bytes)})"
     )
 
 

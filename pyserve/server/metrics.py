@@ -20,6 +20,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from pyserve.metrics import Histogram
+from pyserve.server.context import context_of
 
 if TYPE_CHECKING:
     from pyserve.engine.engine_core import EngineCore
@@ -49,10 +50,10 @@ class EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         engine = self.engine
-        sched = engine.scheduler
-        metrics = sched.state.metrics
-        if metrics is None:
+        figures = engine.serving_figures()
+        if figures is None:
             return
+        metrics = figures.requests
         name = [engine.model_name]
         labels = ["model_name"]
 
@@ -72,7 +73,7 @@ class EngineCollector(Collector):
             return family
 
         yield counter("prompt_tokens", "Prompt tokens of ended requests.", metrics.prompt_tokens)
-        yield counter("generation_tokens", "Output tokens sampled.", sched.num_generated_tokens)
+        yield counter("generation_tokens", "Output tokens sampled.", figures.generated_tokens)
         yield counter("cached_tokens", "Prompt tokens of ended requests found in the prefix cache.",
                       metrics.cached_tokens)  # fmt: skip
         requests = CounterMetricFamily(
@@ -82,24 +83,19 @@ class EngineCollector(Collector):
             requests.add_metric([*name, kind], count)
         yield requests
         yield counter("num_retractions", "Requests sent back to wait because the KV pool was full.",
-                      sched.retractor.num_retracted)  # fmt: skip
+                      figures.retractions)  # fmt: skip
         yield histogram("time_to_first_token_seconds", "Time to first token in seconds.", metrics.ttft)
         yield histogram("inter_token_latency_seconds", "Time between output tokens in seconds.", metrics.itl)
         yield histogram("e2e_request_latency_seconds", "End-to-end request latency in seconds.", metrics.e2e_latency)
         yield histogram("queue_time_seconds", "Time in the waiting queue in seconds.", metrics.queue_time)
-        backend = engine.grammar_backend
-        if backend is not None:
+        if figures.grammar_compile_time is not None:
             yield histogram(
-                "grammar_compilation_time_seconds", "Grammar compile time in seconds.", backend.compile_time
+                "grammar_compilation_time_seconds", "Grammar compile time in seconds.", figures.grammar_compile_time
             )
-        kv = sched.kv_cache
-        total, cached = kv.max_total_tokens, kv.evictable_slots()
-        used = total - kv.free_slots() - cached
-        yield gauge("num_running_reqs", "Requests admitted and running.", len(sched.running))
-        yield gauge("num_queue_reqs", "Requests waiting for admission.", len(sched.waiting))
-        yield gauge(
-            "num_grammar_queue_reqs", "Requests waiting for their grammar to compile.", len(sched.grammar_queue)
-        )
+        total, used, cached = figures.kv_total, figures.kv_used, figures.kv_cached
+        yield gauge("num_running_reqs", "Requests admitted and running.", figures.running)
+        yield gauge("num_queue_reqs", "Requests waiting for admission.", figures.waiting)
+        yield gauge("num_grammar_queue_reqs", "Requests waiting for their grammar to compile.", figures.grammar_waiting)
         yield gauge("num_used_tokens", "KV tokens held by requests.", used)
         yield gauge("num_cached_tokens", "KV tokens of evictable cached prefixes.", cached)
         yield gauge("max_total_num_tokens", "KV pool size in tokens.", total)
@@ -107,21 +103,21 @@ class EngineCollector(Collector):
         hit_rate = metrics.cached_tokens / metrics.prompt_tokens if metrics.prompt_tokens else 0.0
         yield gauge("cache_hit_rate", "Cached over prompt tokens of ended requests.", hit_rate)
         yield gauge("gen_throughput", "Output tokens per second over the last stats interval.",
-                    sched.last_gen_throughput)  # fmt: skip
+                    figures.gen_throughput)  # fmt: skip
 
 
 async def metrics(request: Request) -> Response:
     """GET /metrics: the Prometheus text exposition (prometheus-client's latest). While the model loads,
     only the process metrics."""
-    state = request.app.state
-    registry: CollectorRegistry | None = getattr(state, "metrics_registry", None)
+    ctx = context_of(request)
+    registry: CollectorRegistry | None = ctx.metrics_registry
     if registry is None:
-        registry = state.metrics_registry = CollectorRegistry(auto_describe=False)
+        registry = ctx.metrics_registry = CollectorRegistry(auto_describe=False)
         ProcessCollector(registry=registry)
-    engine = getattr(state, "engine", None)
-    if engine is not None and getattr(state, "metrics_engine", None) is not engine:
+    engine = ctx.engine
+    if engine is not None and ctx.metrics_engine is not engine:
         registry.register(EngineCollector(engine))
-        state.metrics_engine = engine
+        ctx.metrics_engine = engine
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -8,53 +8,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from pyserve.engine.engine_core import EngineCore
-from pyserve.errors import InvalidRequestError, ModelLoadingError, ServerDrainingError
-from pyserve.forward_batch_info import EndCause
-from pyserve.io_struct import GenerateReqInput, SingleReq
-from pyserve.server.errors import parse_json
+from pyserve.errors import InvalidRequestError
+from pyserve.forward_batch_info import ABORTED_MESSAGE, EndCause
+from pyserve.io_struct import GenerateReqInput
+from pyserve.server.context import context_of, engine_of
 from pyserve.server.render import NativeStreamEncoder, SafeJSONResponse
+from pyserve.server.request_body import parse_json
 from pyserve.server.sse import until_disconnect
-from pyserve.server.stream_hub import StreamEncoder, StreamHub, StreamResponse, outputs_response
-
-
-def stream_hub_of(request: Request) -> StreamHub:
-    """The app's StreamHub (made on first use: an app driven without its lifespan has none)."""
-    state = request.app.state
-    hub = getattr(state, "stream_hub", None)
-    if hub is None:
-        hub = state.stream_hub = StreamHub()
-    return hub
-
-
-def engine_of(request: Request) -> EngineCore:
-    """The app's EngineCore. Raises ModelLoadingError (503) while the model loads and
-    ServerDrainingError (503) once the server drains."""
-    state = request.app.state
-    if getattr(state, "draining", False):
-        raise ServerDrainingError()
-    engine = getattr(state, "engine", None)
-    if engine is None:
-        raise ModelLoadingError()
-    return engine
-
-
-async def stream_response(request: Request, req: SingleReq, encode: StreamEncoder) -> StreamResponse:
-    """The streamed response of `req` through the app's StreamHub, its events made by `encode`.
-    A request the TokenizerManager refuses (invalid, queue full) raises here, before anything
-    is sent; n > 1 requests are validated at their first step (an error response then)."""
-    engine = engine_of(request)
-    hub = stream_hub_of(request)
-    if req.sampling_params.n > 1:
-        return outputs_response(hub, encode, engine.generate(req))
-    treq = await engine.tokenize_to_start(req)
-    return StreamResponse(
-        hub,
-        encode,
-        lambda stream: engine.start_stream(req, treq, stream.push),
-        lambda: engine.forget(req.rid),
-        lambda paused: engine.pause(req.rid, paused),
-    )
+from pyserve.server.stream_hub import StreamResponse
+from pyserve.server.stream_start import stream_response
 
 
 async def generate(request: Request) -> Response | StreamResponse:
@@ -75,12 +37,12 @@ async def health(request: Request) -> Response:
     """200 with an empty body once the model is loaded; 503 {"status": "loading"} before,
     {"status": "draining"} once the server shuts down, {"status": "failed", "message"} once
     serving failed for good (a tensor-parallel rank died)."""
-    failure = getattr(request.app.state, "failure", None)
-    if failure is not None:
-        return SafeJSONResponse({"status": "failed", "message": failure}, status_code=503)
-    if getattr(request.app.state, "draining", False):
+    ctx = context_of(request)
+    if ctx.failure is not None:
+        return SafeJSONResponse({"status": "failed", "message": ctx.failure}, status_code=503)
+    if ctx.draining:
         return SafeJSONResponse({"status": "draining"}, status_code=503)
-    if getattr(request.app.state, "engine", None) is None:
+    if ctx.engine is None:
         return SafeJSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "1"})
     return Response(status_code=200)
 
@@ -119,7 +81,7 @@ async def abort_request(request: Request) -> Response:
     if body.rid is None and not body.abort_all:
         raise InvalidRequestError("give 'rid' or 'abort_all': true", param="rid")
     engine = engine_of(request)
-    num = engine.end(engine.rids_of(body.rid, every=body.abort_all), EndCause.ABORTED, "aborted by /abort_request")
+    num = engine.end(engine.rids_of(body.rid, every=body.abort_all), EndCause.ABORTED, ABORTED_MESSAGE)
     return SafeJSONResponse({"success": True, "num_aborted": num})
 
 

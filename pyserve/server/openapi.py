@@ -8,7 +8,7 @@ too where the model has a `stream` field) or a 4XX / 5XX error object
 (components/schemas/ErrorResponse, what pyserve/server/errors.py and auth.py send on every
 route, native ones included); /health's 503 is its `{"status"}` object instead.
 
-The document is built on the first request and kept in `app.state.openapi_json` (bytes), so
+The document is built on the first request and kept in `app.context.openapi_json` (bytes), so
 it lists the routes the app has then (/metrics unless --disable-metrics). Loop thread.
 """
 
@@ -29,6 +29,7 @@ from starlette.routing import BaseRoute, Route
 import pyserve
 from pyserve.io_struct import GenerateReqInput
 from pyserve.server import metrics, native, parse_routes, tokenize
+from pyserve.server.context import ServerContext
 from pyserve.server.openai import embeddings, responses, serving
 from pyserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pyserve.server.openai.responses_protocol import ResponsesRequest
@@ -171,11 +172,11 @@ def _operation_id(method: str, path: str) -> str:
 
 
 def document_bytes(app: Starlette) -> bytes:
-    """The app's document as JSON bytes, built on the first call and kept in its state."""
-    cached: bytes | None = getattr(app.state, "openapi_json", None)
-    if cached is None:
-        cached = app.state.openapi_json = json_bytes(build_document(app.routes))
-    return cached
+    """The app's document as JSON bytes, built on the first call and kept in its context."""
+    ctx: ServerContext = app.context  # type: ignore[attr-defined]
+    if ctx.openapi_json is None:
+        ctx.openapi_json = json_bytes(build_document(app.routes))
+    return ctx.openapi_json
 
 
 async def openapi_json(request: Request) -> Response:

@@ -30,10 +30,10 @@ from starlette.routing import Route
 
 from pyserve.parsers.registry import make_reasoning_parser, make_tool_call_parser
 from pyserve.parsers.tool_call_base import parse_all
-from pyserve.server.errors import parse_json
 from pyserve.server.openai.protocol import STRICT
 from pyserve.server.openai.tools import Tool, check_tools
 from pyserve.server.render import SafeJSONResponse
+from pyserve.server.request_body import parse_json
 
 # The parser names pyserve/parsers/__init__.py lists (SGLang's), as types so that the
 # OpenAPI document lists them and an unknown name is a 400 naming the field

@@ -10,6 +10,7 @@ from collections.abc import Awaitable
 from typing import TypeVar
 
 from starlette.requests import ClientDisconnect, Request
+from starlette.types import Receive
 
 from pyserve.errors import InvalidRequestError, ModelStepError
 from pyserve.server.access_log import note_outputs
@@ -47,20 +48,22 @@ def error_event(exc: Exception) -> bytes:
     )
 
 
+async def wait_disconnect(receive: Receive) -> None:
+    """Return once the ASGI `receive` says the client disconnected (the request's body, if
+    any, was read before: later messages are only the disconnect)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     """Await `work` unless the client disconnects first, in which case `work` is cancelled
     (aborting its requests) and starlette's ClientDisconnect is raised (answered quietly:
     nobody is listening). A list of final outputs it gives is counted in the request's
     access-log line (access_log.note_outputs)."""
     task = asyncio.ensure_future(work)
-
-    async def wait_disconnect() -> None:
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                return
-
-    watcher = asyncio.ensure_future(wait_disconnect())
+    watcher = asyncio.ensure_future(wait_disconnect(request.receive))
     try:
         done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if task in done:

@@ -32,7 +32,7 @@ from pyserve.server.access_log import AccessRecord, access_record
 from pyserve.server.asgi_writer import AsgiWriter
 from pyserve.server.errors import error_response, exception_response
 from pyserve.server.socket_writer import SocketWriter
-from pyserve.server.sse import DONE_EVENT, SSE_HEADERS, error_event
+from pyserve.server.sse import DONE_EVENT, SSE_HEADERS, error_event, wait_disconnect
 from pyserve.server.stream_writer import DEFAULT_MAX_BUFFER_BYTES, DEFAULT_STALL_TIMEOUT_S, StreamWriter
 
 logger = logging.getLogger(__name__)
@@ -242,7 +242,7 @@ class StreamResponse:
         stream = Stream(self.encode, receive, send)
         stream.on_pause = self.pause
         stream.record = access_record(scope)
-        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        watcher = asyncio.ensure_future(wait_disconnect(receive))
         finished = started = False
         try:
             self.start(stream)
@@ -303,10 +303,3 @@ def _failure_response(exc: Exception) -> Any:
         return exception_response(exc)
     logger.error("stream failed", exc_info=exc)
     return error_response(500, f"internal server error: {type(exc).__name__}: {exc}", type_="internal_server_error")
-
-
-async def _wait_disconnect(receive: Receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return

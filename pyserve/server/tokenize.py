@@ -12,12 +12,12 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from pyserve.errors import InvalidRequestError
-from pyserve.server.errors import parse_json
-from pyserve.server.native import engine_of
+from pyserve.server.context import engine_of
 from pyserve.server.openai.chat_prompt import render_chat_prompt
 from pyserve.server.openai.protocol import STRICT, TEMPLATE_ARGUMENTS, ChatMessage
 from pyserve.server.openai.tools import Tool, check_tools, template_tools
 from pyserve.server.render import SafeJSONResponse
+from pyserve.server.request_body import parse_json
 
 
 class TokenizeRequest(BaseModel):

@@ -59,7 +59,7 @@ def ended_with(served, path: str, cause: EndCause) -> tuple[int, dict]:
     result: dict = {}
     thread = threading.Thread(target=lambda: result.update(r=client.post(path, json=ROUTES[path])))
     thread.start()
-    engine = app.state.engine
+    engine = app.context.engine
     deadline = time.monotonic() + 30
     while client.get("/get_server_info").json()["num_running_reqs"] == 0:
         assert time.monotonic() < deadline

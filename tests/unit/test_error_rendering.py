@@ -50,7 +50,7 @@ def app_and_loop(stories_path):
     loop = asyncio.new_event_loop()
     engine = EngineCore(args)
     loop.run_until_complete(engine.start())
-    app.state.engine = engine  # what the lifespan does
+    app.context.engine = engine  # what the lifespan does
     yield app, loop, engine
     loop.run_until_complete(engine.shutdown())
     loop.close()

@@ -193,7 +193,7 @@ def test_served_once_per_app(app, doc):
     assert r.status_code == 200
     assert r.headers["content-type"] == "application/json"
     assert r.json() == doc
-    cached = app.state.openapi_json
+    cached = app.context.openapi_json
     assert client.get("/openapi.json").content == r.content
     assert openapi.document_bytes(app) is cached
     # a body its schema refuses gets the 4XX the document describes

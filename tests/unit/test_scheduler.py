@@ -299,7 +299,7 @@ def test_abort_mid_flight_frees_once_and_spares_the_others():
         h.sched.add_request(treq("b", [4, 5], max_new_tokens=3))
         await h.start()
         await h.step([10, 20])  # extend done; decode 1 runs, decode 2 is planned
-        row_a = h.sched.reqs["a"].req_pool_idx
+        row_a = h.sched.reqs["a"].admission.req_pool_idx
         h.sched.end("a", ABORT)
         assert h.outs_of("a")[-1].finish_reason == ABORT  # the consumer hears now
         assert h.kv.num_reqs() == 2  # but two steps in flight still hold a
@@ -408,7 +408,7 @@ def test_pool_full_with_a_step_in_flight_drains_then_retracts_without_waiting():
         await h.step([12, 22])  # the drain: decode 2 processed, then at once: full again with
         # nothing in flight, so by SGLang's rule a (as many outputs as b, the longer prompt) is
         # retracted and b goes on, with no new request or wake-up needed
-        a_id, b_id = h.sched.reqs["a"].req_id, h.sched.reqs["b"].req_id
+        a_id, b_id = h.sched.reqs["a"].admission.req_id, h.sched.reqs["b"].admission.req_id
         assert calls[2] == [b_id]
         # a's re-prefill was planned behind b's decode; being a prefill of a request in no
         # other step, the decode after it (b, then a) is planned at once, a third step

@@ -21,12 +21,12 @@ def test_a_paused_request_skips_decode_steps_and_resumes_with_its_kv():
         h.sched.add_request(treq("b", [4, 5], max_new_tokens=5))
         await h.start()
         await h.step([10, 20])  # the prefill; decode 1 runs, decode 2 is planned
-        row_a, row_b = h.sched.reqs["a"].req_pool_idx, h.sched.reqs["b"].req_pool_idx
+        row_a, row_b = h.sched.reqs["a"].admission.req_pool_idx, h.sched.reqs["b"].admission.req_pool_idx
         h.sched.pause_request("a", True)
         planned = len(h.worker.plans)
         await h.step([11, 21])  # decode 1 (a was in it)
         await h.step([12, 22])  # decode 2 (planned before the pause: a too)
-        kv_len_a = h.kv.kv_len(h.sched.reqs["a"].req_id)
+        kv_len_a = h.kv.kv_len(h.sched.reqs["a"].admission.req_id)
         await h.step([23])  # b alone from here
         await h.step([24])
         assert rows_of(h, h.worker.plans[planned:]) == [[row_b], [row_b]]
@@ -34,7 +34,7 @@ def test_a_paused_request_skips_decode_steps_and_resumes_with_its_kv():
         assert h.outs_of("b")[-1].finish_reason.kind is FinishKind.LENGTH
         assert [o.ids_delta for o in h.outs_of("a")] == [[10], [11], [12]]
         assert not h.worker.pending and h.sched.num_paused() == 1
-        assert h.kv.kv_len(h.sched.reqs["a"].req_id) == kv_len_a  # its KV is kept
+        assert h.kv.kv_len(h.sched.reqs["a"].admission.req_id) == kv_len_a  # its KV is kept
         h.sched.pause_request("a", False)
         await settle()
         await h.step([13])  # its decode resumes after its last token (12)
@@ -94,17 +94,17 @@ def test_the_paused_request_is_retracted_first_and_waits_for_its_client():
             return None if len(calls) <= 2 else real(req_ids)
 
         h.kv.prepare_decode = full_twice
-        a_id = h.sched.reqs["a"].req_id
+        a_id = h.sched.reqs["a"].admission.req_id
         await h.step([11, 21])  # planning decode 3 (a alone) finds the pool full: drain
         await h.step([12, 22])  # full again, nothing in flight: retract. By SGLang's rule it
         # would be a (as many outputs as b, the longer prompt); b is paused, so b goes
         b = h.sched.reqs["b"]
-        assert h.sched.retractor.num_retracted == 1 and b.req_id is None and b.num_retractions == 1
+        assert h.sched.retractor.num_retracted == 1 and b.admission is None and b.num_retractions == 1
         assert calls == [[a_id]] * 4  # two full, then decode 3 and 4 (overlap) of a alone
         await drain(h, 30)
         assert sum(len(o.ids_delta) for o in h.outs_of("a")) == 6
         assert h.outs_of("a")[-1].finish_reason.kind is FinishKind.LENGTH
-        assert list(h.sched.waiting) == [b] and b.req_id is None  # not admitted while paused
+        assert list(h.sched.waiting) == [b] and b.admission is None  # not admitted while paused
         h.sched.pause_request("b", False)
         await settle()
         resume = h.worker.pending[0][0]

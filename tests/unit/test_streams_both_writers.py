@@ -50,7 +50,7 @@ class Served:
         self.app = create_app(args, model_runner=self.runner)
         self.writer = writer
         if writer == "asgi":
-            self.app.state.stream_hub = StreamHub(socket_writes=False)
+            self.app.context.stream_hub = StreamHub(socket_writes=False)
         config = uvicorn.Config(
             self.app, host="127.0.0.1", port=self.port, loop="uvloop", http=HTTP1Protocol, log_level="warning"
         )
@@ -65,7 +65,7 @@ class Served:
 
     @property
     def hub(self) -> StreamHub:
-        return self.app.state.stream_hub
+        return self.app.context.stream_hub
 
     def stream(self, path: str, body: dict) -> tuple[int, list]:
         """Status and the SSE events of one streamed request (JSON, or the [DONE] string)."""

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from pyserve.config import ServerArgs, ServerArgsError
-from pyserve.distributed.launch import describe_exit, node_ranks, rank_device, split_addr
 from pyserve.distributed.shard import ShardLayout, shard
+from pyserve.engine.rank_launch import describe_exit, node_ranks, rank_device, split_addr
 from tests.conftest import make_stories_engine, wait_engine_idle
 
 
@@ -141,7 +141,7 @@ def test_gguf_loads_shard_by_shard():
     """SmolLM2's GGUF (9 heads, 3 KV heads) over 3 ranks: every parameter of each rank's model
     is that rank's slice of the whole model's (dequantized) parameter."""
     from pyserve.model_loader import ModelConfig, default_model_path
-    from pyserve.model_loader.weights import load_model
+    from pyserve.models.loader import load_model
 
     config = ModelConfig.from_path(default_model_path(), dtype="float32")
     whole = dict(load_model(config, "cpu", progress=False, quantization="none").named_parameters())
@@ -202,7 +202,7 @@ def test_rank_ends_when_the_process_that_started_it_is_gone(stories_path):
 
     store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
     fields = dataclasses.asdict(ServerArgs(model_path=str(stories_path), tp_size=2))
-    cmd = [sys.executable, "-m", "pyserve.distributed.rank_main", "--rank", "1", "--store", f"127.0.0.1:{store.port}"]
+    cmd = [sys.executable, "-m", "pyserve.engine.rank_main", "--rank", "1", "--store", f"127.0.0.1:{store.port}"]
     proc = subprocess.Popen(
         [*cmd, "--server-args", json.dumps(fields)], stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )

@@ -22,10 +22,10 @@ from starlette.routing import Route
 from pyserve.engine.embedding_inputs import empty_input_problem
 from pyserve.engine.engine_core import EngineCore
 from pyserve.errors import InvalidRequestError
-from pyserve.server.errors import parse_json
-from pyserve.server.native import engine_of
+from pyserve.server.context import engine_of
 from pyserve.server.openai.protocol import STRICT
 from pyserve.server.render import SafeJSONResponse
+from pyserve.server.request_body import parse_json
 from pyserve.server.sse import until_disconnect
 
 NonEmptyIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
@@ -74,27 +74,23 @@ class EncodeRequest(BaseModel):
     _inputs_not_empty = field_validator("text", "input_ids", mode="before")(refuse_empty)
 
 
-def matryoshka(engine: EngineCore) -> tuple[bool, list[int] | None]:
-    """(whether the served model takes `dimensions`, the sizes it lists or None for any)."""
-    config = getattr(engine.model_runner.model_config, "hf_config", None)
-    sizes = getattr(config, "matryoshka_dimensions", None)
-    on = bool(getattr(config, "is_matryoshka", False) or sizes or engine.server_args.is_matryoshka)
-    return on, ([int(s) for s in sizes] if sizes else None)
-
-
 def check_dimensions(dimensions: int, engine: EngineCore) -> None:
     """Raises InvalidRequestError (param dimensions) unless the served model takes
-    `dimensions` (checked before any input runs)."""
-    on, sizes = matryoshka(engine)
-    hidden = int(getattr(engine.model_runner.model_config, "hidden_size", 0))
-    if not on:
+    `dimensions` (checked before any input runs): one trained for shorter outputs (its config,
+    or --is-matryoshka) and a size it lists, or any up to its hidden size. A model that serves
+    no embeddings is refused by `encode` itself."""
+    info = engine.embedding_info
+    if info is None:
+        return
+    sizes = list(info.matryoshka_dimensions) if info.matryoshka_dimensions is not None else None
+    if not (info.matryoshka or engine.server_args.is_matryoshka):
         raise InvalidRequestError(
             f'Model "{engine.model_name}" does not support matryoshka representation, changing output '
             "dimensions will lead to poor results (start the server with --is-matryoshka if it was trained so)",
             param="dimensions",
         )
-    if dimensions > hidden or (sizes is not None and dimensions not in sizes):
-        allowed = f"one of {sizes}" if sizes is not None else f"at most {hidden}"
+    if dimensions > info.hidden_size or (sizes is not None and dimensions not in sizes):
+        allowed = f"one of {sizes}" if sizes is not None else f"at most {info.hidden_size}"
         raise InvalidRequestError(f"dimensions {dimensions} is not supported: {allowed}", param="dimensions")
 
 
@@ -102,8 +98,8 @@ def truncate(vectors: np.ndarray, dimensions: int, engine: EngineCore) -> np.nda
     """The first `dimensions` values of each row [N, hidden] (checked by check_dimensions),
     normalised again when the model's pooling normalises."""
     out = vectors[:, :dimensions]
-    pooling = getattr(engine.model_runner, "pooling", None)
-    if pooling is not None and pooling.normalize:
+    info = engine.embedding_info
+    if info is not None and info.pooling.normalize:
         norms = np.linalg.norm(out, axis=1, keepdims=True)
         out = out / np.maximum(norms, 1e-12)
     return out

@@ -18,6 +18,7 @@ naming the field; unknown fields are 400s as on the other OpenAI routes.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -26,14 +27,15 @@ from starlette.routing import Route
 from pyserve.engine.end_cause import end_error
 from pyserve.errors import InvalidRequestError
 from pyserve.io_struct import GenerateOutput, SingleReq
-from pyserve.server.errors import parse_json
-from pyserve.server.native import engine_of, stream_hub_of
+from pyserve.server.context import engine_of
 from pyserve.server.openai.responses_protocol import ResponsesRequest, check_input_items
 from pyserve.server.openai.responses_stream import ResponseHead, ResponsesStreamEncoder, final_response
-from pyserve.server.openai.structured import Constraint, rename_param, renamed_output, tokenize_to_start
+from pyserve.server.openai.structured import rename_param
 from pyserve.server.render import SafeJSONResponse
+from pyserve.server.request_body import parse_json
 from pyserve.server.sse import until_disconnect
 from pyserve.server.stream_hub import Stream, StreamResponse
+from pyserve.server.stream_start import stream_response
 
 
 async def create_response(request: Request) -> Response | StreamResponse:
@@ -66,7 +68,8 @@ async def create_response(request: Request) -> Response | StreamResponse:
     )
     head = ResponseHead(f"resp_{req.rid}", f"msg_{req.rid}", int(time.time()), name, body.echo())
     if body.stream:
-        return await _stream(request, req, ResponsesStreamEncoder(head), constraint)
+        encode = ResponsesStreamEncoder(head)
+        return await stream_response(request, req, encode, constraint, _responses_output(encode))
     try:
         outs = await until_disconnect(request, engine.generate_all([req]))
     except InvalidRequestError as exc:
@@ -74,34 +77,20 @@ async def create_response(request: Request) -> Response | StreamResponse:
     return SafeJSONResponse(final_response(head, outs[0]))
 
 
-async def _stream(
-    request: Request, req: SingleReq, encode: ResponsesStreamEncoder, constraint: Constraint | None
-) -> StreamResponse:
-    """The streamed response of `req`. A request refused before its first event is a plain
-    error response (as on the other routes); one failing after it ends with
-    `response.failed` (the encoder's), not the chat routes' error event."""
-    engine = engine_of(request)
-    treq = await tokenize_to_start(engine, req, constraint)
+def _responses_output(encode: ResponsesStreamEncoder) -> Callable[[Stream, GenerateOutput], None]:
+    """How a Responses stream takes each output: one failing after the first event ends with
+    `response.failed` (the encoder's), not the chat routes' error event; a request refused
+    before it is a plain error response, as on the other routes."""
 
-    def start(stream: Stream) -> None:
-        def sink(out: GenerateOutput) -> None:
-            out = renamed_output(out, constraint)
-            failure = end_error(out.finish_reason, streamed=True)
-            if failure is not None and encode.started:
-                encode.fail(failure)
-                stream.end()
-            else:
-                stream.push(out)
+    def take(stream: Stream, out: GenerateOutput) -> None:
+        failure = end_error(out.finish_reason, streamed=True)
+        if failure is not None and encode.started:
+            encode.fail(failure)
+            stream.end()
+        else:
+            stream.push(out)
 
-        engine.start_stream(req, treq, sink)
-
-    return StreamResponse(
-        stream_hub_of(request),
-        encode,
-        start,
-        lambda: engine.forget(req.rid),
-        lambda paused: engine.pause(req.rid, paused),
-    )
+    return take
 
 
 async def stored_response(request: Request) -> Response:

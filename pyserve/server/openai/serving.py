@@ -25,8 +25,7 @@ from pyserve.errors import InvalidRequestError
 from pyserve.io_struct import GenerateOutput, SingleReq, new_rid
 from pyserve.model_loader.chat_template import tools_template
 from pyserve.sampling_params import SamplingParams
-from pyserve.server.errors import parse_json
-from pyserve.server.native import engine_of, stream_hub_of, stream_response
+from pyserve.server.context import engine_of
 from pyserve.server.openai.chat_prompt import ChatPrompt, render_chat_prompt
 from pyserve.server.openai.chat_reply import (
     ReplyPlan,
@@ -43,13 +42,12 @@ from pyserve.server.openai.stream_encoders import ChatStreamEncoder, CompletionS
 from pyserve.server.openai.structured import (
     Constraint,
     rename_param,
-    renamed_output,
-    renamed_outputs,
-    tokenize_to_start,
 )
 from pyserve.server.render import SafeJSONResponse
+from pyserve.server.request_body import parse_json
 from pyserve.server.sse import until_disconnect
-from pyserve.server.stream_hub import StreamEncoder, StreamResponse, outputs_response
+from pyserve.server.stream_hub import StreamResponse
+from pyserve.server.stream_start import stream_response
 
 
 def usage(outs: list[GenerateOutput], n: int = 1) -> dict[str, Any]:
@@ -87,7 +85,7 @@ async def chat_completions(request: Request) -> Response | StreamResponse:
     rid = f"chatcmpl-{req.rid}"
     created = int(time.time())
     if body.stream:
-        streamed = await _stream(request, req, ChatStreamEncoder(body, rid, created, name, plan), constraint)
+        streamed = await stream_response(request, req, ChatStreamEncoder(body, rid, created, name, plan), constraint)
         if prompt.headers:
             streamed.headers = [*streamed.headers, *((k.encode(), v.encode()) for k, v in prompt.headers.items())]
         return streamed
@@ -163,27 +161,6 @@ async def _generate_all(request: Request, reqs: list[SingleReq], constraint: Con
         raise rename_param(exc, constraint) from None
 
 
-async def _stream(
-    request: Request, req: SingleReq, encode: StreamEncoder, constraint: Constraint | None
-) -> StreamResponse:
-    """native.stream_response, with the engine's refusal of the grammar (raised, or the
-    final output of a failed request) naming the request field it came from."""
-    if constraint is None:
-        return await stream_response(request, req, encode)
-    engine = engine_of(request)
-    hub = stream_hub_of(request)
-    if req.sampling_params.n > 1:
-        return outputs_response(hub, encode, renamed_outputs(engine.generate(req), constraint))
-    treq = await tokenize_to_start(engine, req, constraint)
-    return StreamResponse(
-        hub,
-        encode,
-        lambda stream: engine.start_stream(req, treq, lambda out: stream.push(renamed_output(out, constraint))),
-        lambda: engine.forget(req.rid),
-        lambda paused: engine.pause(req.rid, paused),
-    )
-
-
 async def completions(request: Request) -> Response | StreamResponse:
     body = CompletionRequest.model_validate(await parse_json(request))
     body.check_supported()
@@ -212,7 +189,9 @@ async def completions(request: Request) -> Response | StreamResponse:
         if body.echo:  # a prompt is echoed only once it was found valid
             await engine.check_prompt(reqs[0])
         echo = await _echo(engine, reqs[0], body)
-        return await _stream(request, reqs[0], CompletionStreamEncoder(body, rid, created, name, echo), constraint)
+        return await stream_response(
+            request, reqs[0], CompletionStreamEncoder(body, rid, created, name, echo), constraint
+        )
     outs = await _generate_all(request, reqs, constraint)
     echoes = [await _echo(engine, r, body) for r in reqs]
     choices = []

@@ -10,8 +10,6 @@
 //!   (`add_req`, `cache_unfinished_req`, `cache_finished_req`, `free_req`), the per-step
 //!   arrays ([`BatchArrays`] from `prepare_extend` / `prepare_decode`) and the global
 //!   `check_integrity`.
-//! * [`socket_send`] sends many buffers, each to its own non-blocking socket, in one call
-//!   (the SSE stream writer's batch).
 //!
 //! Pure Rust with no Python dependency; the pyo3 binding lives in `rust/py`. Nothing here is
 //! thread-safe by itself: one thread (the scheduler's) owns all of these objects.
@@ -26,7 +24,6 @@ pub mod kv_cache;
 pub mod radix_cache;
 pub mod req_to_token;
 pub mod slot_runs;
-pub mod socket_send;
 
 pub use allocator::TokenToKVPoolAllocator;
 pub use batch::BatchArrays;

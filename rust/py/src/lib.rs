@@ -1,7 +1,9 @@
 //! `pyserve._rs`: the thin pyo3 binding of `pyserve-core`.
 //!
-//! Wrappers only: convert arrays in and out, map core errors to the exception hierarchy in
-//! `errors.rs`. All logic and its tests live in `rust/core`. The `KVCache` calls keep the GIL
+//! Wrappers of the core: convert arrays in and out, map core errors to the exception hierarchy
+//! in `errors.rs`; the scheduling logic and its tests live in `rust/core`. One piece is the
+//! HTTP server's own, so it lives here with its tests: `send_each` (`socket_send.rs`, the SSE
+//! stream writer's batched socket sends). The `KVCache` calls keep the GIL
 //! (but `check_integrity`, O(pool)): they take microseconds on the loop thread, where a GIL
 //! release costs up to the interpreter's switch interval (see `kv_cache.rs`); `send_each`
 //! releases it.

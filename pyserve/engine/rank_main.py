@@ -1,5 +1,5 @@
-"""A tensor-parallel rank other than 0: `python -m pyserve.distributed.rank_main --rank R
---store HOST:PORT --server-args JSON` (started by `pyserve.distributed.launch`, never by hand).
+"""A tensor-parallel rank other than 0: `python -m pyserve.engine.rank_main --rank R
+--store HOST:PORT --server-args JSON` (started by `pyserve.engine.rank_launch`, never by hand).
 
 It loads its shard of the model (`ModelRunner` with a `TensorParallelGroup`), then, on its main
 thread, mirrors rank 0's worker step for step: each plan rank 0 broadcasts is applied to this
@@ -27,8 +27,8 @@ import torch
 
 from pyserve.config import ServerArgs, setup_logging
 from pyserve.distributed.group import RankLostError, TensorParallelGroup, connect_store
-from pyserve.distributed.launch import rank_device, split_addr
 from pyserve.distributed.messages import STOP_RANKS, RankStart
+from pyserve.engine.rank_launch import rank_device, split_addr
 from pyserve.forward_batch_info import StepPlan
 from pyserve.model_executor.device_state import DeviceState
 from pyserve.model_executor.model_runner import ModelRunner
@@ -102,7 +102,7 @@ def exit_with_parent(rank: int, parent: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pyserve.distributed.rank_main")
+    parser = argparse.ArgumentParser(prog="pyserve.engine.rank_main")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--store", required=True, help="host:port of rank 0's store")
     parser.add_argument("--server-args", required=True, help="rank 0's ServerArgs as JSON")

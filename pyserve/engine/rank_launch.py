@@ -1,7 +1,7 @@
 """Starting the tensor-parallel ranks of one node and watching them.
 
 Rank 0 (the serving process) serves the rendezvous store and starts ranks 1..k-1 of its node
-as `python -m pyserve.distributed.rank_main` processes; on a node of `--node-rank` r > 0,
+as `python -m pyserve.engine.rank_main` processes; on a node of `--node-rank` r > 0,
 `pyserve serve` starts that node's ranks only. Each rank writes `connected/<rank>` into the
 store before it builds its process groups, so a rank that fails before that (a bad flag, an
 import error) is reported at once instead of after the groups' connect timeout. A thread per
@@ -102,7 +102,7 @@ class RankProcesses:
             cmd = [
                 sys.executable,
                 "-m",
-                "pyserve.distributed.rank_main",
+                "pyserve.engine.rank_main",
                 "--rank",
                 str(rank),
                 "--store",

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from pyserve.config import ServerArgs, setup_logging
 from pyserve.engine.engine_core import EngineCore
 from pyserve.errors import InvalidRequestError
-from pyserve.forward_batch_info import EndCause
+from pyserve.forward_batch_info import ABORTED_MESSAGE, EndCause
 from pyserve.io_struct import GenerateOutput, GenerateReqInput, SingleReq
 from pyserve.sampling_params import GRAMMAR_KINDS, SamplingParams
 from pyserve.server.errors import request_error
@@ -238,7 +238,7 @@ class Engine:
 
         async def abort() -> int:
             core = self.core
-            return core.end(core.rids_of(rid, every=abort_all), EndCause.ABORTED, "aborted by /abort_request")
+            return core.end(core.rids_of(rid, every=abort_all), EndCause.ABORTED, ABORTED_MESSAGE)
 
         return self._call(abort())
 
