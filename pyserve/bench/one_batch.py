@@ -38,6 +38,12 @@ def add_one_batch_args(p: argparse.ArgumentParser) -> None:
         choices=QUANTIZATIONS,
         help="auto: a GGUF's quantized weights run on the native kernels (CPU); none: dequantized",
     )
+    a(
+        "--load-format",
+        default="auto",
+        choices=("auto", "dummy"),
+        help="auto: the checkpoint's weights; dummy: seeded random weights at the config's shapes (no weight file)",
+    )
     a("--batch-size", type=int, nargs="+", default=[1])
     a("--input-len", type=int, nargs="+", default=[1024])
     a("--output-len", type=int, nargs="+", default=[16])
@@ -181,6 +187,7 @@ def run_one_batch(args: Any) -> list[dict[str, Any]]:
                 max_total_tokens=pool_tokens,
                 random_seed=args.seed,
                 quantization=args.quantization,
+                load_format=args.load_format,
                 tp_size=args.tp_size,
             )
             tp, ranks = start_first_rank(server_args, device, on_death=lambda rank, message: print(message))
@@ -193,6 +200,7 @@ def run_one_batch(args: Any) -> list[dict[str, Any]]:
             random_seed=args.seed,
             load_progress=False,
             quantization=args.quantization,
+            load_format=args.load_format,
             tp=tp,
         )
     except (ValueError, OSError, RuntimeError) as exc:

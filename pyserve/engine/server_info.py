@@ -9,11 +9,14 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pyserve.errors import InvalidRequestError
+
 if TYPE_CHECKING:
     from pyserve.config import ServerArgs
     from pyserve.constrained import GrammarBackend
     from pyserve.engine.scheduler import Scheduler
     from pyserve.engine.worker import ModelWorker
+    from pyserve.layers.moe import ExpertLoad
     from pyserve.mem_cache.kv_cache import KVCache
     from pyserve.metrics import Histogram, RequestMetrics
     from pyserve.model_executor.runner_protocol import Runner
@@ -28,7 +31,8 @@ class ServingFigures:
     running / waiting / grammar_waiting: requests admitted, queued, compiling a grammar.
     kv_total / kv_used / kv_cached: KV tokens of the pool, held by requests, held only by the
     evictable prefix cache. gen_throughput: output tokens/s over the last stats interval.
-    grammar_compile_time: the grammar backend's compile histogram (None without one)."""
+    grammar_compile_time: the grammar backend's compile histogram (None without one).
+    expert_load: a mixture of experts' routing counts (None for a dense model)."""
 
     requests: RequestMetrics
     generated_tokens: int
@@ -41,6 +45,7 @@ class ServingFigures:
     kv_cached: int
     gen_throughput: float
     grammar_compile_time: Histogram | None
+    expert_load: ExpertLoad | None = None
 
 
 class ServerInfoMixin:
@@ -140,7 +145,32 @@ class ServerInfoMixin:
             kv_cached=cached,
             gen_throughput=sched.last_gen_throughput,
             grammar_compile_time=None if backend is None else backend.compile_time,
+            expert_load=self.model_runner.expert_load(),
         )
+
+    def start_expert_distribution_record(self) -> None:
+        """SGLang's /start_expert_distribution_record: count each MoE layer's routing per
+        expert from now (from zero). Raises InvalidRequestError for a dense model."""
+        self._expert_load().start()
+
+    def stop_expert_distribution_record(self) -> None:
+        """SGLang's /stop_expert_distribution_record: stop counting (the counts stay)."""
+        self._expert_load().stop()
+
+    def dump_expert_distribution_record(self) -> dict[str, Any]:
+        """The counts recorded: `logical_count` [sparse layers][experts] (tokens routed to
+        each expert, a token once per expert it went to), `layers` (their decoder layer
+        indices), `recording`. Raises InvalidRequestError for a dense model."""
+        load = self._expert_load()
+        return {"logical_count": load.recorded.tolist(), "layers": list(load.layers), "recording": load.recording}
+
+    def _expert_load(self) -> ExpertLoad:
+        load = self.model_runner.expert_load()
+        if load is None:
+            raise InvalidRequestError(
+                f"the served model ({self.model_runner.model_config.architecture}) has no experts to record"
+            )
+        return load
 
     def ready_facts(self) -> tuple[str, str, int, int]:
         """(device, dtype name, KV cache tokens, KV cache bytes): what the ready line says."""

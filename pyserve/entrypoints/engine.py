@@ -256,6 +256,32 @@ class Engine:
 
         return self._call(info())
 
+    def start_expert_distribution_record(self) -> None:
+        """Count each MoE layer's tokens per expert from now (SGLang's Engine method; the
+        routes of pyserve/server/expert_routes.py). Raises InvalidRequestError for a dense
+        model. Any thread."""
+
+        async def start() -> None:
+            self.core.start_expert_distribution_record()
+
+        self._call(start())
+
+    def stop_expert_distribution_record(self) -> None:
+        """Stop counting (the counts stay). Raises InvalidRequestError for a dense model."""
+
+        async def stop() -> None:
+            self.core.stop_expert_distribution_record()
+
+        self._call(stop())
+
+    def dump_expert_distribution_record(self) -> dict[str, Any]:
+        """{"logical_count": [[tokens per expert] per sparse layer], "layers", "recording"}."""
+
+        async def dump() -> dict[str, Any]:
+            return self.core.dump_expert_distribution_record()
+
+        return self._call(dump())
+
     def shutdown(self) -> None:
         """Drain (new requests raise ServerDrainingError; running ones may finish for
         `shutdown_timeout_s`, then end with finish reason abort), then stop the engine and its

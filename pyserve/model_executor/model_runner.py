@@ -23,6 +23,7 @@ from pyserve.forward_batch_info import (
 )
 from pyserve.layers.attention.base import AttentionBackend, CapturableAttentionBackend
 from pyserve.layers.attention.registry import backend_class, capturable_backend, create_attention_backend
+from pyserve.layers.moe import ExpertLoad
 from pyserve.layers.pooler import PoolingSpec, pool, sentence_transformers_pooling
 from pyserve.layers.rotary_embedding import RotaryEmbedding
 from pyserve.layers.sampler import sample as sample_tokens
@@ -325,6 +326,11 @@ class ModelRunner(Runner):
             self.device,
             self.attention_backend_name,
         )
+
+    def expert_load(self) -> ExpertLoad | None:
+        """The model's routing counts when it is a mixture of experts, else None."""
+        load = getattr(self.model, "expert_load", None)
+        return load if isinstance(load, ExpertLoad) else None
 
     def init_cuda_graphs(self, req_to_token: torch.Tensor, stream: torch.cuda.Stream) -> None:
         """Capture the decode graphs over the worker's req_to_token table on its stream (the

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from pyserve.forward_batch_info import ForwardBatch, StepOutput
+from pyserve.layers.moe import ExpertLoad
 from pyserve.layers.pooler import PoolingSpec
 
 if TYPE_CHECKING:
@@ -108,6 +109,11 @@ class Runner(Protocol):
         Worker thread; the worker asks only when `info.async_launch`. Default: a runner whose
         `forward` returns when the step has run, so there is nothing to wait for."""
         return _nothing_to_wait_for
+
+    def expert_load(self) -> ExpertLoad | None:
+        """The routing counts of a mixture-of-experts model (pyserve.layers.moe.ExpertLoad);
+        None for a dense one (the default)."""
+        return None
 
     def embed(self, batch: ForwardBatch) -> torch.Tensor:
         """[B, hidden_size] float32 pooled embeddings of `batch`'s sequences. Worker thread;

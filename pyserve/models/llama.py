@@ -13,7 +13,6 @@ as the matmul library allows.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -29,43 +28,13 @@ from pyserve.layers.linear import linear
 from pyserve.layers.logits_processor import LogitsProcessor
 from pyserve.layers.rotary_embedding import RotaryEmbedding
 from pyserve.model_loader.config import rope_parameters
+from pyserve.models.decoder_spec import DENSE, DecoderSpec, layer_sliding_window
 from pyserve.models.llama_weights import LlamaWeightsMixin
 from pyserve.models.native_decode import build_native_layers, native_decode
 from pyserve_kernels import apply_rotary_pos_emb, rotary_embedding_
 from pyserve_kernels.quant import QuantizedWeight, quantized_embedding
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class DecoderSpec:
-    """What one architecture family changes in the shared decoder.
-
-    qkv_bias: q/k/v projections have a bias (None: read config.attention_bias).
-    o_bias:   o projection has a bias (None: read config.attention_bias).
-    qk_norm:  RMSNorm over head_dim applied to q and k per head before rotary (Qwen3).
-    """
-
-    qkv_bias: bool | None = None
-    o_bias: bool | None = None
-    qk_norm: bool = False
-
-
-def layer_sliding_window(config: Any, layer_id: int) -> int | None:
-    """Sliding-window size of layer `layer_id` in tokens, or None for full attention.
-
-    A config with `layer_types` uses the window only on "sliding_attention" layers (Qwen2/3,
-    whose config sets sliding_window to None unless use_sliding_window); otherwise a non-None
-    `sliding_window` applies to every layer (Mistral). A query at position p then sees keys at
-    positions p - window + 1 .. p, as in HF transformers' sliding-window mask.
-    """
-    window = getattr(config, "sliding_window", None)
-    if not window:
-        return None
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types:
-        return int(window) if layer_types[layer_id] == "sliding_attention" else None
-    return int(window)
 
 
 def _fuse_weight(layers: list[nn.Linear]) -> torch.Tensor:
@@ -136,7 +105,7 @@ class LlamaAttention(nn.Module):
         layer_id: int,
         dtype: torch.dtype,
         device: torch.device | str,
-        spec: DecoderSpec = DecoderSpec(),
+        spec: DecoderSpec = DENSE,
         tp: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__()
@@ -162,7 +131,13 @@ class LlamaAttention(nn.Module):
         self.o_proj = _linear(self.num_heads * self.head_dim, hidden, o_bias, dtype, device)
         self.q_norm: RMSNorm | None
         self.k_norm: RMSNorm | None
-        if spec.qk_norm:
+        self.qk_norm_full = spec.qk_norm_full
+        self.clip_qkv: float | None = getattr(config, "clip_qkv", None) if spec.qk_norm_full else None
+        if spec.qk_norm_full:  # over every head of the rank's q (k) at once
+            q_width, k_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            self.q_norm = RMSNorm(q_width, config.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(k_width, config.rms_norm_eps, dtype, device)
+        elif spec.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
         else:
@@ -194,10 +169,14 @@ class LlamaAttention(nn.Module):
         if self.q_norm is None:  # rotate the q and k heads in place in the fused row
             rotary_embedding_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        if self.qk_norm_full:
+            q, k, v = self._norm_and_clip(q, k, v)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
+        if self.qk_norm_full:
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        elif self.q_norm is not None and self.k_norm is not None:
             q, k = apply_rotary_pos_emb(self.q_norm(q), self.k_norm(k), cos, sin)
         out = attn_backend.forward(
             q, k, v, self.layer_id, self.scaling, forward_batch, sliding_window=self.sliding_window
@@ -205,20 +184,38 @@ class LlamaAttention(nn.Module):
         out = out.reshape(num_tokens, self.num_heads * self.head_dim)
         return _row_parallel_linear(self.tp, out, self.o_proj.weight, self.o_proj.bias, self.o_packed)
 
+    def _norm_and_clip(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """OLMoE's q/k: [T, q_size] and [T, kv_size] each normed whole, then q, k, v clipped
+        to +-clip_qkv when the config sets it."""
+        assert self.q_norm is not None and self.k_norm is not None
+        q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
+        if self.clip_qkv is not None:
+            c = float(self.clip_qkv)
+            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
+        return q, k, v
+
 
 class LlamaMLP(nn.Module):
     """SwiGLU MLP: down(act(gate(x)) * up(x)). forward([T, hidden]) -> [T, hidden].
 
     With `tp`, the rank's slice of the intermediate size: gate/up column-parallel, down
-    row-parallel with an all-reduce."""
+    row-parallel with an all-reduce. intermediate_size: in place of config.intermediate_size
+    (a mixture's shared expert)."""
 
     def __init__(
-        self, config: Any, dtype: torch.dtype, device: torch.device | str, tp: TensorParallelGroup | None = None
+        self,
+        config: Any,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp: TensorParallelGroup | None = None,
+        intermediate_size: int | None = None,
     ) -> None:
         super().__init__()
         self.tp = tp
         bias = bool(getattr(config, "mlp_bias", False))
-        hidden, inter = config.hidden_size, config.intermediate_size
+        hidden, inter = config.hidden_size, intermediate_size or config.intermediate_size
         if tp is not None:
             inter = ShardLayout.of(config, tp.rank, tp.size).inter
         self.gate_proj = _linear(hidden, inter, bias, dtype, device)
@@ -254,13 +251,14 @@ class LlamaDecoderLayer(nn.Module):
         layer_id: int,
         dtype: torch.dtype,
         device: torch.device | str,
-        spec: DecoderSpec = DecoderSpec(),
+        spec: DecoderSpec = DENSE,
         tp: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.self_attn = LlamaAttention(config, layer_id, dtype, device, spec, tp)
-        self.mlp = LlamaMLP(config, dtype, device, tp)
+        sparse = spec.mlp(config, layer_id, dtype, device) if spec.mlp is not None else None
+        self.mlp: nn.Module = sparse if sparse is not None else LlamaMLP(config, dtype, device, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
 
@@ -295,7 +293,7 @@ class LlamaModel(nn.Module):
         config: Any,
         dtype: torch.dtype,
         device: torch.device | str,
-        spec: DecoderSpec = DecoderSpec(),
+        spec: DecoderSpec = DENSE,
         tp: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__()
@@ -388,7 +386,7 @@ class LlamaForCausalLM(LlamaWeightsMixin):
     Loading, quantized blocks, prepacking and dummy weights: `LlamaWeightsMixin` (llama_weights.py).
     """
 
-    spec = DecoderSpec()
+    spec = DENSE
     supports_tensor_parallel = True  # `pyserve.models.loader.load_model` asks
 
     def __init__(

@@ -17,7 +17,9 @@ import torch
 from torch import nn
 
 from pyserve.layers.linear import prepack, prepack_supported
+from pyserve.layers.moe import SparseMoeBlock
 from pyserve.models.checkpoint import copy_checkpoint
+from pyserve.models.expert_weights import ExpertSlices, checkpoint_name
 from pyserve_kernels.quant import QuantizedWeight, dequantize
 
 
@@ -54,6 +56,8 @@ class LlamaWeightsMixin(nn.Module):
             attn, mlp = layer.self_attn, layer.mlp
             attn.qkv_packed = pack(attn.qkv_weight, attn.qkv_packed)
             attn.o_packed = pack(attn.o_proj.weight, attn.o_packed)
+            if isinstance(mlp, SparseMoeBlock):  # experts run as stacked float weights
+                continue
             mlp.gate_up_packed = pack(mlp.gate_up_weight, mlp.gate_up_packed)
             mlp.down_packed = pack(mlp.down_proj.weight, mlp.down_packed)
         self.lm_head_packed = pack(self.lm_head_weight(), self.lm_head_packed)
@@ -68,14 +72,16 @@ class LlamaWeightsMixin(nn.Module):
         found: list[Any] = [self.model.embed_quantized, self.lm_head_packed]
         for layer in self.model.decoder_layers():
             found += [layer.self_attn.qkv_packed, layer.self_attn.o_packed]
-            found += [layer.mlp.gate_up_packed, layer.mlp.down_packed]
+            if not isinstance(layer.mlp, SparseMoeBlock):
+                found += [layer.mlp.gate_up_packed, layer.mlp.down_packed]
         return [w for w in found if isinstance(w, QuantizedWeight)]
 
     def _drop_packed_weights(self) -> None:
         self.model._native_layers = False
         for layer in self.model.decoder_layers():
             layer.self_attn.qkv_packed = layer.self_attn.o_packed = None
-            layer.mlp.gate_up_packed = layer.mlp.down_packed = None
+            if not isinstance(layer.mlp, SparseMoeBlock):
+                layer.mlp.gate_up_packed = layer.mlp.down_packed = None
         self.lm_head_packed = None
         self.model.embed_quantized = None
 
@@ -103,6 +109,8 @@ class LlamaWeightsMixin(nn.Module):
         embedding looked up row by row, the LM head on the embedding's blocks when tied; their
         float parameters are then emptied (no memory). A group quantized only in part is
         dequantized into its parameters.
+        A mixture of experts' per-expert tensors go into their slices of the stacked expert
+        parameters (pyserve.models.expert_weights); GGUF experts are dequantized.
         Ignores `rotary_emb.inv_freq` buffers and, when the head is tied, `lm_head.weight`.
         Raises KeyError for an unknown name, ValueError for a shape mismatch or for parameters
         the checkpoint did not provide.
@@ -110,17 +118,22 @@ class LlamaWeightsMixin(nn.Module):
         self._drop_packed_weights()
         tied = self.lm_head is None
         quantized: dict[str, QuantizedWeight] = {}
+        experts = ExpertSlices(dict(self.named_parameters()))
 
         def float_weights() -> Iterable[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
+                name = checkpoint_name(name)
                 if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
                     continue
+                if isinstance(tensor, QuantizedWeight) and ".experts." in name:
+                    tensor = dequantize(tensor, torch.float32)
                 if isinstance(tensor, QuantizedWeight):
                     quantized[name] = tensor
-                else:
+                elif not experts.take(name, tensor):
                     yield name, tensor
 
-        copy_checkpoint(self, float_weights(), held_elsewhere=quantized)
+        held = _Held(quantized, experts)
+        copy_checkpoint(self, float_weights(), held_elsewhere=held)
         if quantized:
             self._hold_quantized(quantized)
 
@@ -146,9 +159,30 @@ class LlamaWeightsMixin(nn.Module):
             if attn.qkv_packed is not None:
                 attn.qkv_weight = attn.qkv_weight.new_empty(0)
             attn.o_packed = stack([f"{pre}self_attn.o_proj.weight"])
+            if isinstance(mlp, SparseMoeBlock):  # its quantized parts (router, shared expert): float
+                for name in [n for n in quantized if n.startswith(f"{pre}mlp.")]:
+                    stack([name])
+                continue
             mlp.gate_up_packed = stack([f"{pre}mlp.gate_proj.weight", f"{pre}mlp.up_proj.weight"])
             if mlp.gate_up_packed is not None:
                 mlp.gate_up_weight = mlp.gate_up_weight.new_empty(0)
             mlp.down_packed = stack([f"{pre}mlp.down_proj.weight"])
         self.model.embed_quantized = stack(["model.embed_tokens.weight"])
         self.lm_head_packed = self.model.embed_quantized if self.lm_head is None else stack(["lm_head.weight"])
+
+
+class _Held:
+    """The parameters a checkpoint provided in another form: quantized blocks, or expert
+    slices that filled a stacked parameter whole (read once the tensors are consumed)."""
+
+    def __init__(self, quantized: dict[str, QuantizedWeight], experts: ExpertSlices) -> None:
+        self.quantized = quantized
+        self.experts = experts
+        self._complete: set[str] | None = None
+
+    def __contains__(self, name: object) -> bool:
+        if name in self.quantized:
+            return True
+        if self._complete is None:
+            self._complete = self.experts.complete()
+        return name in self._complete

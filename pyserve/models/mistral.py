@@ -4,7 +4,8 @@ with sliding-window attention over config.sliding_window tokens on every layer (
 
 from __future__ import annotations
 
-from pyserve.models.llama import DecoderSpec, LlamaForCausalLM
+from pyserve.models.decoder_spec import DecoderSpec
+from pyserve.models.llama import LlamaForCausalLM
 
 
 class MistralForCausalLM(LlamaForCausalLM):

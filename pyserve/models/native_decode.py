@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from pyserve.layers.moe import SparseMoeBlock
 from pyserve_kernels._native import _cpu
 from pyserve_kernels.quant import QuantizedWeight
 
@@ -40,6 +41,8 @@ def build_native_layers(model: DecoderStack) -> list[Any] | None:
     layers: list[Any] = []
     for layer in model.decoder_layers():
         attn, mlp = layer.self_attn, layer.mlp
+        if isinstance(mlp, SparseMoeBlock):  # no native experts yet: the Python layers run
+            return None
         weights = [attn.qkv_packed, attn.o_packed, mlp.gate_up_packed, mlp.down_packed]
         norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
         if (

@@ -4,7 +4,8 @@ bias on the q/k/v projections (none on o_proj). Sliding-window layers follow con
 
 from __future__ import annotations
 
-from pyserve.models.llama import DecoderSpec, LlamaForCausalLM
+from pyserve.models.decoder_spec import DecoderSpec
+from pyserve.models.llama import LlamaForCausalLM
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -5,7 +5,8 @@ config.attention_bias. Sliding-window layers follow config.layer_types.
 
 from __future__ import annotations
 
-from pyserve.models.llama import DecoderSpec, LlamaForCausalLM
+from pyserve.models.decoder_spec import DecoderSpec
+from pyserve.models.llama import LlamaForCausalLM
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

@@ -11,6 +11,10 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("pyserve.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("pyserve.models.qwen3", "Qwen3ForCausalLM"),
     "MistralForCausalLM": ("pyserve.models.mistral", "MistralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("pyserve.models.moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("pyserve.models.moe", "Qwen3MoeForCausalLM"),
+    "MixtralForCausalLM": ("pyserve.models.moe", "MixtralForCausalLM"),
+    "OlmoeForCausalLM": ("pyserve.models.moe", "OlmoeForCausalLM"),
     "BertModel": ("pyserve.models.bert", "BertModel"),
 }
 

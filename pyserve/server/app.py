@@ -17,7 +17,7 @@ from starlette.types import ASGIApp
 from pyserve.config import ServerArgs, setup_logging
 from pyserve.engine.engine_core import EngineCore
 from pyserve.model_executor.runner_protocol import Runner
-from pyserve.server import metrics, native, openapi, parse_routes, playground, tokenize
+from pyserve.server import expert_routes, metrics, native, openapi, parse_routes, playground, tokenize
 from pyserve.server.access_log import AccessLogMiddleware
 from pyserve.server.auth import ApiKeyMiddleware
 from pyserve.server.context import ServerContext
@@ -127,6 +127,7 @@ def create_app(
         + embeddings.ROUTES
         + responses.ROUTES
         + tokenize.ROUTES
+        + expert_routes.ROUTES
         + openapi.ROUTES
         + playground.ROUTES,
         lifespan=lifespan,

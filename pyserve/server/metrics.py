@@ -104,6 +104,17 @@ class EngineCollector(Collector):
         yield gauge("cache_hit_rate", "Cached over prompt tokens of ended requests.", hit_rate)
         yield gauge("gen_throughput", "Output tokens per second over the last stats interval.",
                     figures.gen_throughput)  # fmt: skip
+        load = figures.expert_load
+        if load is not None:
+            experts = CounterMetricFamily(
+                "pyserve:moe_expert_tokens",
+                "Tokens routed to each expert of each MoE layer (a token once per expert it goes to).",
+                labels=[*labels, "layer", "expert"],
+            )
+            for row, layer in enumerate(load.layers):
+                for expert, count in enumerate(load.total[row].tolist()):
+                    experts.add_metric([*name, str(layer), str(expert)], count)
+            yield experts
 
 
 async def metrics(request: Request) -> Response:

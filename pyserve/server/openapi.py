@@ -28,7 +28,7 @@ from starlette.routing import BaseRoute, Route
 
 import pyserve
 from pyserve.io_struct import GenerateReqInput
-from pyserve.server import metrics, native, parse_routes, tokenize
+from pyserve.server import expert_routes, metrics, native, parse_routes, tokenize
 from pyserve.server.context import ServerContext
 from pyserve.server.openai import embeddings, responses, serving
 from pyserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -42,6 +42,9 @@ REQUEST_MODELS: dict[Callable[..., Any], type[BaseModel] | None] = {
     native.generate: GenerateReqInput,
     native.abort_request: native.AbortReq,
     native.flush_cache: None,
+    expert_routes.start_record: None,
+    expert_routes.stop_record: None,
+    expert_routes.dump_record: None,
     parse_routes.separate_reasoning: parse_routes.SeparateReasoningRequest,
     parse_routes.parse_function_call: parse_routes.ParseFunctionCallRequest,
     serving.chat_completions: ChatCompletionRequest,

@@ -1,0 +1,171 @@
+"""Mixture-of-experts feed-forward: a router scores E experts per token, the top k run, and
+the token's output is the routing-weighted sum of their SwiGLU MLPs (plus a shared expert
+where the family has one).
+
+Sparsely-gated experts: Shazeer et al., "Outrageously Large Neural Networks" (2017); top-k
+routing over SwiGLU experts as in Mixtral (Jiang et al., "Mixtral of Experts", 2024), OLMoE
+(Muennighoff et al., 2024) and Qwen2-/Qwen3-MoE. Each family's normalisation of the top-k
+weights follows its HF implementation: softmax over all experts in float32, top k, then
+divided by their sum when the family renormalises (Mixtral always; the others by
+`norm_topk_prob`).
+
+Experts are held stacked, as SGLang's fused kernels take them: `gate_up_proj` [E, 2I, H]
+(each expert's gate rows, then its up rows) and `down_proj` [E, H, I]. `fused_experts` groups
+a step's T * k (token, expert) assignments by expert with one stable sort and runs only the
+experts that received tokens, each as two GEMMs over its own tokens: a decode step of B
+requests runs at most B * k experts, so its cost follows the active parameters, not all of
+them. Worker thread, as the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, expert ids [T, k] int64) of `router_logits` [T, E]: softmax
+    over the E experts in float32, the k largest, divided by their sum when `renormalize`.
+    Ties go to the lower expert id (torch.topk's order, as the HF models)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def fused_experts(
+    x: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    act: Callable[[torch.Tensor], torch.Tensor],
+    counts: list[int] | None = None,
+) -> torch.Tensor:
+    """Sum over k of weights[t, j] * expert_{ids[t, j]}(x[t]), [T, H] in x's dtype.
+
+    x [T, H]; gate_up_proj [E, 2I, H]; down_proj [E, H, I]; weights [T, k] float32 and ids
+    [T, k] int64 from `route`; act: the gated activation over an expert's [n, 2I] gate|up
+    product, giving [n, I] (`pyserve.layers.activation.SiluAndMul` for every supported family).
+    An expert computes silu(x W_gate^T) * (x W_up^T) W_down^T for the tokens routed to it.
+    counts: the tokens per expert (`expert_counts(ids, E)`) when the caller has them."""
+    top_k = ids.shape[1]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # assignments grouped by expert, token order kept
+    if counts is None:
+        counts = expert_counts(ids, gate_up_proj.shape[0])
+    token_of = order // top_k
+    xs = x.index_select(0, token_of)
+    out = torch.empty_like(xs)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        end = start + count
+        hidden = act(torch.mm(xs[start:end], gate_up_proj[expert].t()))
+        torch.mm(hidden, down_proj[expert].t(), out=out[start:end])
+        start = end
+    out.mul_(weights.reshape(-1).index_select(0, order).unsqueeze(1).to(out.dtype))
+    result = torch.zeros_like(x)
+    result.index_add_(0, token_of, out)
+    return result
+
+
+def expert_counts(ids: torch.Tensor, num_experts: int) -> list[int]:
+    """How many of the [T, k] assignments `ids` went to each of the experts (E ints)."""
+    return torch.bincount(ids.reshape(-1), minlength=num_experts).tolist()
+
+
+class ExpertLoad:
+    """Tokens routed to each expert of each MoE layer (SGLang's expert distribution record,
+    the input of expert-parallel load balancing): `total` [L, E] int64 since the model was
+    built (the Prometheus counter), `recorded` [L, E] int64 while `recording` (between
+    /start_expert_distribution_record and /stop_expert_distribution_record). L counts the
+    sparse layers in order (`layers` their decoder layer indices); a token counts once per
+    expert it is routed to, prompt tokens included. The worker thread adds; the loop thread
+    toggles and reads (a read may miss the step in flight)."""
+
+    def __init__(self, layers: list[int], num_experts: int) -> None:
+        self.layers = layers
+        self.total = np.zeros((len(layers), num_experts), dtype=np.int64)
+        self.recorded = np.zeros_like(self.total)
+        self.recording = False
+
+    def add(self, row: int, counts: list[int]) -> None:
+        """Count one step's routing of sparse layer `row`. Worker thread."""
+        self.total[row] += counts
+        if self.recording:
+            self.recorded[row] += counts
+
+    def start(self) -> None:
+        """Record from now on, from zero."""
+        self.recorded[:] = 0
+        self.recording = True
+
+    def stop(self) -> None:
+        self.recording = False
+
+
+class StackedExperts(nn.Module):
+    """E SwiGLU experts of intermediate size I over hidden size H, stacked:
+    gate_up_proj [E, 2I, H], down_proj [E, H, I] (allocated, not initialised: the checkpoint
+    or dummy weights fill them)."""
+
+    def __init__(
+        self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
+        super().__init__()
+        self.num_experts, self.inter = num_experts, inter
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, 2 * inter, hidden, dtype=dtype, device=device), requires_grad=False
+        )
+        self.down_proj = nn.Parameter(
+            torch.empty(num_experts, hidden, inter, dtype=dtype, device=device), requires_grad=False
+        )
+
+
+class SparseMoeBlock(nn.Module):
+    """The MoE feed-forward of one decoder layer: forward([T, H]) -> [T, H].
+
+    gate: the router, [E, H] (HF's `mlp.gate.weight`); experts: StackedExperts; top_k,
+    renormalize: see `route`. shared_expert (optional): a dense SwiGLU every token also runs
+    (Qwen2-MoE), scaled by sigmoid(shared_expert_gate(x)) when that gate is given."""
+
+    def __init__(
+        self,
+        gate: nn.Linear,
+        experts: StackedExperts,
+        top_k: int,
+        renormalize: bool,
+        act: Callable[[torch.Tensor], torch.Tensor],
+        shared_expert: nn.Module | None = None,
+        shared_expert_gate: nn.Linear | None = None,
+    ) -> None:
+        super().__init__()
+        self.gate = gate
+        self.experts = experts
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.act = act
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = shared_expert_gate
+        # where the routing is counted: the model's ExpertLoad and this layer's row of it
+        self.load: ExpertLoad | None = None
+        self.load_row = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(torch.nn.functional.linear(x, self.gate.weight), self.top_k, self.renormalize)
+        counts = expert_counts(ids, self.experts.num_experts)
+        if self.load is not None:
+            self.load.add(self.load_row, counts)
+        out = fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, self.act, counts)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(torch.nn.functional.linear(x, self.shared_expert_gate.weight)) * shared
+            out = out + shared
+        return out
