@@ -108,6 +108,9 @@ class ServerArgs:
     # machines of tp_size / nnodes ranks each; rank 0 (node 0) serves, and its store listens
     # at dist_init_addr ("host:port"; None: 127.0.0.1, a free port, one node only)
     tp_size: int = 1
+    # expert parallelism: a mixture of experts' experts split whole over the ranks (ep_size
+    # must equal tp_size; attention stays tensor-parallel), else each expert split in width
+    ep_size: int = 1
     dist_init_addr: str | None = None
     nnodes: int = 1
     node_rank: int = 0
@@ -253,6 +256,11 @@ class ServerArgs:
                 raise bad("dist_init_addr", f"got {self.dist_init_addr!r}; must be host:port")
         if self.tp_size > 1 and self.is_embedding:
             raise bad("tp_size", "embedding models run with --tp-size 1")
+        if self.ep_size not in (1, self.tp_size):
+            raise bad(
+                "ep_size",
+                f"got {self.ep_size}; must be 1 or --tp-size ({self.tp_size}): experts are split over the ranks",
+            )
 
     def _check_parsers(self, bad: Callable[[str, str], ServerArgsError]) -> None:
         if self.tool_call_parser is None and self.reasoning_parser is None and not self.enable_auto_tool_choice:

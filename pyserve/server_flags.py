@@ -304,6 +304,14 @@ def add_cli_args(parser: argparse.ArgumentParser, *, seed_alias: bool = True) ->
         help="split the model over this many ranks (one per GPU; gloo processes on CPU)",
     )
     a(
+        "--ep-size",
+        "--expert-parallel-size",
+        type=int,
+        default=1,
+        help="a mixture of experts: split its experts whole over the --tp-size ranks (1 or --tp-size; default 1: "
+        "each expert split in width)",
+    )
+    a(
         "--dist-init-addr",
         type=str,
         default=None,

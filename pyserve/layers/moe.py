@@ -20,10 +20,14 @@ them. Worker thread, as the model.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from pyserve.distributed.group import TensorParallelGroup
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,11 +58,28 @@ def fused_experts(
     An expert computes silu(x W_gate^T) * (x W_up^T) W_down^T for the tokens routed to it.
     counts: the tokens per expert (`expert_counts(ids, E)`) when the caller has them."""
     top_k = ids.shape[1]
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # assignments grouped by expert, token order kept
+    tokens = torch.arange(ids.shape[0], device=ids.device).repeat_interleave(top_k)
+    return expert_sum(x, gate_up_proj, down_proj, tokens, ids.reshape(-1), weights.reshape(-1), act, counts)
+
+
+def expert_sum(
+    x: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    tokens: torch.Tensor,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    act: Callable[[torch.Tensor], torch.Tensor],
+    counts: list[int] | None = None,
+) -> torch.Tensor:
+    """`fused_experts` over a list of A assignments: token `tokens[a]` ([A] int64) runs expert
+    `experts[a]` ([A] int64, an index into the stacked weights) scaled by `weights[a]` ([A]
+    float32). Returns [T, H]: each token's sum over its assignments (zeros for none), in
+    ascending expert order per token, as the HF models add them."""
+    order = torch.argsort(experts, stable=True)  # assignments grouped by expert, token order kept
     if counts is None:
-        counts = expert_counts(ids, gate_up_proj.shape[0])
-    token_of = order // top_k
+        counts = torch.bincount(experts, minlength=gate_up_proj.shape[0]).tolist()
+    token_of = tokens.index_select(0, order)
     xs = x.index_select(0, token_of)
     out = torch.empty_like(xs)
     start = 0
@@ -69,7 +90,7 @@ def fused_experts(
         hidden = act(torch.mm(xs[start:end], gate_up_proj[expert].t()))
         torch.mm(hidden, down_proj[expert].t(), out=out[start:end])
         start = end
-    out.mul_(weights.reshape(-1).index_select(0, order).unsqueeze(1).to(out.dtype))
+    out.mul_(weights.index_select(0, order).unsqueeze(1).to(out.dtype))
     result = torch.zeros_like(x)
     result.index_add_(0, token_of, out)
     return result
@@ -113,13 +134,21 @@ class ExpertLoad:
 class StackedExperts(nn.Module):
     """E SwiGLU experts of intermediate size I over hidden size H, stacked:
     gate_up_proj [E, 2I, H], down_proj [E, H, I] (allocated, not initialised: the checkpoint
-    or dummy weights fill them)."""
+    or dummy weights fill them). full_inter: the model's expert intermediate size, of which a
+    tensor-parallel rank holds I (None: I)."""
 
     def __init__(
-        self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype, device: torch.device | str
+        self,
+        num_experts: int,
+        hidden: int,
+        inter: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        full_inter: int | None = None,
     ) -> None:
         super().__init__()
         self.num_experts, self.inter = num_experts, inter
+        self.full_inter = full_inter or inter
         self.gate_up_proj = nn.Parameter(
             torch.empty(num_experts, 2 * inter, hidden, dtype=dtype, device=device), requires_grad=False
         )
@@ -133,7 +162,10 @@ class SparseMoeBlock(nn.Module):
 
     gate: the router, [E, H] (HF's `mlp.gate.weight`); experts: StackedExperts; top_k,
     renormalize: see `route`. shared_expert (optional): a dense SwiGLU every token also runs
-    (Qwen2-MoE), scaled by sigmoid(shared_expert_gate(x)) when that gate is given."""
+    (Qwen2-MoE), scaled by sigmoid(shared_expert_gate(x)) when that gate is given. tp: with
+    tensor parallelism each rank holds its slice of every expert's intermediate size, or with
+    expert parallelism (`expert_range`) its whole experts; the router is whole on every rank
+    (each routes alike) and the ranks' outputs are summed."""
 
     def __init__(
         self,
@@ -144,6 +176,7 @@ class SparseMoeBlock(nn.Module):
         act: Callable[[torch.Tensor], torch.Tensor],
         shared_expert: nn.Module | None = None,
         shared_expert_gate: nn.Linear | None = None,
+        tp: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__()
         self.gate = gate
@@ -153,17 +186,30 @@ class SparseMoeBlock(nn.Module):
         self.act = act
         self.shared_expert = shared_expert
         self.shared_expert_gate = shared_expert_gate
+        self.tp = tp
+        # expert parallelism: the experts [start, stop) this rank holds (None: all of them)
+        self.expert_range: tuple[int, int] | None = None
         # where the routing is counted: the model's ExpertLoad and this layer's row of it
         self.load: ExpertLoad | None = None
         self.load_row = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(torch.nn.functional.linear(x, self.gate.weight), self.top_k, self.renormalize)
-        counts = expert_counts(ids, self.experts.num_experts)
+        counts = expert_counts(ids, self.gate.weight.shape[0])  # over every expert, held here or not
         if self.load is not None:
             self.load.add(self.load_row, counts)
-        out = fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, self.act, counts)
-        if self.shared_expert is not None:
+        if self.expert_range is None:
+            out = fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, self.act, counts)
+        else:  # only the assignments to this rank's experts
+            start, stop = self.expert_range
+            rows, cols = ((ids >= start) & (ids < stop)).nonzero(as_tuple=True)
+            local = ids[rows, cols] - start
+            out = expert_sum(
+                x, self.experts.gate_up_proj, self.experts.down_proj, rows, local, weights[rows, cols], self.act
+            )
+        if self.tp is not None:  # each rank ran its part: a slice of every expert, or its experts
+            out = self.tp.all_reduce(out)
+        if self.shared_expert is not None:  # (a LlamaMLP: it sums its ranks' parts itself)
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(torch.nn.functional.linear(x, self.shared_expert_gate.weight)) * shared

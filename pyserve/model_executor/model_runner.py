@@ -23,7 +23,7 @@ from pyserve.forward_batch_info import (
 )
 from pyserve.layers.attention.base import AttentionBackend, CapturableAttentionBackend
 from pyserve.layers.attention.registry import backend_class, capturable_backend, create_attention_backend
-from pyserve.layers.moe import ExpertLoad
+from pyserve.layers.moe import ExpertLoad, SparseMoeBlock
 from pyserve.layers.pooler import PoolingSpec, pool, sentence_transformers_pooling
 from pyserve.layers.rotary_embedding import RotaryEmbedding
 from pyserve.layers.sampler import sample as sample_tokens
@@ -77,6 +77,8 @@ class ModelRunner(Runner):
       steps on CUDA replay CUDA graphs captured by `init_cuda_graphs` (see
       cuda_graph_runner.py) unless disabled, the backend cannot be captured or the rope is
       dynamic; their memory is set aside before the KV pool is sized.
+    expert_parallel: with `tp`, a mixture of experts' experts are split whole over the ranks
+      (--ep-size) instead of each expert in width.
     tp: this process's rank of a tensor-parallel group (`pyserve.distributed`): the runner
       holds the rank's shard of the model and a KV pool of the rank's KV heads, whose size
       in tokens is the smallest any rank can hold (the same slots on every rank). Every
@@ -131,6 +133,7 @@ class ModelRunner(Runner):
             is_embedding=args.is_embedding,
             pooling=args.pooling,
             tp=tp,
+            expert_parallel=args.ep_size > 1,
         )
 
     def __init__(
@@ -155,6 +158,7 @@ class ModelRunner(Runner):
         is_embedding: bool = False,
         pooling: str | None = None,
         tp: TensorParallelGroup | None = None,
+        expert_parallel: bool = False,
     ) -> None:
         torch_device = torch.device(device)
         self.tp = tp
@@ -168,7 +172,9 @@ class ModelRunner(Runner):
         self.device: str = str(torch_device)  # a plain string: callers log and JSON-encode it
         if random_seed is not None:
             torch.manual_seed(random_seed)
-        self._load(model_path, dtype, torch_device, context_length, load_progress, load_format, quantization)
+        self._load(
+            model_path, dtype, torch_device, context_length, load_progress, load_format, quantization, expert_parallel
+        )
         self.pooling = self._pooling(model_path, is_embedding, pooling)
         self.weight_bytes: int = self._count_weight_bytes()
         for module in self.model.modules():  # positions stay below the context: no host check
@@ -197,14 +203,22 @@ class ModelRunner(Runner):
         progress: bool,
         load_format: str,
         quantization: str,
+        expert_parallel: bool,
     ) -> None:
-        """Read the config and build the model with its weights (this rank's shard); sets
+        """Read the config and build the model with its weights (this rank's shard; with
+        `expert_parallel` a mixture's experts split whole over the ranks); sets
         model_config, dtype, model, num_kv_heads and is_encoder."""
         tp = self.tp
         self.model_config = ModelConfig.from_path(model_path, dtype=dtype, device=device, context_length=context_length)
         self.dtype = self.model_config.dtype
         self.model = load_model(
-            self.model_config, device, progress=progress, load_format=load_format, quantization=quantization, tp=tp
+            self.model_config,
+            device,
+            progress=progress,
+            load_format=load_format,
+            quantization=quantization,
+            tp=tp,
+            expert_parallel=expert_parallel,
         )
         self.num_kv_heads = (  # this rank's
             ShardLayout.of(self.model_config.hf_config, tp.rank, tp.size).num_kv_heads
@@ -268,7 +282,8 @@ class ModelRunner(Runner):
         cuda_graph_bs: list[int] | None,
     ) -> list[int]:
         """The decode batch sizes to capture as CUDA graphs ([] for none: not CUDA, disabled,
-        an embedding model, a backend that cannot be captured, or a dynamic rope)."""
+        an embedding model, a backend that cannot be captured, a dynamic rope, or a mixture
+        of experts, whose expert loop reads each step's routing on the host)."""
         if device.type != "cuda" or disable_cuda_graph or self.pooling is not None:
             return []
         if not capturable_backend(attention_backend, device.type):
@@ -276,6 +291,9 @@ class ModelRunner(Runner):
             return []
         if any(isinstance(m, RotaryEmbedding) and m.is_dynamic for m in self.model.modules()):
             logger.info("CUDA graphs off: dynamic rope reads positions on the host")
+            return []
+        if any(isinstance(m, SparseMoeBlock) for m in self.model.modules()):
+            logger.info("CUDA graphs off: the experts a step runs are chosen on the host")
             return []
         return capture_batch_sizes(self.max_running_requests, cuda_graph_max_bs, cuda_graph_bs)
 

@@ -10,8 +10,9 @@ from typing import Any
 import torch
 from torch import nn
 
-# (config, layer_id, dtype, device) -> the layer's feed-forward, or None for the dense LlamaMLP
-MlpFactory = Callable[[Any, int, torch.dtype, "torch.device | str"], "nn.Module | None"]
+# (config, layer_id, dtype, device, tp) -> the layer's feed-forward, or None for the dense
+# LlamaMLP; tp: the rank's TensorParallelGroup or None
+MlpFactory = Callable[[Any, int, torch.dtype, "torch.device | str", Any], "nn.Module | None"]
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,7 @@ class DecoderSpec:
     qk_norm:  RMSNorm over head_dim applied to q and k per head before rotary (Qwen3).
     qk_norm_full: RMSNorm over all of q's (and all of k's) heads at once before rotary, then
               q, k and v clipped to +-config.clip_qkv when set (OLMoE).
-    mlp:      the layer's feed-forward, mlp(config, layer_id, dtype, device): a mixture of
+    mlp:      the layer's feed-forward, mlp(config, layer_id, dtype, device, tp): a mixture of
               experts (pyserve.models.moe) or None for the dense `LlamaMLP`; None: dense.
     """
 

@@ -41,11 +41,14 @@ class ExpertSlices:
     """Copies per-expert checkpoint tensors into the stacked parameters of `params` (a
     model's named parameters) and says which stacked parameters were filled whole.
 
+    first_expert: with expert parallelism, the first expert this rank holds (the stacked
+    parameters hold experts first_expert ..; another rank's experts are skipped), else None.
     Loader's thread. Raises ValueError for an expert id beyond the layer's experts or a
     shape that does not fit its slice."""
 
-    def __init__(self, params: dict[str, torch.Tensor]) -> None:
+    def __init__(self, params: dict[str, torch.Tensor], first_expert: int | None = None) -> None:
         self.params = params
+        self.first_expert = first_expert
         self._filled: dict[str, set[tuple[int, int | None]]] = {}
 
     def take(self, name: str, tensor: torch.Tensor) -> bool:
@@ -59,7 +62,9 @@ class ExpertSlices:
         param = self.params.get(target)
         if param is None:
             raise KeyError(f"checkpoint tensor {name!r}: the model has no experts at {target!r}")
-        expert = int(match["expert"])
+        expert = int(match["expert"]) - (self.first_expert or 0)
+        if self.first_expert is not None and not 0 <= expert < param.shape[0]:
+            return True  # another rank's expert
         if expert >= param.shape[0]:
             raise ValueError(f"{name}: expert {expert} beyond the layer's {param.shape[0]} experts")
         rows = param[expert]
@@ -84,6 +89,7 @@ class ExpertSlices:
                 done.add(target)
                 continue
             expert, half = min((e, h) for e in range(experts) for h in halves if (e, h) not in slices)
+            expert += self.first_expert or 0  # the checkpoint's numbering
             proj = {0: "gate_proj", 1: "up_proj", None: "down_proj"}[half]
             layer = target.rsplit(".mlp.", 1)[0]
             raise ValueError(

@@ -216,8 +216,8 @@ class LlamaMLP(nn.Module):
         self.tp = tp
         bias = bool(getattr(config, "mlp_bias", False))
         hidden, inter = config.hidden_size, intermediate_size or config.intermediate_size
-        if tp is not None:
-            inter = ShardLayout.of(config, tp.rank, tp.size).inter
+        if tp is not None:  # (ShardLayout.of checked at load that it divides)
+            inter //= tp.size
         self.gate_proj = _linear(hidden, inter, bias, dtype, device)
         self.up_proj = _linear(hidden, inter, bias, dtype, device)
         self.down_proj = _linear(inter, hidden, bias, dtype, device)
@@ -257,7 +257,7 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         eps = config.rms_norm_eps
         self.self_attn = LlamaAttention(config, layer_id, dtype, device, spec, tp)
-        sparse = spec.mlp(config, layer_id, dtype, device) if spec.mlp is not None else None
+        sparse = spec.mlp(config, layer_id, dtype, device, tp) if spec.mlp is not None else None
         self.mlp: nn.Module = sparse if sparse is not None else LlamaMLP(config, dtype, device, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)

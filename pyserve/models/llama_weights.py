@@ -30,6 +30,8 @@ class LlamaWeightsMixin(nn.Module):
     their `forward`."""
 
     model: Any  # a LlamaModel (llama.py imports this module: no import back)
+    # with expert parallelism, the first expert this rank holds (pyserve.models.moe), else None
+    first_expert: int | None = None
     lm_head: nn.Linear | None
     lm_head_packed: torch.Tensor | QuantizedWeight | None
 
@@ -118,7 +120,7 @@ class LlamaWeightsMixin(nn.Module):
         self._drop_packed_weights()
         tied = self.lm_head is None
         quantized: dict[str, QuantizedWeight] = {}
-        experts = ExpertSlices(dict(self.named_parameters()))
+        experts = ExpertSlices(dict(self.named_parameters()), self.first_expert)
 
         def float_weights() -> Iterable[tuple[str, torch.Tensor]]:
             for name, tensor in weights:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import torch
 
@@ -24,6 +25,7 @@ def load_model(
     load_format: str = "auto",
     quantization: str = "auto",
     tp: TensorParallelGroup | None = None,
+    expert_parallel: bool = False,
 ) -> torch.nn.Module:
     """Instantiate the registered class of `model_config.architecture` on `device` in
     `model_config.dtype`, load its weights (load_format "auto") or fill it with seeded random
@@ -32,21 +34,27 @@ def load_model(
     (`keeps_quantized`); "none" dequantizes every weight to the model's dtype.
 
     tp: a tensor-parallel rank's group: the model holds and loads that rank's shard (every
-    weight dequantized: the native quantized kernels run unsharded only).
+    weight dequantized: the native quantized kernels run unsharded only). expert_parallel:
+    with `tp`, a mixture of experts holds its rank's whole experts (--ep-size).
 
     Raises ValueError for an unsupported architecture (or one without tensor parallelism
-    when `tp` is given, or a model that does not split `tp.size` ways), KeyError/ValueError
+    when `tp` is given, or without experts to split under `expert_parallel`, or a model that
+    does not split `tp.size` ways), KeyError/ValueError
     from the model's `load_weights` for unknown or missing tensors.
     """
     model_cls = get_model_class(model_config.architecture)
     start = time.perf_counter()
     layout = None
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     if tp is not None:
         if not getattr(model_cls, "supports_tensor_parallel", False):
             raise ValueError(f"{model_config.architecture} has no tensor-parallel version; use --tp-size 1")
-        layout = ShardLayout.of(model_config.hf_config, tp.rank, tp.size)
+        layout = ShardLayout.of(model_config.hf_config, tp.rank, tp.size, expert_parallel)
         kwargs["tp"] = tp
+        if expert_parallel:
+            if not getattr(model_cls, "supports_expert_parallel", False):
+                raise ValueError(f"{model_config.architecture} has no experts to split; use --ep-size 1")
+            kwargs["expert_parallel"] = True
     with torch.device(device):
         model = model_cls(model_config.hf_config, dtype=model_config.dtype, device=device, **kwargs)
     if load_format == "dummy":

@@ -15,8 +15,8 @@ the layer's `SparseMoeBlock` (pyserve.layers.moe) where the family's config puts
   heads, optional q/k/v clipping, `norm_topk_prob`.
 
 Experts are held stacked and loaded from per-expert checkpoint tensors
-(pyserve.models.expert_weights). No tensor parallelism yet: these classes say so and
-`load_model` refuses `--tp-size` > 1 for them.
+(pyserve.models.expert_weights). Under `--tp-size` N each rank holds 1/N of every expert's
+intermediate size (OLMoE excepted: `load_model` refuses it, its q/k norms span every head).
 """
 
 from __future__ import annotations
@@ -39,24 +39,29 @@ def _block(
     num_experts: int,
     inter: int,
     renormalize: bool,
+    tp: TensorParallelGroup | None,
     shared_inter: int = 0,
 ) -> SparseMoeBlock:
     hidden = config.hidden_size
+    full_inter = inter
+    if tp is not None:  # the rank's slice of each expert (ShardLayout checks it divides)
+        inter //= tp.size
     top_k = int(config.num_experts_per_tok)
     if not 0 < top_k <= num_experts:
         raise ValueError(f"num_experts_per_tok {top_k} must be in 1..{num_experts} (the layer's experts)")
     shared = shared_gate = None
     if shared_inter:
-        shared = LlamaMLP(config, dtype, device, intermediate_size=shared_inter)
+        shared = LlamaMLP(config, dtype, device, tp, intermediate_size=shared_inter)
         shared_gate = _linear(hidden, 1, False, dtype, device)
     return SparseMoeBlock(
         gate=_linear(hidden, num_experts, False, dtype, device),
-        experts=StackedExperts(num_experts, hidden, inter, dtype, device),
+        experts=StackedExperts(num_experts, hidden, inter, dtype, device, full_inter),
         top_k=top_k,
         renormalize=renormalize,
         act=get_act_fn(getattr(config, "hidden_act", "silu")),
         shared_expert=shared,
         shared_expert_gate=shared_gate,
+        tp=tp,
     )
 
 
@@ -67,7 +72,9 @@ def _qwen_sparse(config: Any, layer_id: int) -> bool:
     return config.num_experts > 0 and layer_id not in only_dense and (layer_id + 1) % step == 0
 
 
-def qwen2_moe_mlp(config: Any, layer_id: int, dtype: torch.dtype, device: torch.device | str) -> SparseMoeBlock | None:
+def qwen2_moe_mlp(
+    config: Any, layer_id: int, dtype: torch.dtype, device: torch.device | str, tp: TensorParallelGroup | None
+) -> SparseMoeBlock | None:
     if not _qwen_sparse(config, layer_id):
         return None
     return _block(
@@ -77,30 +84,43 @@ def qwen2_moe_mlp(config: Any, layer_id: int, dtype: torch.dtype, device: torch.
         config.num_experts,
         config.moe_intermediate_size,
         bool(config.norm_topk_prob),
+        tp,
         shared_inter=int(getattr(config, "shared_expert_intermediate_size", 0) or 0),
     )
 
 
-def qwen3_moe_mlp(config: Any, layer_id: int, dtype: torch.dtype, device: torch.device | str) -> SparseMoeBlock | None:
+def qwen3_moe_mlp(
+    config: Any, layer_id: int, dtype: torch.dtype, device: torch.device | str, tp: TensorParallelGroup | None
+) -> SparseMoeBlock | None:
     if not _qwen_sparse(config, layer_id):
         return None
-    return _block(config, dtype, device, config.num_experts, config.moe_intermediate_size, bool(config.norm_topk_prob))
+    return _block(
+        config, dtype, device, config.num_experts, config.moe_intermediate_size, bool(config.norm_topk_prob), tp
+    )
 
 
-def mixtral_mlp(config: Any, layer_id: int, dtype: torch.dtype, device: torch.device | str) -> SparseMoeBlock:
-    return _block(config, dtype, device, config.num_local_experts, config.intermediate_size, True)
+def mixtral_mlp(
+    config: Any, layer_id: int, dtype: torch.dtype, device: torch.device | str, tp: TensorParallelGroup | None
+) -> SparseMoeBlock:
+    return _block(config, dtype, device, config.num_local_experts, config.intermediate_size, True, tp)
 
 
-def olmoe_mlp(config: Any, layer_id: int, dtype: torch.dtype, device: torch.device | str) -> SparseMoeBlock:
-    return _block(config, dtype, device, config.num_experts, config.intermediate_size, bool(config.norm_topk_prob))
+def olmoe_mlp(
+    config: Any, layer_id: int, dtype: torch.dtype, device: torch.device | str, tp: TensorParallelGroup | None
+) -> SparseMoeBlock:
+    if tp is not None:  # its q/k norms span every head: a rank's slice cannot norm alone
+        raise ValueError("OLMoE has no tensor-parallel version yet; use --tp-size 1")
+    return _block(config, dtype, device, config.num_experts, config.intermediate_size, bool(config.norm_topk_prob), tp)
 
 
 class MoeForCausalLM(LlamaForCausalLM):
     """A Llama-style decoder whose spec puts `SparseMoeBlock`s in some layers; their routing
     is counted in `expert_load` (pyserve.layers.moe.ExpertLoad: SGLang's expert distribution
-    record and /metrics). Not tensor-parallel yet."""
+    record and /metrics). Tensor-parallel (`--tp-size`): every rank holds its slice of each
+    expert's intermediate size (pyserve.distributed.shard) and the whole router; with
+    `--ep-size` its whole experts (`expert_parallel`)."""
 
-    supports_tensor_parallel = False
+    supports_expert_parallel = True
 
     def __init__(
         self,
@@ -108,7 +128,10 @@ class MoeForCausalLM(LlamaForCausalLM):
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         tp: TensorParallelGroup | None = None,
+        expert_parallel: bool = False,
     ) -> None:
+        """expert_parallel: with `tp`, rank r holds experts r * E / N .. (r + 1) * E / N - 1
+        whole (`first_expert` is the first) instead of a slice of each (--ep-size)."""
         super().__init__(config, dtype, device, tp)
         sparse = [
             (i, layer.mlp)
@@ -118,6 +141,20 @@ class MoeForCausalLM(LlamaForCausalLM):
         self.expert_load = ExpertLoad([i for i, _ in sparse], sparse[0][1].experts.num_experts if sparse else 0)
         for row, (_, block) in enumerate(sparse):
             block.load, block.load_row = self.expert_load, row
+            if expert_parallel and tp is not None:
+                self._hold_whole_experts(block, tp, dtype, device)
+
+    def _hold_whole_experts(
+        self, block: SparseMoeBlock, tp: TensorParallelGroup, dtype: torch.dtype, device: str | torch.device
+    ) -> None:
+        """Replace `block`'s width-split experts by this rank's whole ones (nothing was
+        loaded yet: the replaced tensors were never written)."""
+        experts = block.experts
+        local = experts.num_experts // tp.size
+        hidden = experts.down_proj.shape[1]
+        block.experts = StackedExperts(local, hidden, experts.full_inter, dtype, device)
+        self.first_expert = tp.rank * local
+        block.expert_range = (self.first_expert, self.first_expert + local)
 
 
 class Qwen2MoeForCausalLM(MoeForCausalLM):
@@ -142,3 +179,4 @@ class OlmoeForCausalLM(MoeForCausalLM):
     """See the module docstring; weights use the HF parameter names of this family."""
 
     spec = DecoderSpec(qk_norm_full=True, mlp=olmoe_mlp)
+    supports_tensor_parallel = False  # its q/k norms span every head

@@ -4,7 +4,9 @@ chunked prefill, on stories260k (8 heads, 4 KV heads: both split) and on a tiny 
 with one KV head (fewer KV heads than ranks: replicated); the log-probabilities of 16 fixed
 tokens at every step (the logits less their logsumexp) agree within 1e-4. Each server's KV
 pool is whole again afterwards. A rank killed during a stream ends it with an error event,
-`/health` turns 503 and the server exits within 10 s, its log naming the dead rank once."""
+`/health` turns 503 and the server exits within 10 s, its log naming the dead rank once. A tiny
+Qwen2-MoE with its experts split in width (`--tp-size 2`) and whole (`--ep-size 2`) gives one
+rank's tokens and log-probabilities."""
 
 from __future__ import annotations
 
@@ -54,6 +56,39 @@ def qwen2_gqa_path(tmp_path_factory, stories_path) -> Path:
     )
     torch.manual_seed(7)
     transformers.Qwen2ForCausalLM(config).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(stories_path / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def qwen2_moe_path(tmp_path_factory, stories_path) -> Path:
+    """A tiny random Qwen2-MoE (seeded): 8 experts of 32, top 2, a shared expert of 48, layer 1
+    dense; stories260k's 512-token vocabulary and tokenizer."""
+    import transformers
+
+    folder = tmp_path_factory.mktemp("qwen2-moe")
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        num_experts=8,
+        num_experts_per_tok=2,
+        mlp_only_layers=[1],
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(11)
+    transformers.Qwen2MoeForCausalLM(config).save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(stories_path / name, folder / name)
     return folder
@@ -112,6 +147,18 @@ def test_tp2_equals_tp1(tmp_path_factory, stories_path, request, model):
             assert probes.shape == ref_probes.shape == (NEW_TOKENS, len(PROBE_IDS))
             np.testing.assert_allclose(probes, ref_probes, rtol=0, atol=1e-4)
     # the tiny model is not degenerate: its greedy outputs differ between prompts
+    assert len({tuple(ids) for ids, _ in reference}) > NUM_PROMPTS // 2
+
+
+def test_moe_tp2_and_ep2_equal_tp1(tmp_path_factory, qwen2_moe_path):
+    """A mixture of experts over two gloo ranks: experts split in width (--tp-size 2) and
+    whole (--ep-size 2) give one rank's greedy tokens and its probe log-probabilities."""
+    reference = _serve_and_run(tmp_path_factory, qwen2_moe_path, "moe-tp1", [])
+    for extra in (["--tp-size", "2"], ["--tp-size", "2", "--ep-size", "2"]):
+        results = _serve_and_run(tmp_path_factory, qwen2_moe_path, "moe-" + "-".join(extra), extra)
+        for (ids, probes), (ref_ids, ref_probes) in zip(results, reference):
+            assert ids == ref_ids
+            np.testing.assert_allclose(probes, ref_probes, rtol=0, atol=1e-4)
     assert len({tuple(ids) for ids, _ in reference}) > NUM_PROMPTS // 2
 
 

@@ -200,7 +200,8 @@ def test_unsupported_architecture_fails_at_start(tmp_path) -> None:
     with pytest.raises(
         ValueError,
         match=r"'GPT2LMHeadModel' is not supported; supported: BertModel, LlamaForCausalLM, "
-        r"MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM",
+        r"MistralForCausalLM, MixtralForCausalLM, OlmoeForCausalLM, Qwen2ForCausalLM, "
+        r"Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM$",
     ):
         ModelRunner(str(tmp_path), max_total_tokens=64, load_progress=False)
 

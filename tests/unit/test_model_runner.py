@@ -49,13 +49,18 @@ def test_registry() -> None:
         "BertModel",
         "LlamaForCausalLM",
         "MistralForCausalLM",
+        "MixtralForCausalLM",
+        "OlmoeForCausalLM",
         "Qwen2ForCausalLM",
+        "Qwen2MoeForCausalLM",
         "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
     ]
     with pytest.raises(
         ValueError,
-        match=r"'GPT2LMHeadModel' is not supported; supported: "
-        r"BertModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM",
+        match=r"'GPT2LMHeadModel' is not supported; supported: BertModel, LlamaForCausalLM, MistralForCausalLM, "
+        r"MixtralForCausalLM, OlmoeForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM, "
+        r"Qwen3MoeForCausalLM$",
     ):
         get_model_class("GPT2LMHeadModel")
 
