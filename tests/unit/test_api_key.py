@@ -37,7 +37,14 @@ BODIES = {
     },
 }
 # what the key holder gets there from this (generation) server: a 400, past the key check
-REFUSED_HERE = ("/v1/embeddings", "/encode")
+# what this server (a dense generator) answers with 400 to the key holder
+REFUSED_HERE = (
+    "/v1/embeddings",
+    "/encode",
+    "/start_expert_distribution_record",
+    "/stop_expert_distribution_record",
+    "/dump_expert_distribution_record",
+)
 UNAUTHORIZED = {
     "error": {
         "message": "a valid API key is required: send `Authorization: Bearer <key>`",

@@ -105,7 +105,7 @@ def test_every_post_route_has_its_request_model(app, doc):
     routes = app.routes
     assert all(isinstance(route, Route) for route in routes)  # (nothing escapes the walk)
     posts = [route for route in routes if "POST" in (route.methods or ())]
-    assert len(posts) == 15
+    assert len(posts) == 18
     for route in posts:
         assert route.endpoint in REQUEST_MODELS, f"POST {route.path}: add its request model to REQUEST_MODELS"
         model = REQUEST_MODELS[route.endpoint]
@@ -139,7 +139,7 @@ def test_operations_and_bodies(doc):
 def test_metrics_only_when_served():
     doc = build_document(create_app(ServerArgs(enable_metrics=False)).routes)
     assert "/metrics" not in doc["paths"]
-    assert len(doc["paths"]) == 25
+    assert len(doc["paths"]) == 28
 
 
 def test_responses(doc):
