@@ -377,11 +377,11 @@ class ThreadGroup:
         return torch.cat(self._exchange(tensor), dim=-1)
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "mixtral"])
-def test_two_tensor_parallel_ranks_equal_one(family: str) -> None:
-    """Each rank holds half of every expert's (and the shared expert's) intermediate size,
-    loaded from the per-expert checkpoint through `shard`; the two ranks' logits of a prefill
-    and 12 decode steps agree with one rank's within 1e-4 and their greedy tokens are equal."""
+def _two_ranks_and_one(family: str, expert_parallel: bool) -> tuple[list[dict], dict, transformers.PretrainedConfig]:
+    """The logits [13 steps, 2, vocab] of a prefill and 12 greedy decode steps of two prompts:
+    one rank's (`whole`), and each of two thread ranks' (`ranks`), which load their shard of
+    the per-expert checkpoint through `shard` (experts split in width, or whole with
+    `expert_parallel`; a rank also reports (first_expert, experts held) then)."""
     import threading
 
     from pyserve.distributed.shard import ShardLayout, shard
@@ -394,14 +394,19 @@ def test_two_tensor_parallel_ranks_equal_one(family: str) -> None:
     prompts = {0: [5, 9, 11, 40, 3, 17, 60], 1: [7, 8, 90, 4]}
 
     def run(tp: ThreadGroup | None, out: dict) -> None:  # type: ignore[type-arg]
-        model = cls(config, dtype=torch.float32, device="cpu", tp=tp)
         if tp is None:
+            model = cls(config, dtype=torch.float32, device="cpu")
             model.load_weights(checkpoint)
             kv_heads = config.num_key_value_heads
         else:
-            layout = ShardLayout.of(config, tp.rank, tp.size, expert_parallel=False)
+            extra = {"expert_parallel": True} if expert_parallel else {}
+            model = cls(config, dtype=torch.float32, device="cpu", tp=tp, **extra)
+            layout = ShardLayout.of(config, tp.rank, tp.size, expert_parallel=expert_parallel)
             model.load_weights((n, shard(layout, n, tuple(t.shape), lambda i, t=t: t[i])) for n, t in checkpoint)
             kv_heads = layout.num_kv_heads
+            if expert_parallel:
+                experts = dict(model.named_parameters())["model.layers.0.mlp.experts.down_proj"]
+                out["held"] = (model.first_expert, experts.shape[0])
         pool = MHATokenToKVPool(64, config.num_hidden_layers, kv_heads, head_dim, torch.float32, "cpu")
         backend = TorchNativeAttnBackend(pool)
         reqs = Requests(list(range(1, 65)))
@@ -423,6 +428,15 @@ def test_two_tensor_parallel_ranks_equal_one(family: str) -> None:
         t.start()
     for t in threads:
         t.join()
+    return ranks, whole, config
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "mixtral"])
+def test_two_tensor_parallel_ranks_equal_one(family: str) -> None:
+    """Each rank holds half of every expert's (and the shared expert's) intermediate size,
+    loaded from the per-expert checkpoint through `shard`; the two ranks' logits of a prefill
+    and 12 decode steps agree with one rank's within 1e-4 and their greedy tokens are equal."""
+    ranks, whole, _ = _two_ranks_and_one(family, expert_parallel=False)
     for part in ranks:
         torch.testing.assert_close(part["logits"], whole["logits"], atol=1e-4, rtol=0)
         assert torch.equal(part["logits"].argmax(-1), whole["logits"].argmax(-1))
@@ -433,50 +447,7 @@ def test_two_expert_parallel_ranks_equal_one(family: str) -> None:
     """--ep-size 2: each rank holds half of the experts whole (the other half's checkpoint
     tensors skipped), routes every token alike and runs only its experts' assignments; the
     ranks' summed outputs give one rank's logits within 1e-4 and the same greedy tokens."""
-    import threading
-
-    from pyserve.distributed.shard import ShardLayout, shard
-
-    hf = hf_model(family)
-    config = hf.config
-    cls = get_model_class(type(hf).__name__)
-    checkpoint = per_expert(hf.state_dict(), mixtral=family == "mixtral")
-    head_dim = config.hidden_size // config.num_attention_heads
-    prompts = {0: [5, 9, 11, 40, 3, 17, 60], 1: [7, 8, 90, 4]}
-
-    def run(tp: ThreadGroup | None, out: dict) -> None:  # type: ignore[type-arg]
-        if tp is None:
-            model = cls(config, dtype=torch.float32, device="cpu")
-            model.load_weights(checkpoint)
-            kv_heads = config.num_key_value_heads
-        else:
-            model = cls(config, dtype=torch.float32, device="cpu", tp=tp, expert_parallel=True)
-            layout = ShardLayout.of(config, tp.rank, tp.size, expert_parallel=True)
-            model.load_weights((n, shard(layout, n, tuple(t.shape), lambda i, t=t: t[i])) for n, t in checkpoint)
-            kv_heads = layout.num_kv_heads
-            experts = dict(model.named_parameters())["model.layers.0.mlp.experts.down_proj"]
-            out["held"] = (model.first_expert, experts.shape[0])
-        pool = MHATokenToKVPool(64, config.num_hidden_layers, kv_heads, head_dim, torch.float32, "cpu")
-        backend = TorchNativeAttnBackend(pool)
-        reqs = Requests(list(range(1, 65)))
-        steps, batch = [], reqs.extend(prompts)
-        for _ in range(13):
-            backend.init_forward_metadata(batch)
-            logits = model(batch, backend)
-            steps.append(logits)
-            batch = reqs.decode(dict(zip(prompts, logits.argmax(-1).tolist())))
-        out["logits"] = torch.stack(steps)
-
-    whole: dict = {}
-    run(None, whole)
-    slots: list = [None, None]
-    barrier = threading.Barrier(2, timeout=60)
-    ranks: list[dict] = [{}, {}]
-    threads = [threading.Thread(target=run, args=(ThreadGroup(r, 2, slots, barrier), ranks[r])) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    ranks, whole, config = _two_ranks_and_one(family, expert_parallel=True)
     total = config.num_local_experts if family == "mixtral" else config.num_experts
     assert [part["held"] for part in ranks] == [(0, total // 2), (total // 2, total // 2)]
     for part in ranks:
