@@ -1,5 +1,5 @@
-"""MoE sparsity: a mixture of experts' decode step against a dense model's whose MLP is as wide as
-the experts a token runs, measured in the same run.
+"""MoE benchmarks. (a) Sparsity: a mixture of experts' decode step against a dense model's whose
+MLP is as wide as the experts a token runs, measured in the same run.
 
 Two configs at the same hidden size, layers, heads and vocabulary (written to a temporary
 folder; `--load-format dummy` fills seeded random weights at their shapes, no weight file):
@@ -11,8 +11,17 @@ decode step and the ratio MoE / dense of their medians over the rounds. The issu
 most 1.3x at batch 1 (cost follows the active experts). At larger batches the tokens of a step
 spread over more experts, so a step reads more expert weights than the dense model's one MLP.
 
+(b) With `--vs-llamacpp GGUF`: a random-weight Q4_0 GGUF at OLMoE-1B-7B's shapes is written
+to GGUF (benches/moe_gguf.py; the tokenizer SmolLM2's, copied from pyserve's default model) and
+served by pyserve and by llama.cpp's llama-server through benches/bench_vs_llamacpp.py (the
+same client and prompts, 128 in / 64 out, 1 and 8 streams, alternated `--rounds` times; pyserve
+with `--max-total-tokens 4096`, the context llama-server gets, since the default KV share of
+free memory does not fit beside 3.7 GB of weights on a 24 GB machine). Its goals: at least 1.0x
+llama-server's output tok/s at one stream and 1.5x at eight.
+
 Usage: PYTHONPATH=. python benches/bench_moe.py [--hidden 1024] [--layers 8] [--experts 64]
        [--top-k 8] [--inter 256] [--batch-size 1 8] [--rounds 3] [--threads N]
+       PYTHONPATH=. python benches/bench_moe.py --vs-llamacpp /tmp/olmoe-shape-q4_0.gguf [--rounds 3]
 """
 
 from __future__ import annotations
@@ -57,6 +66,16 @@ def one_batch(path: str, args: argparse.Namespace, out_file: str) -> None:
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
 
 
+def vs_llamacpp(gguf: str, rounds: int) -> int:
+    """(b): the OLMoE-shaped Q4_0 GGUF (written once) served by pyserve and llama-server."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    if not os.path.exists(gguf):
+        subprocess.run([sys.executable, os.path.join(here, "moe_gguf.py"), gguf, "--qtype", "Q4_0"], check=True)
+    cmd = [sys.executable, os.path.join(here, "bench_vs_llamacpp.py"), "--model-path", gguf, "--rounds", str(rounds)]
+    cmd += ["--pyserve-args", "--max-total-tokens 4096"]
+    return subprocess.run(cmd).returncode
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=1024)
@@ -69,7 +88,12 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS of the runs (0: the default)")
+    p.add_argument(
+        "--vs-llamacpp", metavar="GGUF", help="(b): write this OLMoE-shaped Q4_0 file (if absent) and serve it"
+    )
     args = p.parse_args()
+    if args.vs_llamacpp:
+        return vs_llamacpp(args.vs_llamacpp, args.rounds)
     shape = dict(COMMON, hidden_size=args.hidden, num_hidden_layers=args.layers)
     with tempfile.TemporaryDirectory() as tmp:
         moe = write_config(

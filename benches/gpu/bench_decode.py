@@ -2,7 +2,9 @@
 
 (i)   kernels: the device's copy bandwidth (the ceiling), then each Triton kernel of
       pyserve_kernels.triton_ops at decode shapes as a fraction of it (kernel_bench.py).
-(ii)  decode steps: `ModelRunner` on dummy weights shaped like Qwen2.5-0.5B and Llama-3.1-8B,
+(ii)  decode steps: `ModelRunner` on dummy weights shaped like Qwen2.5-0.5B, Llama-3.1-8B and
+      the mixture OLMoE-1B-7B (its experts on the Triton grouped GEMMs; the runner captures no
+      graph for a mixture yet, so its "graphs on" rows run eagerly, with a note),
       bfloat16, batch 1 / 64 / 256 over 1k tokens of context each, CUDA graphs on and off,
       driven as the worker drives it (StepPlan -> DeviceState.forward_batch -> forward ->
       sample -> ids to the host). A decode step must read every weight once plus every
@@ -91,6 +93,25 @@ MODELS = {
         "tie_word_embeddings": True,
         "max_position_embeddings": 40960,
         "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+    },
+    "olmoe-1b-7b": {  # a mixture of experts: 64 experts of 1024, 8 per token
+        "architectures": ["OlmoeForCausalLM"],
+        "model_type": "olmoe",
+        "hidden_size": 2048,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "intermediate_size": 1024,
+        "num_experts": 64,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": False,
+        "clip_qkv": None,
+        "vocab_size": 50304,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
         "hidden_act": "silu",
     },
 }
@@ -262,7 +283,8 @@ class DecodeDriver:
 
 def step_bytes(runner, batch_size: int, mean_seq_len: float) -> tuple[int, int]:
     """(weight bytes, KV bytes) a decode step must read: every parameter once, except that an
-    untied embedding table gives only the batch's rows (its LM head is read whole); K and V of
+    untied embedding table gives only the batch's rows (its LM head is read whole) and a
+    mixture's experts count as many as the batch can reach (batch_size * top_k of E); K and V of
     every cached token of every request, all layers."""
     model, cfg = runner.model, runner.model_config
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -270,6 +292,12 @@ def step_bytes(runner, batch_size: int, mean_seq_len: float) -> tuple[int, int]:
         embed = model.model.embed_tokens.weight
         weights -= embed.numel() * embed.element_size()
         weights += batch_size * embed.shape[1] * embed.element_size()
+    for module in model.modules():  # a mixture reads at most batch_size * k of its E experts
+        experts = getattr(module, "experts", None)
+        if hasattr(module, "top_k") and experts is not None and hasattr(experts, "num_experts"):
+            held = sum(p.numel() * p.element_size() for p in experts.parameters())
+            touched = min(experts.num_experts, batch_size * module.top_k)
+            weights -= held - held * touched // experts.num_experts
     elt = torch.empty((), dtype=runner.dtype).element_size()
     per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elt
     return weights, int(batch_size * mean_seq_len * per_token)
@@ -285,7 +313,7 @@ def decode_rows(folder: str, copy_bps: float, notes: list[str]) -> list[list]:
     if ARGS.device == "cpu":
         notes.append("decode: CUDA graphs are off on CPU; only the eager rows run")
     rows: list[list] = []
-    for name in ("qwen2.5-0.5b", "llama-3.1-8b"):
+    for name in ("qwen2.5-0.5b", "llama-3.1-8b", "olmoe-1b-7b"):
         path = write_model(folder, name, ARGS.tiny)
         for graphs in graph_modes:
             label = f"{name} graphs {'on' if graphs else 'off'}"

@@ -290,3 +290,20 @@ def row_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's largest logit and where it is: (ids [B] int64, maxes [B] in logits.dtype) of
     logits [B, vocab]. Ties: the lowest index; a row holding a NaN: its first NaN, max NaN."""
     return torch.argmax(logits, dim=-1), logits.amax(dim=-1)
+
+
+def fused_experts(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """A mixture of experts' feed-forward after routing: out[t] = Σ_j weights[t, j] ·
+    down_e(silu(gate_e(x[t])) · up_e(x[t])), e = ids[t, j], in float32, returned in x.dtype.
+
+    x: [T, H]; gate_up: [E, 2I, H] (each expert's gate rows, then its up rows); down: [E, H, I];
+    weights: [T, k] routing weights, applied as given; ids: [T, k] expert ids in 0..E."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            act = silu_and_mul(x[t].float() @ gate_up[e].float().T)
+            out[t] += float(weights[t, j]) * (act @ down[e].float().T)
+    return out.to(x.dtype)

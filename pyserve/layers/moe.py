@@ -14,7 +14,11 @@ Experts are held stacked, as SGLang's fused kernels take them: `gate_up_proj` [E
 a step's T * k (token, expert) assignments by expert with one stable sort and runs only the
 experts that received tokens, each as two GEMMs over its own tokens: a decode step of B
 requests runs at most B * k experts, so its cost follows the active parameters, not all of
-them. Worker thread, as the model.
+them. Where the step runs: on CPU, the native kernel (pyserve_kernels.moe: one call per layer,
+for float steps of up to NATIVE_F32_MAX_TOKENS tokens and for a GGUF's quantized experts); on
+CUDA, the Triton grouped GEMMs (pyserve_kernels.triton_ops.moe); otherwise (longer float CPU
+steps, expert parallelism on CUDA) `fused_experts`' per-expert torch GEMMs. Worker thread, as
+the model.
 """
 
 from __future__ import annotations
@@ -26,8 +30,28 @@ import numpy as np
 import torch
 from torch import nn
 
+from pyserve_kernels._triton import triton_applies
+from pyserve_kernels.moe import moe_experts, moe_native_applies, moe_router_logits
+from pyserve_kernels.quant import QuantizedWeight
+
 if TYPE_CHECKING:
     from pyserve.distributed.group import TensorParallelGroup
+
+
+def triton_fused_experts(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """`fused_experts` on CUDA: pyserve_kernels.triton_ops.moe's grouped GEMMs (imported here:
+    triton exists only where CUDA does)."""
+    from pyserve_kernels.triton_ops.moe import fused_experts as triton_kernel
+
+    return triton_kernel(x, gate_up, down, weights, ids)
+
+
+# Float32 steps of up to this many tokens run on the native kernel; longer ones (prefill) on
+# torch's GEMMs per expert, whose blocking beats the native kernel's row-at-a-time products
+# once an expert has many tokens. Quantized experts always run natively.
+NATIVE_F32_MAX_TOKENS = 16
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,7 +159,9 @@ class StackedExperts(nn.Module):
     """E SwiGLU experts of intermediate size I over hidden size H, stacked:
     gate_up_proj [E, 2I, H], down_proj [E, H, I] (allocated, not initialised: the checkpoint
     or dummy weights fill them). full_inter: the model's expert intermediate size, of which a
-    tensor-parallel rank holds I (None: I)."""
+    tensor-parallel rank holds I (None: I). A GGUF's experts run on their blocks instead:
+    `gate_up_quant` (E·2I rows of H) and `down_quant` (E·H rows of I), the float parameters
+    then empty."""
 
     def __init__(
         self,
@@ -155,6 +181,18 @@ class StackedExperts(nn.Module):
         self.down_proj = nn.Parameter(
             torch.empty(num_experts, hidden, inter, dtype=dtype, device=device), requires_grad=False
         )
+        self.gate_up_quant: QuantizedWeight | None = None
+        self.down_quant: QuantizedWeight | None = None
+
+    def native_weights(
+        self, x: torch.Tensor
+    ) -> tuple[torch.Tensor | QuantizedWeight, torch.Tensor | QuantizedWeight] | None:
+        """(gate_up, down) for the native kernel when it takes a step of `x` [T, H], else None."""
+        if self.gate_up_quant is not None and self.down_quant is not None:
+            return self.gate_up_quant, self.down_quant
+        if x.shape[0] <= NATIVE_F32_MAX_TOKENS and moe_native_applies(x, self.gate_up_proj):
+            return self.gate_up_proj, self.down_proj
+        return None
 
 
 class SparseMoeBlock(nn.Module):
@@ -194,11 +232,21 @@ class SparseMoeBlock(nn.Module):
         self.load_row = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(torch.nn.functional.linear(x, self.gate.weight), self.top_k, self.renormalize)
+        native = self.experts.native_weights(x)
+        if native is not None and self.gate.weight.dtype == torch.float32:
+            router_logits = moe_router_logits(x, self.gate.weight)  # batch-invariant, as the native experts
+        else:
+            router_logits = torch.nn.functional.linear(x, self.gate.weight)
+        weights, ids = route(router_logits, self.top_k, self.renormalize)
         counts = expert_counts(ids, self.gate.weight.shape[0])  # over every expert, held here or not
         if self.load is not None:
             self.load.add(self.load_row, counts)
-        if self.expert_range is None:
+        if native is not None:
+            start = 0 if self.expert_range is None else self.expert_range[0]
+            out = moe_experts(x, ids, weights, *native, expert_start=start, total_experts=self.gate.weight.shape[0])
+        elif self.expert_range is None and triton_applies(x):
+            out = triton_fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        elif self.expert_range is None:
             out = fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, self.act, counts)
         else:  # only the assignments to this rank's experts
             start, stop = self.expert_range
@@ -212,6 +260,11 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:  # (a LlamaMLP: it sums its ranks' parts itself)
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(torch.nn.functional.linear(x, self.shared_expert_gate.weight)) * shared
+                gate = self.shared_expert_gate.weight
+                if native is not None and gate.dtype == torch.float32:
+                    shared_logit = moe_router_logits(x, gate).to(x.dtype)
+                else:
+                    shared_logit = torch.nn.functional.linear(x, gate)
+                shared = torch.sigmoid(shared_logit) * shared
             out = out + shared
         return out

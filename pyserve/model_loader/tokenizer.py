@@ -21,12 +21,25 @@ from pyserve.model_loader.default_model import ModelNotFoundError
 logger = logging.getLogger(__name__)
 
 
+# GGUF tokenizer models (`tokenizer.ggml.model`) -> the transformers tokenizer type to build
+# one with, for a file whose architecture transformers' GGUF support does not cover
+_GGUF_TOKENIZER_TYPES = {"gpt2": "gpt2", "llama": "llama"}
+
+
+def _gguf_tokenizer_model(path: str) -> str | None:
+    from pyserve.model_loader.gguf_reader import gguf_field
+
+    return gguf_field(path, "tokenizer.ggml.model")
+
+
 def get_tokenizer(model_path: str, tokenizer_path: str | None = None) -> transformers.PreTrainedTokenizerBase:
     """A transformers fast tokenizer for `model_path` (or `tokenizer_path` when given).
 
     A folder loads with `AutoTokenizer.from_pretrained(folder)`; a .gguf file loads with
     `AutoTokenizer.from_pretrained(dirname, gguf_file=basename)`, which rebuilds the tokenizer
-    and chat template from the GGUF metadata. Reads local files only.
+    and chat template from the GGUF metadata (for an architecture transformers cannot read a
+    config of, such as OLMoE, by naming the tokenizer type from `tokenizer.ggml.model`). Reads
+    local files only.
     Raises ModelNotFoundError if the path does not exist.
     """
     path = tokenizer_path or model_path
@@ -34,7 +47,16 @@ def get_tokenizer(model_path: str, tokenizer_path: str | None = None) -> transfo
         raise ModelNotFoundError(f"tokenizer path does not exist: {path}")
     if is_gguf_path(path):
         folder, name = os.path.split(os.path.abspath(path))
-        return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+        try:
+            return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+        except ValueError as exc:  # transformers reads no config of this architecture (e.g. olmoe)
+            kind = _GGUF_TOKENIZER_TYPES.get(str(_gguf_tokenizer_model(path)))
+            if kind is None or "not supported" not in str(exc):
+                raise
+            # the tokenizer itself is the GGUF's own: only the class is named here
+            return transformers.AutoTokenizer.from_pretrained(
+                folder, gguf_file=name, tokenizer_type=kind, local_files_only=True
+            )
     return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 

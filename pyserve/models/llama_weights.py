@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -74,16 +75,24 @@ class LlamaWeightsMixin(nn.Module):
         found: list[Any] = [self.model.embed_quantized, self.lm_head_packed]
         for layer in self.model.decoder_layers():
             found += [layer.self_attn.qkv_packed, layer.self_attn.o_packed]
-            if not isinstance(layer.mlp, SparseMoeBlock):
-                found += [layer.mlp.gate_up_packed, layer.mlp.down_packed]
+            mlps = [layer.mlp]
+            if isinstance(layer.mlp, SparseMoeBlock):
+                found += [layer.mlp.experts.gate_up_quant, layer.mlp.experts.down_quant]
+                mlps = [layer.mlp.shared_expert] if layer.mlp.shared_expert is not None else []
+            for mlp in mlps:
+                found += [mlp.gate_up_packed, mlp.down_packed]
         return [w for w in found if isinstance(w, QuantizedWeight)]
 
     def _drop_packed_weights(self) -> None:
         self.model._native_layers = False
         for layer in self.model.decoder_layers():
             layer.self_attn.qkv_packed = layer.self_attn.o_packed = None
-            if not isinstance(layer.mlp, SparseMoeBlock):
-                layer.mlp.gate_up_packed = layer.mlp.down_packed = None
+            mlps = [layer.mlp]
+            if isinstance(layer.mlp, SparseMoeBlock):
+                layer.mlp.experts.gate_up_quant = layer.mlp.experts.down_quant = None
+                mlps = [layer.mlp.shared_expert] if layer.mlp.shared_expert is not None else []
+            for mlp in mlps:
+                mlp.gate_up_packed = mlp.down_packed = None
         self.lm_head_packed = None
         self.model.embed_quantized = None
 
@@ -112,7 +121,9 @@ class LlamaWeightsMixin(nn.Module):
         float parameters are then emptied (no memory). A group quantized only in part is
         dequantized into its parameters.
         A mixture of experts' per-expert tensors go into their slices of the stacked expert
-        parameters (pyserve.models.expert_weights); GGUF experts are dequantized.
+        parameters (pyserve.models.expert_weights); a GGUF's stacked quantized experts run on
+        their blocks (`StackedExperts.gate_up_quant`, gate and up interleaved per expert), or
+        are dequantized into the parameters when gate and up differ in type.
         Ignores `rotary_emb.inv_freq` buffers and, when the head is tied, `lm_head.weight`.
         Raises KeyError for an unknown name, ValueError for a shape mismatch or for parameters
         the checkpoint did not provide.
@@ -127,8 +138,6 @@ class LlamaWeightsMixin(nn.Module):
                 name = checkpoint_name(name)
                 if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
                     continue
-                if isinstance(tensor, QuantizedWeight) and ".experts." in name:
-                    tensor = dequantize(tensor, torch.float32)
                 if isinstance(tensor, QuantizedWeight):
                     quantized[name] = tensor
                 elif not experts.take(name, tensor):
@@ -155,22 +164,74 @@ class LlamaWeightsMixin(nn.Module):
                     params[name].copy_(dequantize(part, params[name].dtype))
             return None
 
+        def hold_mlp(mlp: Any, pre: str) -> None:
+            mlp.gate_up_packed = stack([f"{pre}gate_proj.weight", f"{pre}up_proj.weight"])
+            if mlp.gate_up_packed is not None:
+                mlp.gate_up_weight = mlp.gate_up_weight.new_empty(0)
+            mlp.down_packed = stack([f"{pre}down_proj.weight"])
+
         for i, layer in enumerate(self.model.decoder_layers()):
             attn, mlp, pre = layer.self_attn, layer.mlp, f"model.layers.{i}."
             attn.qkv_packed = stack([f"{pre}self_attn.{p}_proj.weight" for p in "qkv"])
             if attn.qkv_packed is not None:
                 attn.qkv_weight = attn.qkv_weight.new_empty(0)
             attn.o_packed = stack([f"{pre}self_attn.o_proj.weight"])
-            if isinstance(mlp, SparseMoeBlock):  # its quantized parts (router, shared expert): float
-                for name in [n for n in quantized if n.startswith(f"{pre}mlp.")]:
-                    stack([name])
+            if isinstance(mlp, SparseMoeBlock):
+                self._hold_experts(mlp, f"{pre}mlp.experts.", quantized, params)
+                if mlp.shared_expert is not None:
+                    hold_mlp(mlp.shared_expert, f"{pre}mlp.shared_expert.")
+                router = f"{pre}mlp.gate.weight"  # routing stays float: its logits pick the experts
+                if router in quantized:
+                    with torch.no_grad():
+                        params[router].copy_(dequantize(quantized[router], params[router].dtype))
                 continue
-            mlp.gate_up_packed = stack([f"{pre}mlp.gate_proj.weight", f"{pre}mlp.up_proj.weight"])
-            if mlp.gate_up_packed is not None:
-                mlp.gate_up_weight = mlp.gate_up_weight.new_empty(0)
-            mlp.down_packed = stack([f"{pre}mlp.down_proj.weight"])
+            hold_mlp(mlp, f"{pre}mlp.")
         self.model.embed_quantized = stack(["model.embed_tokens.weight"])
         self.lm_head_packed = self.model.embed_quantized if self.lm_head is None else stack(["lm_head.weight"])
+
+    @staticmethod
+    def _hold_experts(
+        mlp: SparseMoeBlock, pre: str, quantized: dict[str, QuantizedWeight], params: dict[str, nn.Parameter]
+    ) -> None:
+        """A GGUF's stacked quantized experts (`{pre}{gate,up,down}_proj.weight`, E·rows rows
+        each) onto `mlp.experts`: gate and up interleaved per expert into [E·2I] rows of blocks
+        and run quantized, their float parameters emptied; gate and up of different types are
+        dequantized into the parameters instead."""
+        experts = mlp.experts
+        gate, up, down = (quantized.get(f"{pre}{p}_proj.weight") for p in ("gate", "up", "down"))
+        gate_up_name, down_name = f"{pre}gate_up_proj", f"{pre}down_proj"
+        e, inter, hidden = experts.num_experts, experts.inter, params[down_name].shape[1]
+        for proj, weight, want in (
+            ("gate", gate, (e * inter, hidden)),
+            ("up", up, (e * inter, hidden)),
+            ("down", down, (e * hidden, inter)),
+        ):
+            if weight is not None and weight.shape != want:
+                raise ValueError(
+                    f"{pre}{proj}_proj.weight: GGUF experts of {weight.shape[0]} rows x {weight.shape[1]}, "
+                    f"expected {e} experts of {want[0] // e} x {want[1]}"
+                )
+        with torch.no_grad():
+            if gate is not None and up is not None and (gate.qtype, gate.data.shape) == (up.qtype, up.data.shape):
+                blocks = [w.data.reshape(e, inter, -1) for w in (gate, up)]
+                experts.gate_up_quant = QuantizedWeight(
+                    np.concatenate(blocks, axis=1).reshape(2 * e * inter, -1), gate.qtype
+                )
+                params[gate_up_name].data = params[gate_up_name].data.new_empty(0)
+            elif gate is not None and up is not None:
+                whole = params[gate_up_name]
+                half = whole.shape[1] // 2
+                whole[:, :half].copy_(dequantize(gate, whole.dtype).reshape(whole.shape[0], half, -1))
+                whole[:, half:].copy_(dequantize(up, whole.dtype).reshape(whole.shape[0], half, -1))
+            if down is not None:
+                experts.down_quant = down
+                params[down_name].data = params[down_name].data.new_empty(0)
+        if experts.gate_up_quant is None or experts.down_quant is None:  # the kernel takes both or neither
+            for quant, name in ((experts.gate_up_quant, gate_up_name), (experts.down_quant, down_name)):
+                if quant is not None:
+                    dtype = params[name].dtype
+                    params[name].data = dequantize(quant, dtype).reshape(experts.num_experts, -1, quant.shape[1])
+            experts.gate_up_quant = experts.down_quant = None
 
 
 class _Held:
@@ -185,6 +246,11 @@ class _Held:
     def __contains__(self, name: object) -> bool:
         if name in self.quantized:
             return True
+        stem, _, last = str(name).rpartition(".")
+        if stem.endswith(".mlp.experts") and last in ("gate_up_proj", "down_proj"):  # a GGUF's stacked blocks
+            parts = ("gate_proj", "up_proj") if last == "gate_up_proj" else ("down_proj",)
+            if all(f"{stem}.{p}.weight" in self.quantized for p in parts):
+                return True
         if self._complete is None:
             self._complete = self.experts.complete()
         return name in self._complete

@@ -1,7 +1,7 @@
 //! CPU kernels of `pyserve-kernels`, for the float32 CPU path of pyserve: paged decode
 //! attention, encoders' bidirectional attention over ragged batches, storing new K/V rows
 //! into the pool, RMSNorm (plain and with the residual add fused), rotary embedding, SwiGLU,
-//! and the grammar token-bitmask mask of structured output.
+//! a mixture of experts' routed feed-forward, and the grammar token-bitmask mask of structured output.
 //!
 //! The kernels are plain Rust on slices (tested with `cargo test`); `python` (feature
 //! "python") is the thin pyo3 binding imported as `pyserve_kernels._cpu`. Inner loops exist in
@@ -12,6 +12,7 @@ pub mod argmax;
 pub mod decode_attention;
 pub mod decoder_layer;
 pub mod exp;
+pub mod moe;
 pub mod norm;
 pub mod parallel;
 pub mod quant;
@@ -30,3 +31,5 @@ mod python;
 mod python_layer;
 #[cfg(feature = "python")]
 mod python_logits;
+#[cfg(feature = "python")]
+mod python_moe;

@@ -435,7 +435,7 @@ pub(crate) fn quant_matrix<'a>(
     QuantMatrix::new(qt, c_slice("weight", weight)?, row_bytes).map_err(quant_error)
 }
 
-fn quant_isa(isa: Option<&str>) -> PyResult<Isa> {
+pub(crate) fn quant_isa(isa: Option<&str>) -> PyResult<Isa> {
     match isa {
         None => Ok(quant::best_isa()),
         Some(name) => Isa::from_name(name)
@@ -531,6 +531,7 @@ fn _cpu(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(rotary_embedding, m)?)?;
     m.add_function(wrap_pyfunction!(silu_and_mul, m)?)?;
     crate::python_logits::register(m)?;
+    crate::python_moe::register(m)?;
     m.add_function(wrap_pyfunction!(quant_matmul, m)?)?;
     m.add_function(wrap_pyfunction!(quant_dequantize_rows, m)?)?;
     m.add_function(wrap_pyfunction!(quant_isas, m)?)?;

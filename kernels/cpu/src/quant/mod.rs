@@ -293,9 +293,7 @@ pub fn matmul(
     if m == 0 || n == 0 {
         return Ok(());
     }
-    let act = QuantActivations::new(x, k, num_threads);
-    let tiles = (block32::applies(w.qtype) && m > block32::ROW_BY_ROW && isa != Isa::Scalar)
-        .then(|| block32::ActTiles::new(&act, num_threads));
+    let product = Product::new(x, w, num_threads, isa);
     // Rows per task: a multiple of 8, about TASKS_PER_THREAD tasks per thread (claimed, see
     // `parallel::run_tasks_on`); threads only where the work is worth one.
     let work = m * n * k / 4; // bytes of int8 products, roughly
@@ -308,19 +306,51 @@ pub fn matmul(
             .min(n)
     };
     let tasks = n.div_ceil(per);
-    let out = OutColumns {
-        ptr: out.as_mut_ptr(),
-        len: out.len(),
-    };
+    let out = OutColumns::new(out);
     parallel::run_tasks_on(tasks, threads, &|t| {
-        let rows = t * per..((t + 1) * per).min(n);
-        if block32::applies(w.qtype) {
-            block32::matmul_rows(&act, tiles.as_ref(), w, rows, out, n, isa);
-        } else {
-            matmul_rows(&act, w, rows, out, n, isa);
-        }
+        product.run_rows(t * per..((t + 1) * per).min(n), out)
     });
     Ok(())
+}
+
+/// One product x @ w^T made ready to run by ranges of weight rows, from any thread: the
+/// activations quantized (and, where the format's tiled path applies, regrouped) once. The
+/// caller checked shapes and the instruction set (`matmul` does; so does `crate::moe`).
+pub(crate) struct Product<'a> {
+    act: QuantActivations,
+    tiles: Option<block32::ActTiles>,
+    w: QuantMatrix<'a>,
+    isa: Isa,
+}
+
+impl<'a> Product<'a> {
+    /// x: [m, w.k()] float32, m >= 1.
+    pub(crate) fn new(x: &[f32], w: QuantMatrix<'a>, num_threads: usize, isa: Isa) -> Product<'a> {
+        let act = QuantActivations::new(x, w.k(), num_threads);
+        let tiles =
+            (block32::applies(w.qtype) && act.rows() > block32::ROW_BY_ROW && isa != Isa::Scalar)
+                .then(|| block32::ActTiles::new(&act, num_threads));
+        Product { act, tiles, w, isa }
+    }
+
+    /// out[:, rows] of out [m, w.rows()]: each output is the same bits whichever ranges the
+    /// rows are cut into and however many activation rows there are.
+    pub(crate) fn run_rows(&self, rows: std::ops::Range<usize>, out: OutColumns) {
+        let n = self.w.rows();
+        if block32::applies(self.w.qtype) {
+            block32::matmul_rows(
+                &self.act,
+                self.tiles.as_ref(),
+                self.w,
+                rows,
+                out,
+                n,
+                self.isa,
+            );
+        } else {
+            matmul_rows(&self.act, self.w, rows, out, n, self.isa);
+        }
+    }
 }
 
 /// Tasks a product's weight rows are cut into per thread.
@@ -338,6 +368,15 @@ pub(crate) struct OutColumns {
 unsafe impl Sync for OutColumns {}
 unsafe impl Send for OutColumns {}
 impl OutColumns {
+    /// The product's output: tasks write it through `set`, after which the caller reads it
+    /// again (the borrow ends when `matmul`'s tasks have).
+    pub(crate) fn new(out: &mut [f32]) -> OutColumns {
+        OutColumns {
+            ptr: out.as_mut_ptr(),
+            len: out.len(),
+        }
+    }
+
     /// Element `i` = v.
     ///
     /// # Safety
@@ -493,4 +532,4 @@ pub fn dequantize_rows(
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

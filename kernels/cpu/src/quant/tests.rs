@@ -1,16 +1,16 @@
 use super::*;
 
-struct Rng(u64);
+pub(crate) struct Rng(pub u64);
 
 impl Rng {
-    fn next(&mut self) -> u64 {
+    pub(crate) fn next(&mut self) -> u64 {
         self.0 ^= self.0 << 13;
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;
         self.0
     }
 
-    fn f32(&mut self) -> f32 {
+    pub(crate) fn f32(&mut self) -> f32 {
         (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
     }
 
@@ -31,7 +31,7 @@ fn half_fields(qt: QuantType) -> &'static [usize] {
     }
 }
 
-fn random_matrix(qt: QuantType, rows: usize, blocks: usize, rng: &mut Rng) -> Vec<u8> {
+pub(crate) fn random_matrix(qt: QuantType, rows: usize, blocks: usize, rng: &mut Rng) -> Vec<u8> {
     let bb = qt.block_bytes();
     let mut data: Vec<u8> = (0..rows * blocks * bb).map(|_| rng.next() as u8).collect();
     for block in data.chunks_exact_mut(bb) {
