@@ -207,3 +207,30 @@ def test_quantized_experts_give_the_same_bits_at_any_batch_size(tmp_path, family
                 together = moe(x[:batch])
                 for t in range(batch):
                     assert torch.equal(together[t : t + 1], alone[t]), (batch, t)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+def test_dequantized_gguf_experts_come_out_per_expert_and_shard_by_rank(tmp_path, family: str) -> None:
+    """`--quantization none` (and every rank under --tp-size): a GGUF's stacked experts come out
+    as the per-expert tensors an HF checkpoint holds, so they load and shard as those do; rank
+    1 of 2 gets the second half of each expert's intermediate size."""
+    from pyserve.distributed.shard import ShardLayout
+    from pyserve.model_loader.config import ModelConfig
+    from pyserve.model_loader.weights import iter_weights
+    from tests.unit.test_moe_models import per_expert
+
+    path = tmp_path / f"{family}.gguf"
+    config, decoded = write_moe_gguf(path, family, "Q8_0")
+    model_config = ModelConfig.from_path(str(path), dtype="float32")
+    got = dict(iter_weights(model_config, progress=False))
+    want = dict(per_expert(decoded, mixtral=False))  # Qwen's per-expert names for every family
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+    layout = ShardLayout.of(config, 1, 2, expert_parallel=False)
+    rank1 = dict(iter_weights(model_config, progress=False, layout=layout))
+    inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    gate = want["model.layers.1.mlp.experts.3.gate_proj.weight"]
+    assert torch.equal(rank1["model.layers.1.mlp.experts.3.gate_proj.weight"], gate[inter // 2 :])
+    down = want["model.layers.0.mlp.experts.0.down_proj.weight"]
+    assert torch.equal(rank1["model.layers.0.mlp.experts.0.down_proj.weight"], down[:, inter // 2 :])
