@@ -3,7 +3,8 @@ native CPU kernels of kernels/cpu/src/quant (activations quantized per block of 
 integer dot products with AVX2 or AVX-512 VNNI where the CPU has them, else portable Rust).
 
 A `QuantizedWeight` holds a GGUF tensor's blocks as they are in the file, one row of whole
-blocks per output feature. There is no torch fallback: `quantized_kernels_available()` says
+blocks per output feature, or (Q4_0, `interleave`) the same blocks with rows interleaved eight
+at a time. There is no torch fallback: `quantized_kernels_available()` says
 whether the native module is built, and a caller without it dequantizes at load instead.
 """
 
@@ -28,6 +29,10 @@ QUANT_TYPES: dict[str, tuple[int, int, int]] = {
     "Q5_K": (13, 256, 176),
     "Q6_K": (14, 256, 210),
 }
+
+
+# added to a ggml type id for the kernels: the blocks are interleaved (kernels/cpu/src/python.rs)
+INTERLEAVED = 0x100
 
 
 def quantized_kernels_available() -> bool:
@@ -56,6 +61,9 @@ class QuantizedWeight:
 
     data: np.ndarray
     qtype: str
+    # Q4_0 rows interleaved eight at a time (kernels/cpu/src/quant/interleave.rs): the layout
+    # one-row products run fastest on; see `interleave`
+    interleaved: bool = False
 
     def __post_init__(self) -> None:
         if self.qtype not in QUANT_TYPES:
@@ -68,7 +76,25 @@ class QuantizedWeight:
 
     @functools.cached_property
     def type_id(self) -> int:
-        return QUANT_TYPES[self.qtype][0]
+        """The ggml type id, plus 0x100 when interleaved (what the native kernels take)."""
+        return QUANT_TYPES[self.qtype][0] | (INTERLEAVED if self.interleaved else 0)
+
+    def can_interleave(self) -> bool:
+        """Whether `interleave` applies: Q4_0, rows a multiple of 8, not interleaved already."""
+        return self.qtype == "Q4_0" and self.data.shape[0] % 8 == 0 and not self.interleaved
+
+    def interleave(self) -> QuantizedWeight:
+        """The same weight with its rows interleaved eight at a time (a new array; the same bytes
+        in another order): decode's one-row products read it about twice as fast on AVX2, and
+        every product, lookup and dequantization gives the same bits as before. Raises
+        ValueError unless `can_interleave()`, RuntimeError without the native module."""
+        if not self.can_interleave():
+            raise ValueError(
+                f"only a Q4_0 weight of whole groups of 8 rows interleaves (got {self.qtype}, {self.shape})"
+            )
+        if _cpu is None:
+            raise RuntimeError("pyserve_kernels._cpu is not built")
+        return QuantizedWeight(_cpu.quant_interleave(self.data, self.type_id), self.qtype, interleaved=True)
 
     @functools.cached_property
     def shape(self) -> tuple[int, int]:
@@ -81,15 +107,18 @@ class QuantizedWeight:
         return int(self.data.nbytes)
 
     def take_rows(self, rows: np.ndarray) -> QuantizedWeight:
-        """A new weight of the given rows (int array), in that order (a copy)."""
+        """A new weight of the given rows (int array), in that order (a copy). Raises ValueError
+        for an interleaved weight (its rows are not contiguous)."""
+        if self.interleaved:
+            raise ValueError("rows of an interleaved weight cannot be taken; take them before interleaving")
         return QuantizedWeight(np.ascontiguousarray(self.data[rows]), self.qtype)
 
     @staticmethod
     def concat(weights: list[QuantizedWeight]) -> QuantizedWeight:
         """The rows of `weights` stacked (a copy). Raises ValueError unless all have one type
         and one row length."""
-        if len({(w.qtype, w.data.shape[1]) for w in weights}) != 1:
-            raise ValueError("only weights of one type and row length can be stacked")
+        if len({(w.qtype, w.data.shape[1]) for w in weights}) != 1 or any(w.interleaved for w in weights):
+            raise ValueError("only row-major weights of one type and row length can be stacked")
         return QuantizedWeight(np.concatenate([w.data for w in weights]), weights[0].qtype)
 
 

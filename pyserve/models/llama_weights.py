@@ -21,7 +21,7 @@ from pyserve.layers.linear import prepack, prepack_supported
 from pyserve.layers.moe import SparseMoeBlock
 from pyserve.models.checkpoint import copy_checkpoint
 from pyserve.models.expert_weights import ExpertSlices, checkpoint_name
-from pyserve_kernels.quant import QuantizedWeight, dequantize
+from pyserve_kernels.quant import QuantizedWeight, dequantize, quantized_isas
 
 
 class LlamaWeightsMixin(nn.Module):
@@ -188,6 +188,31 @@ class LlamaWeightsMixin(nn.Module):
             hold_mlp(mlp, f"{pre}mlp.")
         self.model.embed_quantized = stack(["model.embed_tokens.weight"])
         self.lm_head_packed = self.model.embed_quantized if self.lm_head is None else stack(["lm_head.weight"])
+        if "avx2" in quantized_isas():
+            self._interleave_quantized()
+
+    def _interleave_quantized(self) -> None:
+        """Q4_0 projections, experts and untied LM head with their rows interleaved eight at a
+        time (`QuantizedWeight.interleave`: the same bits, decode's one-row products about twice
+        as fast on AVX2). Not the embedding (looked up by row) nor a head tied to it; experts
+        only where every expert's rows are whole groups of eight."""
+
+        def fast(w: Any) -> Any:
+            return w.interleave() if isinstance(w, QuantizedWeight) and w.can_interleave() else w
+
+        for layer in self.model.decoder_layers():
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_packed, attn.o_packed = fast(attn.qkv_packed), fast(attn.o_packed)
+            mlps = [mlp]
+            if isinstance(mlp, SparseMoeBlock):
+                experts = mlp.experts
+                if experts.inter % 4 == 0 and mlp.gate.weight.shape[1] % 8 == 0:  # 2I and H rows per expert
+                    experts.gate_up_quant, experts.down_quant = fast(experts.gate_up_quant), fast(experts.down_quant)
+                mlps = [mlp.shared_expert] if mlp.shared_expert is not None else []
+            for dense in mlps:
+                dense.gate_up_packed, dense.down_packed = fast(dense.gate_up_packed), fast(dense.down_packed)
+        if self.lm_head is not None:
+            self.lm_head_packed = fast(self.lm_head_packed)
 
     @staticmethod
     def _hold_experts(

@@ -144,3 +144,30 @@ def test_errors() -> None:
         QuantizedWeight(weight.data, "Q4_0")
     with pytest.raises(ValueError, match="one type and row length"):
         QuantizedWeight.concat([weight, random_weight("Q8_0", rows=1, blocks=2, seed=9)])
+
+
+@pytest.mark.parametrize("m", [1, 2, 7])
+def test_an_interleaved_q4_0_weight_gives_the_same_bits(m: int, num_threads) -> None:
+    weight = random_weight("Q4_0", 48, 8, seed=m)
+    fast = weight.interleave()
+    assert fast.interleaved and fast.shape == weight.shape and fast.nbytes == weight.nbytes
+    assert not np.array_equal(fast.data, weight.data)  # the same bytes, in another order
+    assert torch.equal(dequantize(fast), dequantize(weight))
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m))
+    for isa in quantized_isas():
+        assert torch.equal(quantized_linear(x, fast, isa=isa), quantized_linear(x, weight, isa=isa)), isa
+    ids = torch.tensor([47, 0, 9])
+    assert torch.equal(quantized_embedding(fast, ids), quantized_embedding(weight, ids))
+
+
+def test_only_row_major_q4_0_in_groups_of_eight_interleaves() -> None:
+    assert not random_weight("Q8_0", 16, 1, seed=0).can_interleave()
+    assert not random_weight("Q4_0", 12, 1, seed=0).can_interleave()
+    fast = random_weight("Q4_0", 16, 1, seed=0).interleave()
+    assert not fast.can_interleave()
+    with pytest.raises(ValueError, match="only a Q4_0 weight of whole groups of 8 rows"):
+        random_weight("Q8_0", 16, 1, seed=0).interleave()
+    with pytest.raises(ValueError, match="cannot be taken"):
+        fast.take_rows(np.arange(2))
+    with pytest.raises(ValueError, match="only row-major weights"):
+        QuantizedWeight.concat([fast, fast])

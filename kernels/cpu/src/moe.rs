@@ -106,6 +106,13 @@ impl MoeShape {
                         down.k()
                     ));
                 }
+                if (gate_up.interleaved || down.interleaved)
+                    && !(i.is_multiple_of(4) && h.is_multiple_of(8))
+                {
+                    return bad(format!(
+                        "moe: interleaved experts need 2I and H in whole groups of 8 rows, got I {i}, H {h}"
+                    ));
+                }
                 (gate_up.rows(), down.rows(), 2 * i * e, h * e)
             }
         };

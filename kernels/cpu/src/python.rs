@@ -423,16 +423,46 @@ pub(crate) fn quant_error(e: QuantError) -> PyErr {
     }
 }
 
-/// A [rows, row_bytes] uint8 array of `qtype` (a ggml type id) blocks as a QuantMatrix.
+/// Added to a ggml type id: the blocks are in `quant::interleave`'s layout.
+pub(crate) const INTERLEAVED: u32 = 0x100;
+
+/// A [rows, row_bytes] uint8 array of `qtype` (a ggml type id, plus INTERLEAVED for Q4_0 rows
+/// interleaved eight at a time) blocks as a QuantMatrix.
 pub(crate) fn quant_matrix<'a>(
     weight: &'a PyReadonlyArray2<'_, u8>,
     qtype: u32,
 ) -> PyResult<QuantMatrix<'a>> {
-    let qt = QuantType::from_ggml(qtype).ok_or_else(|| {
-        PyValueError::new_err(format!("ggml type {qtype} has no quantized kernel"))
-    })?;
-    let row_bytes = weight.shape()[1];
-    QuantMatrix::new(qt, c_slice("weight", weight)?, row_bytes).map_err(quant_error)
+    let id = qtype & !INTERLEAVED;
+    let qt = QuantType::from_ggml(id)
+        .ok_or_else(|| PyValueError::new_err(format!("ggml type {id} has no quantized kernel")))?;
+    let (data, row_bytes) = (c_slice("weight", weight)?, weight.shape()[1]);
+    if qtype & INTERLEAVED != 0 {
+        QuantMatrix::new_interleaved(qt, data, row_bytes).map_err(quant_error)
+    } else {
+        QuantMatrix::new(qt, data, row_bytes).map_err(quant_error)
+    }
+}
+
+/// quant_interleave(weight, qtype) -> array: a Q4_0 weight ([rows, row_bytes] uint8, rows a
+/// multiple of 8) in the interleaved layout of kernels/cpu/src/quant/interleave.rs (a new array
+/// of the same shape; pass its type id plus 0x100 to the kernels). Raises ValueError for another
+/// type or a row count that is not a multiple of 8.
+#[pyfunction]
+fn quant_interleave<'py>(
+    py: Python<'py>,
+    weight: PyReadonlyArray2<'py, u8>,
+    qtype: u32,
+) -> PyResult<Bound<'py, numpy::PyArray2<u8>>> {
+    let w = quant_matrix(&weight, qtype)?;
+    if w.interleaved || w.qtype != QuantType::Q4_0 {
+        return Err(quant_error(QuantError::Interleaved(w.qtype)));
+    }
+    let (rows, row_bytes) = (w.rows(), w.row_bytes);
+    let packed = py
+        .detach(|| quant::interleave::interleave_q4_0(w.data, row_bytes))
+        .map_err(quant_error)?;
+    use numpy::PyArrayMethods;
+    numpy::PyArray1::from_vec(py, packed).reshape([rows, row_bytes])
 }
 
 pub(crate) fn quant_isa(isa: Option<&str>) -> PyResult<Isa> {
@@ -535,6 +565,7 @@ fn _cpu(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(quant_matmul, m)?)?;
     m.add_function(wrap_pyfunction!(quant_dequantize_rows, m)?)?;
     m.add_function(wrap_pyfunction!(quant_isas, m)?)?;
+    m.add_function(wrap_pyfunction!(quant_interleave, m)?)?;
     m.add_class::<crate::python_layer::QuantDecoderLayer>()?;
     Ok(())
 }

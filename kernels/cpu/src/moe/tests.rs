@@ -310,3 +310,33 @@ fn bad_ids_and_shapes_are_errors_and_nothing_is_written() {
     assert!(err.to_string().starts_with("moe: gate_up has"), "{err}");
     assert!(out.iter().all(|&v| v == 7.0));
 }
+
+#[test]
+fn interleaved_q4_0_experts_give_the_row_major_bits() {
+    let mut rng = Rng(17);
+    let (h, i, qt) = (64, 32, QuantType::Q4_0);
+    let gate_up = random_matrix(qt, E * 2 * i, h / 32, &mut rng);
+    let down = random_matrix(qt, E * h, i / 32, &mut rng);
+    let (gu_rb, dn_rb) = (h / 32 * 18, i / 32 * 18);
+    let gate_up_x8 = quant::interleave::interleave_q4_0(&gate_up, gu_rb).unwrap();
+    let down_x8 = quant::interleave::interleave_q4_0(&down, dn_rb).unwrap();
+    let plain = ExpertWeights::Quant {
+        gate_up: QuantMatrix::new(qt, &gate_up, gu_rb).unwrap(),
+        down: QuantMatrix::new(qt, &down, dn_rb).unwrap(),
+    };
+    let x8 = ExpertWeights::Quant {
+        gate_up: QuantMatrix::new_interleaved(qt, &gate_up_x8, gu_rb).unwrap(),
+        down: QuantMatrix::new_interleaved(qt, &down_x8, dn_rb).unwrap(),
+    };
+    let s = MoeShape {
+        hidden: h,
+        inter: i,
+        ..shape(E, 0)
+    };
+    let (_, ids, w) = routing(9, &mut rng);
+    let x: Vec<f32> = (0..9 * h).map(|_| rng.f32()).collect();
+    assert_eq!(
+        bits(&run(&x, &ids, &w, x8, s, 2)),
+        bits(&run(&x, &ids, &w, plain, s, 2))
+    );
+}

@@ -22,6 +22,7 @@ mod block32;
 #[cfg(target_arch = "x86_64")]
 mod block32_x86;
 mod blocks;
+pub mod interleave;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
@@ -106,6 +107,8 @@ pub enum QuantError {
     RowIndex { index: i64, rows: usize },
     /// The instruction set is not available on this CPU.
     Isa(Isa),
+    /// Only Q4_0 has an interleaved layout.
+    Interleaved(QuantType),
 }
 
 impl std::fmt::Display for QuantError {
@@ -124,6 +127,7 @@ impl std::fmt::Display for QuantError {
             }
             QuantError::RowIndex { index, rows } => write!(f, "row {index} is outside 0..{rows}"),
             QuantError::Isa(isa) => write!(f, "this CPU cannot run the {} path", isa.name()),
+            QuantError::Interleaved(qt) => write!(f, "{qt:?} has no interleaved layout (Q4_0 has)"),
         }
     }
 }
@@ -131,12 +135,14 @@ impl std::fmt::Display for QuantError {
 impl std::error::Error for QuantError {}
 
 /// A quantized weight matrix: `rows` rows of `k` weights, each row `row_bytes` of whole blocks
-/// in GGUF order (a GGUF tensor of shape [k, rows] as stored in the file).
+/// in GGUF order (a GGUF tensor of shape [k, rows] as stored in the file), or, `interleaved`,
+/// Q4_0 rows eight at a time in `interleave`'s layout (the same bytes in another order).
 #[derive(Clone, Copy)]
 pub struct QuantMatrix<'a> {
     pub qtype: QuantType,
     pub data: &'a [u8],
     pub row_bytes: usize,
+    pub interleaved: bool,
 }
 
 impl<'a> QuantMatrix<'a> {
@@ -156,6 +162,25 @@ impl<'a> QuantMatrix<'a> {
             qtype,
             data,
             row_bytes,
+            interleaved: false,
+        })
+    }
+
+    /// A Q4_0 matrix in `interleave`'s layout. Errors for another type, rows that are not whole
+    /// blocks or a row count that is not a multiple of eight.
+    pub fn new_interleaved(
+        qtype: QuantType,
+        data: &'a [u8],
+        row_bytes: usize,
+    ) -> Result<Self, QuantError> {
+        if qtype != QuantType::Q4_0 {
+            return Err(QuantError::Interleaved(qtype));
+        }
+        let w = QuantMatrix::new(qtype, data, row_bytes)?;
+        interleave::check_rows(w.rows())?;
+        Ok(QuantMatrix {
+            interleaved: true,
+            ..w
         })
     }
 
@@ -168,7 +193,12 @@ impl<'a> QuantMatrix<'a> {
         self.data.len() / self.row_bytes
     }
 
+    /// Row n's bytes (a row-major matrix only).
     fn row(&self, n: usize) -> &'a [u8] {
+        debug_assert!(
+            !self.interleaved,
+            "an interleaved matrix has no row-major rows"
+        );
         &self.data[n * self.row_bytes..(n + 1) * self.row_bytes]
     }
 }
@@ -327,9 +357,11 @@ impl<'a> Product<'a> {
     /// x: [m, w.k()] float32, m >= 1.
     pub(crate) fn new(x: &[f32], w: QuantMatrix<'a>, num_threads: usize, isa: Isa) -> Product<'a> {
         let act = QuantActivations::new(x, w.k(), num_threads);
-        let tiles =
-            (block32::applies(w.qtype) && act.rows() > block32::ROW_BY_ROW && isa != Isa::Scalar)
-                .then(|| block32::ActTiles::new(&act, num_threads));
+        let tiles = (block32::applies(w.qtype)
+            && !w.interleaved
+            && act.rows() > block32::ROW_BY_ROW
+            && isa != Isa::Scalar)
+            .then(|| block32::ActTiles::new(&act, num_threads));
         Product { act, tiles, w, isa }
     }
 
@@ -337,7 +369,9 @@ impl<'a> Product<'a> {
     /// rows are cut into and however many activation rows there are.
     pub(crate) fn run_rows(&self, rows: std::ops::Range<usize>, out: OutColumns) {
         let n = self.w.rows();
-        if block32::applies(self.w.qtype) {
+        if self.w.interleaved {
+            interleave::matmul_rows(&self.act, self.w, rows, out, n, self.isa);
+        } else if block32::applies(self.w.qtype) {
             block32::matmul_rows(
                 &self.act,
                 self.tiles.as_ref(),
@@ -526,7 +560,11 @@ pub fn dequantize_rows(
         }
     }
     for (&r, o) in rows.iter().zip(out.chunks_exact_mut(k)) {
-        blocks::dequantize_row(w.qtype, w.row(r as usize), o);
+        if w.interleaved {
+            blocks::dequantize_row(w.qtype, &interleave::row_major(&w, r as usize), o);
+        } else {
+            blocks::dequantize_row(w.qtype, w.row(r as usize), o);
+        }
     }
     Ok(())
 }

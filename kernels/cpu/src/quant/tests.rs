@@ -269,3 +269,47 @@ fn shape_errors_are_reported() {
         Some(QuantError::RowIndex { index: 2, rows: 2 })
     );
 }
+
+#[test]
+fn interleaved_q4_0_gives_the_row_major_bits_and_rows() {
+    let mut rng = Rng(0x1e7e_a5ed);
+    let (rows, k) = (40, 256);
+    let row_bytes = k / 32 * 18;
+    let data = random_matrix(QuantType::Q4_0, rows, k / 32, &mut rng);
+    let packed = interleave::interleave_q4_0(&data, row_bytes).unwrap();
+    let plain = QuantMatrix::new(QuantType::Q4_0, &data, row_bytes).unwrap();
+    let inter = QuantMatrix::new_interleaved(QuantType::Q4_0, &packed, row_bytes).unwrap();
+    let all: Vec<i64> = (0..rows as i64).rev().collect();
+    let (mut a, mut b) = (vec![0f32; rows * k], vec![0f32; rows * k]);
+    dequantize_rows(plain, &all, &mut a).unwrap();
+    dequantize_rows(inter, &all, &mut b).unwrap();
+    assert_eq!(a, b);
+    for m in [1, 2, 3, 5, 17] {
+        let x: Vec<f32> = (0..m * k).map(|_| rng.f32()).collect();
+        for &isa in available_isas() {
+            for threads in [1, 2] {
+                let (mut want, mut got) = (vec![0f32; m * rows], vec![0f32; m * rows]);
+                matmul(&x, plain, &mut want, threads, isa).unwrap();
+                matmul(&x, inter, &mut got, threads, isa).unwrap();
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "m {m} {isa:?} {threads} threads");
+            }
+        }
+    }
+}
+
+#[test]
+fn only_q4_0_in_whole_groups_of_eight_interleaves() {
+    let mut rng = Rng(5);
+    let q8 = random_matrix(QuantType::Q8_0, 8, 1, &mut rng);
+    let err = QuantMatrix::new_interleaved(QuantType::Q8_0, &q8, 34)
+        .err()
+        .unwrap();
+    assert_eq!(err.to_string(), "Q8_0 has no interleaved layout (Q4_0 has)");
+    let q4 = random_matrix(QuantType::Q4_0, 12, 1, &mut rng);
+    let err = interleave::interleave_q4_0(&q4, 18).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "interleaved rows has 12 elements, expected 16"
+    );
+}
