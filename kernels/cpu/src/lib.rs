@@ -33,3 +33,5 @@ mod python_layer;
 mod python_logits;
 #[cfg(feature = "python")]
 mod python_moe;
+#[cfg(feature = "python")]
+mod python_quant;

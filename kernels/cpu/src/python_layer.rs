@@ -10,7 +10,8 @@ use pyo3::prelude::*;
 
 use crate::decode_attention::DecodeAttentionError;
 use crate::decoder_layer::{decode_layer, DecodeStep, LayerError, LayerWeights};
-use crate::python::{c_slice, c_slice_mut, check_disjoint, quant_error, quant_matrix, span};
+use crate::python::{c_slice, c_slice_mut, check_disjoint, span};
+use crate::python_quant::{quant_error, quant_matrix};
 use crate::quant;
 
 /// QuantDecoderLayer(input_norm, post_norm, eps, qkv, qkv_type, o, o_type, gate_up,

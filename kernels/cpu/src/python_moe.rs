@@ -6,9 +6,8 @@ use pyo3::exceptions::{PyIndexError, PyValueError};
 use pyo3::prelude::*;
 
 use crate::moe::{self, ExpertWeights, MoeError, MoeShape};
-use crate::python::{
-    c_slice, c_slice_mut, check_disjoint, quant_error, quant_isa, quant_matrix, span,
-};
+use crate::python::{c_slice, c_slice_mut, check_disjoint, span};
+use crate::python_quant::{quant_error, quant_isa, quant_matrix};
 
 fn moe_error(e: MoeError) -> PyErr {
     match e {

@@ -164,13 +164,7 @@ pub(crate) fn matmul_rows(
     isa: Isa,
 ) {
     let m = act.rows();
-    let k = act.k;
-    let kb = k / 32;
-    let row = |r: usize| ActRow {
-        q: &act.q[r * k..(r + 1) * k],
-        d: &act.d[r * kb..(r + 1) * kb],
-        s: &act.s[r * kb..(r + 1) * kb],
-    };
+    let row = |r: usize| act.row(r);
     let mut col = cols.start;
     while col < cols.end {
         let valid = (cols.end - col).min(4);

@@ -90,11 +90,7 @@ pub(super) fn matmul_rows(
             _ => Vec::new(),
         };
         for r in 0..m {
-            let a = ActRow {
-                q: &act.q[r * k..(r + 1) * k],
-                d: &act.d[r * kb..(r + 1) * kb],
-                s: &act.s[r * kb..(r + 1) * kb],
-            };
+            let a = act.row(r);
             let got: [f32; 8] = match isa {
                 Isa::Scalar => {
                     std::array::from_fn(|c| block32::dot_row(QuantType::Q4_0, &scalar_rows[c], &a))

@@ -18,6 +18,7 @@
 //! min terms in one scalar `fma(w_min, x_sum, acc)` per block, and the eight lanes are reduced in
 //! a fixed tree. See `blocks` for the formats, `x86` for the SIMD paths.
 
+mod activations;
 mod block32;
 #[cfg(target_arch = "x86_64")]
 mod block32_x86;
@@ -26,6 +27,10 @@ pub mod interleave;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
+pub(crate) use activations::ActRow;
+pub use activations::QuantActivations;
+#[cfg(test)]
+use activations::{quantize_blocks, quantize_blocks_portable};
 pub use blocks::{f16_to_f32, QuantType};
 
 use crate::parallel;
@@ -200,87 +205,6 @@ impl<'a> QuantMatrix<'a> {
             "an interleaved matrix has no row-major rows"
         );
         &self.data[n * self.row_bytes..(n + 1) * self.row_bytes]
-    }
-}
-
-/// Activations quantized per block of 32: `m` rows of `k` (a multiple of 32) int8 values, one
-/// scale `d` and one scaled sum `s = d * Σq` per block.
-pub struct QuantActivations {
-    pub k: usize,
-    pub q: Vec<i8>,
-    pub d: Vec<f32>,
-    pub s: Vec<f32>,
-}
-
-impl QuantActivations {
-    /// Quantizes `x` ([m, k] float32, k a multiple of 32) on up to `num_threads` threads.
-    /// Panics otherwise.
-    pub fn new(x: &[f32], k: usize, num_threads: usize) -> QuantActivations {
-        assert!(
-            k.is_multiple_of(32) && x.len().is_multiple_of(k),
-            "k must be a multiple of 32"
-        );
-        let blocks = x.len() / 32;
-        let mut act = QuantActivations {
-            k,
-            q: vec![0; x.len()],
-            d: vec![0.0; blocks],
-            s: vec![0.0; blocks],
-        };
-        if blocks == 0 {
-            return act;
-        }
-        // a prefill's activations are worth threads (1024 rows of 1536: 7 ms on one)
-        let threads = parallel::threads_for(x.len(), num_threads);
-        let per = blocks.div_ceil(threads);
-        let chunks: Vec<_> = x
-            .chunks(32 * per)
-            .zip(act.q.chunks_mut(32 * per))
-            .zip(act.d.chunks_mut(per).zip(act.s.chunks_mut(per)))
-            .map(std::sync::Mutex::new)
-            .collect();
-        parallel::run_tasks_on(chunks.len(), threads, &|i| {
-            let mut chunk = chunks[i].lock().unwrap();
-            let ((x, q), (d, s)) = &mut *chunk;
-            quantize_blocks(x, q, d, s);
-        });
-        drop(chunks);
-        act
-    }
-
-    fn rows(&self) -> usize {
-        self.q.len() / self.k
-    }
-}
-
-/// Each block of 32 of `x` to int8 `q` with its scale `d` (max|x| / 127) and `s` = d * sum(q):
-/// `x86::quantize_blocks_avx2` where the CPU has AVX2 (the same bits for finite x), else
-/// `quantize_blocks_portable`.
-fn quantize_blocks(x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-        // SAFETY: the CPU has the features the function is compiled for.
-        return unsafe { x86::quantize_blocks_avx2(x, q, d, s) };
-    }
-    quantize_blocks_portable(x, q, d, s)
-}
-
-/// `quantize_blocks` in portable Rust, the reference of the SIMD version.
-pub(crate) fn quantize_blocks_portable(x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [f32]) {
-    for (b, (xb, qb)) in x.chunks_exact(32).zip(q.chunks_exact_mut(32)).enumerate() {
-        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let scale = amax / 127.0;
-        let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-        let mut sum = 0i32;
-        for (q, &v) in qb.iter_mut().zip(xb) {
-            // |v * inv| <= 127, except where inv overflowed (a subnormal block): the
-            // saturating cast then keeps each value's sign, and the clamp keeps -128 out
-            // (the sign trick of the signed weight formats cannot negate it)
-            *q = ((v * inv).round_ties_even() as i8).max(-127);
-            sum += *q as i32;
-        }
-        d[b] = scale;
-        s[b] = scale * sum as f32;
     }
 }
 
@@ -487,16 +411,7 @@ fn tile_at<const C: usize, const R: usize>(
     n: usize,
     isa: Isa,
 ) {
-    let k = act.k;
-    let kb = k / 32;
-    let rows: [ActRow<'_>; R] = std::array::from_fn(|i| {
-        let m = m0 + i;
-        ActRow {
-            q: &act.q[m * k..(m + 1) * k],
-            d: &act.d[m * kb..(m + 1) * kb],
-            s: &act.s[m * kb..(m + 1) * kb],
-        }
-    });
+    let rows: [ActRow<'_>; R] = std::array::from_fn(|i| act.row(m0 + i));
     let got = tile::<C, R>(w.qtype, std::array::from_fn(|c| w.row(col + c)), &rows, isa);
     for (c, res) in got.iter().enumerate() {
         for (i, v) in res.iter().enumerate() {
@@ -526,14 +441,6 @@ fn tile<const C: usize, const R: usize>(
         #[cfg(not(target_arch = "x86_64"))]
         _ => unreachable!("only the scalar path exists off x86-64"),
     }
-}
-
-/// One quantized activation row: `q` [k], `d` and `s` [k / 32].
-#[derive(Clone, Copy)]
-pub(crate) struct ActRow<'a> {
-    pub q: &'a [i8],
-    pub d: &'a [f32],
-    pub s: &'a [f32],
 }
 
 /// out[i, :] = the float32 weights of row rows[i] of `w` (out: [len(rows), k]), exactly as
