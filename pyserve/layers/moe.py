@@ -155,6 +155,15 @@ class ExpertLoad:
         self.recording = False
 
 
+def _gate_logits(x: torch.Tensor, weight: torch.Tensor, native: bool) -> torch.Tensor:
+    """x [T, H] @ weight [G, H]^T: on the native kernel's batch-invariant dot when the experts
+    run natively (so that routing, like the experts, does not depend on the batch) and the
+    weight is float32, else torch's linear."""
+    if native and weight.dtype == torch.float32:
+        return moe_router_logits(x, weight)
+    return torch.nn.functional.linear(x, weight)
+
+
 class StackedExperts(nn.Module):
     """E SwiGLU experts of intermediate size I over hidden size H, stacked:
     gate_up_proj [E, 2I, H], down_proj [E, H, I] (allocated, not initialised: the checkpoint
@@ -233,11 +242,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         native = self.experts.native_weights(x)
-        if native is not None and self.gate.weight.dtype == torch.float32:
-            router_logits = moe_router_logits(x, self.gate.weight)  # batch-invariant, as the native experts
-        else:
-            router_logits = torch.nn.functional.linear(x, self.gate.weight)
-        weights, ids = route(router_logits, self.top_k, self.renormalize)
+        weights, ids = route(_gate_logits(x, self.gate.weight, native is not None), self.top_k, self.renormalize)
         counts = expert_counts(ids, self.gate.weight.shape[0])  # over every expert, held here or not
         if self.load is not None:
             self.load.add(self.load_row, counts)
@@ -260,11 +265,7 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:  # (a LlamaMLP: it sums its ranks' parts itself)
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
-                gate = self.shared_expert_gate.weight
-                if native is not None and gate.dtype == torch.float32:
-                    shared_logit = moe_router_logits(x, gate).to(x.dtype)
-                else:
-                    shared_logit = torch.nn.functional.linear(x, gate)
-                shared = torch.sigmoid(shared_logit) * shared
+                logit = _gate_logits(x, self.shared_expert_gate.weight, native is not None).to(x.dtype)
+                shared = torch.sigmoid(logit) * shared
             out = out + shared
         return out
