@@ -31,6 +31,21 @@ def moe_router_logits(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, ids [T, k] int64) of router `logits` [T, E] float32 CPU: softmax
+    in float32, the k most probable experts in descending order (ties to the lower id), divided
+    by their sum when `renormalize` — `pyserve.layers.moe.route`'s contract, computed by the
+    same native code as the native decoder layer (QuantDecoderLayer), so both route alike to the
+    bit. Raises ValueError (shapes, top_k outside 1..E), RuntimeError without the native module."""
+    if _cpu is None:
+        raise RuntimeError("pyserve_kernels._cpu is not built")
+    logits = logits.to(torch.float32).contiguous()
+    weights = logits.new_empty(logits.shape[0], top_k)
+    ids = torch.empty(logits.shape[0], top_k, dtype=torch.int32)
+    _cpu.moe_route(logits.numpy(), top_k, renormalize, weights.numpy(), ids.numpy())
+    return weights, ids.long()
+
+
 def moe_experts(
     x: torch.Tensor,
     ids: torch.Tensor,

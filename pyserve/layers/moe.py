@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from pyserve_kernels._triton import triton_applies
-from pyserve_kernels.moe import moe_experts, moe_native_applies, moe_router_logits
+from pyserve_kernels.moe import moe_experts, moe_native_applies, moe_route, moe_router_logits
 from pyserve_kernels.quant import QuantizedWeight
 
 if TYPE_CHECKING:
@@ -242,7 +242,11 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         native = self.experts.native_weights(x)
-        weights, ids = route(_gate_logits(x, self.gate.weight, native is not None), self.top_k, self.renormalize)
+        logits = _gate_logits(x, self.gate.weight, native is not None)
+        if native is not None:  # routed by the same native code as the native decoder layer
+            weights, ids = moe_route(logits, self.top_k, self.renormalize)
+        else:
+            weights, ids = route(logits, self.top_k, self.renormalize)
         counts = expert_counts(ids, self.gate.weight.shape[0])  # over every expert, held here or not
         if self.load is not None:
             self.load.add(self.load_row, counts)

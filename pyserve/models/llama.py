@@ -31,7 +31,7 @@ from pyserve.model_loader.config import rope_parameters
 from pyserve.models.decoder_spec import DENSE, DecoderSpec, layer_sliding_window
 from pyserve.models.llama_weights import LlamaWeightsMixin
 from pyserve.models.native_decode import build_native_layers, native_decode
-from pyserve_kernels import apply_rotary_pos_emb, rotary_embedding_
+from pyserve_kernels import rotary_embedding_
 from pyserve_kernels.quant import QuantizedWeight, quantized_embedding
 
 logger = logging.getLogger(__name__)
@@ -166,35 +166,37 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = linear(hidden, self.qkv_weight, self.qkv_bias, self.qkv_packed)
-        if self.q_norm is None:  # rotate the q and k heads in place in the fused row
-            rotary_embedding_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            self._norm_qk_(qkv)
+        # rotate the q and k heads in place in the fused row
+        rotary_embedding_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        if self.qk_norm_full:
-            q, k, v = self._norm_and_clip(q, k, v)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm_full:
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        elif self.q_norm is not None and self.k_norm is not None:
-            q, k = apply_rotary_pos_emb(self.q_norm(q), self.k_norm(k), cos, sin)
         out = attn_backend.forward(
             q, k, v, self.layer_id, self.scaling, forward_batch, sliding_window=self.sliding_window
         )
         out = out.reshape(num_tokens, self.num_heads * self.head_dim)
         return _row_parallel_linear(self.tp, out, self.o_proj.weight, self.o_proj.bias, self.o_packed)
 
-    def _norm_and_clip(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """OLMoE's q/k: [T, q_size] and [T, kv_size] each normed whole, then q, k, v clipped
-        to +-clip_qkv when the config sets it."""
+    def _norm_qk_(self, qkv: torch.Tensor) -> None:
+        """q and k of the fused rows qkv [T, q_size + 2 kv_size] RMS-normed in place: per head
+        (Qwen3) or each token's q (k) whole (OLMoE, which then clips q, k and v to +-clip_qkv
+        when its config sets it). The native decoder layer norms the same way
+        (kernels/cpu/src/decoder_layer.rs), on the same kernel."""
         assert self.q_norm is not None and self.k_norm is not None
-        q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
-        if self.clip_qkv is not None:
-            c = float(self.clip_qkv)
-            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
-        return q, k, v
+        num_tokens, hd = qkv.shape[0], self.head_dim
+        q_size, kv_size = self.num_heads * hd, self.num_kv_heads * hd
+        q, k = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size]
+        if self.qk_norm_full:
+            q.copy_(self.q_norm(q.contiguous()))
+            k.copy_(self.k_norm(k.contiguous()))
+            if self.clip_qkv is not None:
+                qkv.clamp_(-float(self.clip_qkv), float(self.clip_qkv))
+        else:
+            q.copy_(self.q_norm(q.reshape(num_tokens, self.num_heads, hd).contiguous()).view(num_tokens, q_size))
+            k.copy_(self.k_norm(k.reshape(num_tokens, self.num_kv_heads, hd).contiguous()).view(num_tokens, kv_size))
 
 
 class LlamaMLP(nn.Module):

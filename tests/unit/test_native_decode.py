@@ -19,16 +19,21 @@ pytestmark = pytest.mark.skipif(_cpu is None, reason="pyserve_kernels._cpu is no
 
 
 def decode_both_ways(runner: ModelRunner, requests: Requests, tokens: dict[int, int]):
-    """Logits and pool K/V of one DECODE batch run natively, then again through Python."""
+    """Logits, pool K/V, whether the native layers ran, and the expert-load counts the step
+    added (a mixture's; else None) of one DECODE batch run natively, then again through Python."""
     model = runner.model.model
+    layers = len(list(model.decoder_layers()))
     out = []
     for native in (True, False):
         model._native_layers = False if native else None  # False: build on first use
         batch = requests.decode(tokens)
+        load = getattr(runner.model, "expert_load", None)
+        before = None if load is None else load.total.copy()
         logits = runner.forward(batch)
-        k = torch.stack([runner.kv_pool.get_key_buffer(i)[batch.out_cache_loc] for i in range(2)])
-        v = torch.stack([runner.kv_pool.get_value_buffer(i)[batch.out_cache_loc] for i in range(2)])
-        out.append((logits, k, v, model.native_layers() is not None))
+        counts = None if load is None else load.total - before
+        k = torch.stack([runner.kv_pool.get_key_buffer(i)[batch.out_cache_loc] for i in range(layers)])
+        v = torch.stack([runner.kv_pool.get_value_buffer(i)[batch.out_cache_loc] for i in range(layers)])
+        out.append((logits, k, v, model.native_layers() is not None, counts))
         for rid in tokens:  # forget the step, so the second run decodes the same positions
             requests.tokens[rid].pop()
             requests.free_slots.insert(0, requests.slots[rid].pop())
@@ -46,7 +51,7 @@ def test_native_decode_equals_the_python_layers(tmp_path, qtype: str) -> None:
     # one request (a one-row product), three (row by row), six (a tile of activation rows)
     steps = [{0: 11, 1: 12, 2: 13}, {0: 20}, {2: 4, 1: 33}, {r: 40 + r for r in range(6)}]
     for step, tokens in enumerate(steps):
-        (nl, nk, nv, used), (pl, pk, pv, _) = decode_both_ways(runner, requests, tokens)
+        (nl, nk, nv, used, _), (pl, pk, pv, _, _) = decode_both_ways(runner, requests, tokens)
         assert used, "the quantized model should run its decode steps natively"
         assert torch.equal(nl, pl), (step, (nl - pl).abs().max())
         assert torch.equal(nk, pk) and torch.equal(nv, pv), step

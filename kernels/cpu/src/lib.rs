@@ -13,6 +13,7 @@ pub mod decode_attention;
 pub mod decoder_layer;
 pub mod exp;
 pub mod moe;
+pub mod moe_route;
 pub mod norm;
 pub mod parallel;
 pub mod quant;

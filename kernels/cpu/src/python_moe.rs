@@ -6,6 +6,7 @@ use pyo3::exceptions::{PyIndexError, PyValueError};
 use pyo3::prelude::*;
 
 use crate::moe::{self, ExpertWeights, MoeError, MoeShape};
+
 use crate::python::{c_slice, c_slice_mut, check_disjoint, span};
 use crate::python_quant::{quant_error, quant_isa, quant_matrix};
 
@@ -238,7 +239,34 @@ fn moe_router_logits(
         .map_err(moe_error)
 }
 
+/// moe_route(logits, top_k, renormalize, weights, ids): each token's top_k experts of
+/// logits [T, E] float32 (softmax in float32, descending, ties to the lower id) into ids [T, k]
+/// int32 and their probabilities into weights [T, k] float32, divided by their sum when
+/// `renormalize` (kernels/cpu/src/moe_route.rs). Raises ValueError (shapes, layouts).
+#[pyfunction]
+fn moe_route(
+    logits: PyReadonlyArray2<'_, f32>,
+    top_k: usize,
+    renormalize: bool,
+    mut weights: PyReadwriteArray2<'_, f32>,
+    mut ids: PyReadwriteArray2<'_, i32>,
+) -> PyResult<()> {
+    let (tokens, experts) = (logits.shape()[0], logits.shape()[1]);
+    if weights.shape() != [tokens, top_k] || ids.shape() != [tokens, top_k] {
+        return Err(PyValueError::new_err(format!(
+            "moe_route: weights {:?} and ids {:?} must be [{tokens}, {top_k}]",
+            weights.shape(),
+            ids.shape()
+        )));
+    }
+    let logits = c_slice("logits", &logits)?;
+    let weights = c_slice_mut("weights", &mut weights)?;
+    let ids = c_slice_mut("ids", &mut ids)?;
+    crate::moe_route::route(logits, experts, top_k, renormalize, weights, ids).map_err(moe_error)
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(moe_route, m)?)?;
     m.add_function(wrap_pyfunction!(moe_experts, m)?)?;
     m.add_function(wrap_pyfunction!(moe_experts_quant, m)?)?;
     m.add_function(wrap_pyfunction!(moe_router_logits, m)?)?;

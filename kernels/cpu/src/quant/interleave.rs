@@ -89,7 +89,21 @@ pub(super) fn matmul_rows(
             Isa::Scalar => (0..8).map(|c| row_major(&w, 8 * g + c)).collect(),
             _ => Vec::new(),
         };
-        for r in 0..m {
+        let mut r = 0;
+        #[cfg(target_arch = "x86_64")]
+        while isa != Isa::Scalar && r + ROWS <= m {
+            let rows: [ActRow<'_>; ROWS] = std::array::from_fn(|i| act.row(r + i));
+            // SAFETY: as gemv8_avx2's below, for each of the ROWS activation rows
+            let got = unsafe { gemv8_rows_avx2(group, kb, &rows) };
+            for (i, row) in got.iter().enumerate() {
+                for (c, v) in row.iter().enumerate() {
+                    // SAFETY: as below
+                    unsafe { out.set((r + i) * n + 8 * g + c, *v) };
+                }
+            }
+            r += ROWS;
+        }
+        for r in r..m {
             let a = act.row(r);
             let got: [f32; 8] = match isa {
                 Isa::Scalar => {
@@ -109,6 +123,60 @@ pub(super) fn matmul_rows(
             }
         }
     }
+}
+
+/// Activation rows a multi-row call takes: each 32-byte load of weight codes, once unpacked,
+/// feeds this many rows' products (a prefill's products, a mixture's experts with several
+/// tokens), about 1.3x less work per row than one row at a time.
+const ROWS: usize = 4;
+
+/// `gemv8_avx2` for R activation rows at once: each row's eight sums by the same arithmetic in
+/// the same order (so the same bits), the weight codes unpacked once for all R.
+///
+/// # Safety
+/// As `gemv8_avx2`, for every row of `a`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn gemv8_rows_avx2<const R: usize>(
+    group: &[u8],
+    kb: usize,
+    a: &[ActRow<'_>; R],
+) -> [[f32; 8]; R] {
+    use std::arch::x86_64::*;
+    debug_assert!(group.len() >= kb * GROUP_BLOCK && a.iter().all(|r| r.q.len() >= 32 * kb));
+    let mask = _mm256_set1_epi8(0x0f);
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); R];
+    for b in 0..kb {
+        let base = group.as_ptr().add(b * GROUP_BLOCK);
+        super::x86::prefetch(base);
+        let scales = _mm256_cvtph_ps(_mm_loadu_si128(base as *const __m128i));
+        let mut sum16 = [_mm256_setzero_si256(); R];
+        for q in 0..4 {
+            let w = _mm256_loadu_si256(base.add(16 + 32 * q) as *const __m256i);
+            let lo = _mm256_and_si256(w, mask);
+            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(w), mask);
+            for (s16, row) in sum16.iter_mut().zip(a) {
+                let x = row.q.as_ptr().add(32 * b);
+                let x_lo = _mm256_set1_epi32((x.add(4 * q) as *const i32).read_unaligned());
+                let x_hi = _mm256_set1_epi32((x.add(16 + 4 * q) as *const i32).read_unaligned());
+                *s16 = _mm256_add_epi16(*s16, _mm256_maddubs_epi16(lo, x_lo));
+                *s16 = _mm256_add_epi16(*s16, _mm256_maddubs_epi16(hi, x_hi));
+            }
+        }
+        let mins = _mm256_mul_ps(scales, _mm256_set1_ps(-8.0));
+        for ((acc, s16), row) in acc.iter_mut().zip(sum16).zip(a) {
+            let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+            let scale = _mm256_mul_ps(scales, _mm256_set1_ps(*row.d.get_unchecked(b)));
+            *acc = _mm256_fmadd_ps(scale, sums, *acc);
+            *acc = _mm256_fmadd_ps(mins, _mm256_set1_ps(*row.s.get_unchecked(b)), *acc);
+        }
+    }
+    let mut out = [[0f32; 8]; R];
+    for (o, acc) in out.iter_mut().zip(acc) {
+        _mm256_storeu_ps(o.as_mut_ptr(), acc);
+    }
+    out
 }
 
 /// The products of one group of eight interleaved rows (kb blocks) with one activation row.

@@ -284,7 +284,7 @@ fn interleaved_q4_0_gives_the_row_major_bits_and_rows() {
     dequantize_rows(plain, &all, &mut a).unwrap();
     dequantize_rows(inter, &all, &mut b).unwrap();
     assert_eq!(a, b);
-    for m in [1, 2, 3, 5, 17] {
+    for m in [1, 2, 3, 4, 5, 8, 17] {
         let x: Vec<f32> = (0..m * k).map(|_| rng.f32()).collect();
         for &isa in available_isas() {
             for threads in [1, 2] {
