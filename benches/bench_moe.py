@@ -72,7 +72,7 @@ def vs_llamacpp(gguf: str, rounds: int) -> int:
     if not os.path.exists(gguf):
         subprocess.run([sys.executable, os.path.join(here, "moe_gguf.py"), gguf, "--qtype", "Q4_0"], check=True)
     cmd = [sys.executable, os.path.join(here, "bench_vs_llamacpp.py"), "--model-path", gguf, "--rounds", str(rounds)]
-    cmd += ["--pyserve-args", "--max-total-tokens 4096"]
+    cmd += ["--pyserve-args", "--max-total-tokens 4096", "--goals", "1=1.0", "8=1.5"]
     return subprocess.run(cmd).returncode
 
 

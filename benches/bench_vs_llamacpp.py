@@ -81,7 +81,7 @@ LLAMA = "llama-server"
 PYSERVE = "pyserve"
 INPUT_LEN = 128
 WARMUP_SEED_OFFSET = 1000  # the warm-up prompt's seed: --seed + this, far from the timed runs'
-GOALS = {1: 1.0, 8: 2.0}  # pyserve / llama-server output tok/s at this many streams (issue 34)
+GOALS = ["1=1.0", "8=2.0"]  # pyserve / llama-server output tok/s at this many streams (issue 34)
 # the table's columns: (row key, heading, format)
 COLUMNS = (
     ("output_tok_s", "out tok/s", ".1f"),
@@ -208,6 +208,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
     p.add_argument("--output-file", type=Path, help="write the runs, medians and ratios here as JSON")
     p.add_argument(
+        "--goals",
+        nargs="+",
+        default=GOALS,
+        metavar="STREAMS=RATIO",
+        help=f"the printed goals: pyserve / llama-server output tok/s at so many streams (default: {' '.join(GOALS)})",
+    )
+    p.add_argument(
         "--nice",
         type=int,
         default=None,
@@ -216,6 +223,10 @@ def parse_args() -> argparse.Namespace:
         "measured processes the cores first, both sides alike)",
     )
     args = p.parse_args()
+    try:
+        args.goals = {int(a): float(b) for a, b in (g.split("=") for g in args.goals)}
+    except ValueError:
+        p.error(f"--goals takes STREAMS=RATIO pairs, got {' '.join(args.goals)}")
     if len(args.num_prompts) != len(args.streams):
         p.error("--num-prompts needs one count per --streams entry")
     if args.rounds < 1:
@@ -313,7 +324,7 @@ def main() -> int:
     for name, r in ratios.items():
         spread = f"  [{r['min_round']:.3f}-{r['max_round']:.3f}]" if "min_round" in r else ""
         print(f"  {name:<24} {r['median']:.3f}x{spread}")
-    for streams, goal in GOALS.items():
+    for streams, goal in args.goals.items():
         if (r := ratios.get(f"output_tok_s_{streams}_streams")) is not None:
             print(f"  goal {goal:.1f}x at {streams} stream(s): {'met' if r['median'] >= goal else 'NOT met'}")
     if args.output_file:

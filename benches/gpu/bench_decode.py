@@ -3,8 +3,7 @@
 (i)   kernels: the device's copy bandwidth (the ceiling), then each Triton kernel of
       pyserve_kernels.triton_ops at decode shapes as a fraction of it (kernel_bench.py).
 (ii)  decode steps: `ModelRunner` on dummy weights shaped like Qwen2.5-0.5B, Llama-3.1-8B and
-      the mixture OLMoE-1B-7B (its experts on the Triton grouped GEMMs; the runner captures no
-      graph for a mixture yet, so its "graphs on" rows run eagerly, with a note),
+      the mixture OLMoE-1B-7B (its experts on the Triton grouped GEMMs, captured like the rest),
       bfloat16, batch 1 / 64 / 256 over 1k tokens of context each, CUDA graphs on and off,
       driven as the worker drives it (StepPlan -> DeviceState.forward_batch -> forward ->
       sample -> ids to the host). A decode step must read every weight once plus every

@@ -8,7 +8,8 @@
   replicated, rank r holding KV head r * num_kv_heads // size (its query heads' group).
 * The embedding and LM head are vocab-parallel: rank r holds rows r * V' .. (r + 1) * V' - 1
   of the vocabulary padded to size * V' (the padding rows are zeros).
-* Norms are replicated.
+* Norms are replicated, except q/k norms over a token's whole q (k) (OLMoE), split as the
+  heads are: the ranks then sum their sums of squares (pyserve.models.llama).
 * A mixture of experts' experts are split as the MLP is, each expert's intermediate size
   (its gate/up rows, its down columns) and a shared expert's alike; the router is replicated,
   so every rank routes each token to the same experts.
@@ -105,11 +106,17 @@ class ShardLayout:
             shared_start=rank * (shared_inter // size),
         )
 
-    def slice_of(self, name: str) -> tuple[int, int, int] | None:
+    def slice_of(self, name: str, rows: int | None = None) -> tuple[int, int, int] | None:
         """(dim, start, stop) of the HF weight `name` that this rank holds, or None when it
-        holds the whole tensor (norms, row-parallel biases, rotary buffers). For the
-        vocab-parallel weights `stop` may pass the vocabulary: `shard` pads with zeros."""
+        holds the whole tensor (norms, row-parallel biases, rotary buffers). rows: the
+        tensor's first dimension, which tells a q/k norm over all heads (wider than a head:
+        split by heads) from a per-head one (replicated). For the vocab-parallel weights
+        `stop` may pass the vocabulary: `shard` pads with zeros."""
         hd = self.head_dim
+        if rows is not None and rows > hd and name.endswith("self_attn.q_norm.weight"):
+            return 0, self.q_start * hd, (self.q_start + self.num_heads) * hd
+        if rows is not None and rows > hd and name.endswith("self_attn.k_norm.weight"):
+            return 0, self.kv_start * hd, (self.kv_start + self.num_kv_heads) * hd
         if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")) and self.size > 1:
             raise ValueError(
                 f"{name}: experts stacked in one tensor do not load across ranks; use a checkpoint with "
@@ -147,7 +154,7 @@ def shard(layout: ShardLayout, name: str, full_shape: tuple[int, ...], read: Any
     past the vocabulary come back as zeros."""
     import torch
 
-    part = layout.slice_of(name)
+    part = layout.slice_of(name, full_shape[0] if full_shape else None)
     if part is None:
         return read(tuple(slice(None) for _ in full_shape))
     dim, start, stop = part

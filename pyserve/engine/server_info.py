@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from pyserve.constrained import GrammarBackend
     from pyserve.engine.scheduler import Scheduler
     from pyserve.engine.worker import ModelWorker
-    from pyserve.layers.moe import ExpertLoad
+    from pyserve.layers.expert_load import ExpertLoad
     from pyserve.mem_cache.kv_cache import KVCache
     from pyserve.metrics import Histogram, RequestMetrics
     from pyserve.model_executor.runner_protocol import Runner

@@ -26,7 +26,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -36,6 +35,7 @@ from pyserve_kernels.quant import QuantizedWeight
 
 if TYPE_CHECKING:
     from pyserve.distributed.group import TensorParallelGroup
+    from pyserve.layers.expert_load import ExpertLoad
 
 
 def triton_fused_experts(
@@ -72,18 +72,16 @@ def fused_experts(
     weights: torch.Tensor,
     ids: torch.Tensor,
     act: Callable[[torch.Tensor], torch.Tensor],
-    counts: list[int] | None = None,
 ) -> torch.Tensor:
     """Sum over k of weights[t, j] * expert_{ids[t, j]}(x[t]), [T, H] in x's dtype.
 
     x [T, H]; gate_up_proj [E, 2I, H]; down_proj [E, H, I]; weights [T, k] float32 and ids
     [T, k] int64 from `route`; act: the gated activation over an expert's [n, 2I] gate|up
     product, giving [n, I] (`pyserve.layers.activation.SiluAndMul` for every supported family).
-    An expert computes silu(x W_gate^T) * (x W_up^T) W_down^T for the tokens routed to it.
-    counts: the tokens per expert (`expert_counts(ids, E)`) when the caller has them."""
+    An expert computes silu(x W_gate^T) * (x W_up^T) W_down^T for the tokens routed to it."""
     top_k = ids.shape[1]
     tokens = torch.arange(ids.shape[0], device=ids.device).repeat_interleave(top_k)
-    return expert_sum(x, gate_up_proj, down_proj, tokens, ids.reshape(-1), weights.reshape(-1), act, counts)
+    return expert_sum(x, gate_up_proj, down_proj, tokens, ids.reshape(-1), weights.reshape(-1), act)
 
 
 def expert_sum(
@@ -94,15 +92,13 @@ def expert_sum(
     experts: torch.Tensor,
     weights: torch.Tensor,
     act: Callable[[torch.Tensor], torch.Tensor],
-    counts: list[int] | None = None,
 ) -> torch.Tensor:
     """`fused_experts` over a list of A assignments: token `tokens[a]` ([A] int64) runs expert
     `experts[a]` ([A] int64, an index into the stacked weights) scaled by `weights[a]` ([A]
     float32). Returns [T, H]: each token's sum over its assignments (zeros for none), in
     ascending expert order per token, as the HF models add them."""
     order = torch.argsort(experts, stable=True)  # assignments grouped by expert, token order kept
-    if counts is None:
-        counts = torch.bincount(experts, minlength=gate_up_proj.shape[0]).tolist()
+    counts = torch.bincount(experts, minlength=gate_up_proj.shape[0]).tolist()  # a host read: no graph
     token_of = tokens.index_select(0, order)
     xs = x.index_select(0, token_of)
     out = torch.empty_like(xs)
@@ -118,41 +114,6 @@ def expert_sum(
     result = torch.zeros_like(x)
     result.index_add_(0, token_of, out)
     return result
-
-
-def expert_counts(ids: torch.Tensor, num_experts: int) -> list[int]:
-    """How many of the [T, k] assignments `ids` went to each of the experts (E ints)."""
-    return torch.bincount(ids.reshape(-1), minlength=num_experts).tolist()
-
-
-class ExpertLoad:
-    """Tokens routed to each expert of each MoE layer (SGLang's expert distribution record,
-    the input of expert-parallel load balancing): `total` [L, E] int64 since the model was
-    built (the Prometheus counter), `recorded` [L, E] int64 while `recording` (between
-    /start_expert_distribution_record and /stop_expert_distribution_record). L counts the
-    sparse layers in order (`layers` their decoder layer indices); a token counts once per
-    expert it is routed to, prompt tokens included. The worker thread adds; the loop thread
-    toggles and reads (a read may miss the step in flight)."""
-
-    def __init__(self, layers: list[int], num_experts: int) -> None:
-        self.layers = layers
-        self.total = np.zeros((len(layers), num_experts), dtype=np.int64)
-        self.recorded = np.zeros_like(self.total)
-        self.recording = False
-
-    def add(self, row: int, counts: list[int]) -> None:
-        """Count one step's routing of sparse layer `row`. Worker thread."""
-        self.total[row] += counts
-        if self.recording:
-            self.recorded[row] += counts
-
-    def start(self) -> None:
-        """Record from now on, from zero."""
-        self.recorded[:] = 0
-        self.recording = True
-
-    def stop(self) -> None:
-        self.recording = False
 
 
 def _gate_logits(x: torch.Tensor, weight: torch.Tensor, native: bool) -> torch.Tensor:
@@ -247,16 +208,15 @@ class SparseMoeBlock(nn.Module):
             weights, ids = moe_route(logits, self.top_k, self.renormalize)
         else:
             weights, ids = route(logits, self.top_k, self.renormalize)
-        counts = expert_counts(ids, self.gate.weight.shape[0])  # over every expert, held here or not
-        if self.load is not None:
-            self.load.add(self.load_row, counts)
+        if self.load is not None:  # over every expert, held here or not
+            self.load.add(self.load_row, ids)
         if native is not None:
             start = 0 if self.expert_range is None else self.expert_range[0]
             out = moe_experts(x, ids, weights, *native, expert_start=start, total_experts=self.gate.weight.shape[0])
         elif self.expert_range is None and triton_applies(x):
             out = triton_fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
         elif self.expert_range is None:
-            out = fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, self.act, counts)
+            out = fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, self.act)
         else:  # only the assignments to this rank's experts
             start, stop = self.expert_range
             rows, cols = ((ids >= start) & (ids < stop)).nonzero(as_tuple=True)

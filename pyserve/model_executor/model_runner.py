@@ -23,7 +23,7 @@ from pyserve.forward_batch_info import (
 )
 from pyserve.layers.attention.base import AttentionBackend, CapturableAttentionBackend
 from pyserve.layers.attention.registry import backend_class, capturable_backend, create_attention_backend
-from pyserve.layers.moe import ExpertLoad, SparseMoeBlock
+from pyserve.layers.expert_load import ExpertLoad
 from pyserve.layers.pooler import PoolingSpec, pool, sentence_transformers_pooling
 from pyserve.layers.rotary_embedding import RotaryEmbedding
 from pyserve.layers.sampler import sample as sample_tokens
@@ -283,7 +283,7 @@ class ModelRunner(Runner):
     ) -> list[int]:
         """The decode batch sizes to capture as CUDA graphs ([] for none: not CUDA, disabled,
         an embedding model, a backend that cannot be captured, a dynamic rope, or a mixture
-        of experts, whose expert loop reads each step's routing on the host)."""
+        of experts split whole over ranks, whose step picks its assignments on the host)."""
         if device.type != "cuda" or disable_cuda_graph or self.pooling is not None:
             return []
         if not capturable_backend(attention_backend, device.type):
@@ -292,8 +292,9 @@ class ModelRunner(Runner):
         if any(isinstance(m, RotaryEmbedding) and m.is_dynamic for m in self.model.modules()):
             logger.info("CUDA graphs off: dynamic rope reads positions on the host")
             return []
-        if any(isinstance(m, SparseMoeBlock) for m in self.model.modules()):
-            logger.info("CUDA graphs off: the experts a step runs are chosen on the host")
+        capturable = getattr(self.model, "graph_capturable", None)
+        if capturable is not None and not capturable():
+            logger.info("CUDA graphs off: expert parallelism picks each rank's assignments on the host")
             return []
         return capture_batch_sizes(self.max_running_requests, cuda_graph_max_bs, cuda_graph_bs)
 
@@ -396,9 +397,13 @@ class ModelRunner(Runner):
         with torch.inference_mode():
             self._input_groups = plan_input_logprobs(batch)
             if self.graph_runner is not None and self.graph_runner.can_run(batch):
-                return self.graph_runner.replay(batch)
-            self.attn_backend.init_forward_metadata(batch)
-            return self.model(batch, self.attn_backend)
+                logits = self.graph_runner.replay(batch)
+            else:
+                self.attn_backend.init_forward_metadata(batch)
+                logits = self.model(batch, self.attn_backend)
+            if (load := self.expert_load()) is not None:
+                load.publish()
+            return logits
 
     def embed(self, batch: ForwardBatch) -> torch.Tensor:
         """Embeddings [B, hidden] float32 on the device of an EXTEND `batch` of whole prompts

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from pyserve.forward_batch_info import ForwardBatch, StepOutput
-from pyserve.layers.moe import ExpertLoad
+from pyserve.layers.expert_load import ExpertLoad
 from pyserve.layers.pooler import PoolingSpec
 
 if TYPE_CHECKING:

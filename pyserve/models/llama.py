@@ -133,7 +133,10 @@ class LlamaAttention(nn.Module):
         self.k_norm: RMSNorm | None
         self.qk_norm_full = spec.qk_norm_full
         self.clip_qkv: float | None = getattr(config, "clip_qkv", None) if spec.qk_norm_full else None
-        if spec.qk_norm_full:  # over every head of the rank's q (k) at once
+        if spec.qk_norm_full:  # over every head of q (k) at once: under tp, the rank's heads
+            total_kv = getattr(config, "num_key_value_heads", None) or total_heads
+            if tp is not None and total_kv % tp.size:  # a replicated KV head would count twice
+                raise ValueError(f"--tp-size {tp.size} must divide the {total_kv} KV heads of a whole-k norm")
             q_width, k_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
             self.q_norm = RMSNorm(q_width, config.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(k_width, config.rms_norm_eps, dtype, device)
@@ -190,13 +193,27 @@ class LlamaAttention(nn.Module):
         q_size, kv_size = self.num_heads * hd, self.num_kv_heads * hd
         q, k = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size]
         if self.qk_norm_full:
-            q.copy_(self.q_norm(q.contiguous()))
-            k.copy_(self.k_norm(k.contiguous()))
+            if self.tp is None:
+                q.copy_(self.q_norm(q.contiguous()))
+                k.copy_(self.k_norm(k.contiguous()))
+            else:
+                self._norm_across_ranks_(q, k)
             if self.clip_qkv is not None:
                 qkv.clamp_(-float(self.clip_qkv), float(self.clip_qkv))
         else:
             q.copy_(self.q_norm(q.reshape(num_tokens, self.num_heads, hd).contiguous()).view(num_tokens, q_size))
             k.copy_(self.k_norm(k.reshape(num_tokens, self.num_kv_heads, hd).contiguous()).view(num_tokens, kv_size))
+
+    def _norm_across_ranks_(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """OLMoE's whole-q and whole-k RMSNorms when each rank holds some heads: the ranks'
+        sums of squares added by one all-reduce ([T, 2] float32), then each rank scales its
+        own columns (as pyserve_kernels.reference.rms_norm rounds)."""
+        assert self.tp is not None and self.q_norm is not None and self.k_norm is not None
+        qf, kf = q.float(), k.float()
+        sums = self.tp.all_reduce(torch.stack([qf.pow(2).sum(-1), kf.pow(2).sum(-1)], dim=-1))
+        for x, xf, norm, total in ((q, qf, self.q_norm, sums[:, :1]), (k, kf, self.k_norm, sums[:, 1:])):
+            mean = total / (x.shape[-1] * self.tp.size)
+            x.copy_(norm.weight * (xf * torch.rsqrt(mean + norm.eps)).to(x.dtype))
 
 
 class LlamaMLP(nn.Module):

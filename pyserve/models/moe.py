@@ -16,7 +16,8 @@ the layer's `SparseMoeBlock` (pyserve.layers.moe) where the family's config puts
 
 Experts are held stacked and loaded from per-expert checkpoint tensors
 (pyserve.models.expert_weights). Under `--tp-size` N each rank holds 1/N of every expert's
-intermediate size (OLMoE excepted: `load_model` refuses it, its q/k norms span every head).
+intermediate size (or, `--ep-size`, E/N whole experts); OLMoE's ranks norm q and k together
+(pyserve.models.llama.LlamaAttention).
 """
 
 from __future__ import annotations
@@ -26,8 +27,11 @@ from typing import Any
 import torch
 
 from pyserve.distributed.group import TensorParallelGroup
+from pyserve.forward_batch_info import ForwardBatch
 from pyserve.layers.activation import get_act_fn
-from pyserve.layers.moe import ExpertLoad, SparseMoeBlock, StackedExperts
+from pyserve.layers.attention.base import AttentionBackend
+from pyserve.layers.expert_load import ExpertLoad
+from pyserve.layers.moe import SparseMoeBlock, StackedExperts
 from pyserve.models.decoder_spec import DecoderSpec
 from pyserve.models.llama import LlamaForCausalLM, LlamaMLP, _linear
 
@@ -108,8 +112,6 @@ def mixtral_mlp(
 def olmoe_mlp(
     config: Any, layer_id: int, dtype: torch.dtype, device: torch.device | str, tp: TensorParallelGroup | None
 ) -> SparseMoeBlock:
-    if tp is not None:  # its q/k norms span every head: a rank's slice cannot norm alone
-        raise ValueError("OLMoE has no tensor-parallel version yet; use --tp-size 1")
     return _block(config, dtype, device, config.num_experts, config.intermediate_size, bool(config.norm_topk_prob), tp)
 
 
@@ -138,11 +140,27 @@ class MoeForCausalLM(LlamaForCausalLM):
             for i, layer in enumerate(self.model.decoder_layers())
             if isinstance(layer.mlp, SparseMoeBlock)
         ]
-        self.expert_load = ExpertLoad([i for i, _ in sparse], sparse[0][1].experts.num_experts if sparse else 0)
+        num_experts = sparse[0][1].gate.weight.shape[0] if sparse else 0
+        self.expert_load = ExpertLoad([i for i, _ in sparse], num_experts, device)
         for row, (_, block) in enumerate(sparse):
             block.load, block.load_row = self.expert_load, row
             if expert_parallel and tp is not None:
                 self._hold_whole_experts(block, tp, dtype, device)
+
+    def forward(self, forward_batch: ForwardBatch, attn_backend: AttentionBackend) -> torch.Tensor:
+        """LlamaForCausalLM's forward, the step's padding rows (a captured graph's) left out of
+        the expert load."""
+        self.expert_load.set_valid(forward_batch.out_cache_loc)
+        try:
+            return super().forward(forward_batch, attn_backend)
+        finally:
+            self.expert_load.valid = None
+
+    def graph_capturable(self) -> bool:
+        """Whether a decode step reads nothing back to the host, so CUDA graphs can capture
+        it: every sparse layer holds all its experts (expert parallelism picks its
+        assignments on the host)."""
+        return all(m.expert_range is None for m in self.modules() if isinstance(m, SparseMoeBlock))
 
     def _hold_whole_experts(
         self, block: SparseMoeBlock, tp: TensorParallelGroup, dtype: torch.dtype, device: str | torch.device
@@ -179,4 +197,3 @@ class OlmoeForCausalLM(MoeForCausalLM):
     """See the module docstring; weights use the HF parameter names of this family."""
 
     spec = DecoderSpec(qk_norm_full=True, mlp=olmoe_mlp)
-    supports_tensor_parallel = False  # its q/k norms span every head

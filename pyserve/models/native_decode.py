@@ -158,9 +158,6 @@ def native_decode(
 
 def _expert_counts(mlp: Any) -> list[np.ndarray]:
     """The count rows a mixture's native layer adds its routing to: the layer's row of the
-    model's ExpertLoad totals, and of its record while recording (as `ExpertLoad.add`)."""
+    model's ExpertLoad totals (on CPU the memory `ExpertLoad.add` adds to)."""
     load = getattr(mlp, "load", None)
-    if load is None:
-        return []
-    row = mlp.load_row
-    return [load.total[row], load.recorded[row]] if load.recording else [load.total[row]]
+    return [] if load is None else [load.total[mlp.load_row]]

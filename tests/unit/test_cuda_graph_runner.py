@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -97,12 +98,43 @@ def test_replay_through_static_buffers_equals_eager_on_cpu(stories_path, monkeyp
     the graph of size 4 (padded), 5 requests run eagerly; greedy tokens equal those of the
     same engine without graphs. (The reference backend stands in for a capturable one: on
     CPU nothing is captured, the fake graph re-runs the forward over the static buffers.)"""
+    from tests.conftest import make_stories_engine
+
+    eng = make_stories_engine(stories_path, 1024, attention_backend="torch_native")
+    (eager, graphed), _ = _eager_then_graphed(eng, monkeypatch)
+    assert graphed == eager
+    # 5 requests: eager; 3 (padded to 4): both decode steps replayed
+    assert _FakeGraph.replays == 2
+
+
+def test_a_mixture_replays_and_counts_no_padding_row_on_cpu(tmp_path, stories_path, monkeypatch) -> None:
+    """A tiny Mixtral through the same fake graphs: greedy tokens equal eager ones, and the
+    expert load counts the same tokens (the padded graph row, KV slot 0, is left out)."""
+    from pyserve import Engine
+    from tests.unit.test_moe_models import _moe_folder
+
+    _moe_folder(tmp_path, stories_path, "mixtral")
+    eng = Engine(
+        model_path=str(tmp_path),
+        max_total_tokens=1024,
+        attention_backend="torch_native",
+        disable_radix_cache=True,
+        log_level="warning",
+    )
+    (eager, graphed), (eager_counts, graphed_counts) = _eager_then_graphed(eng, monkeypatch)
+    assert graphed == eager and _FakeGraph.replays == 2
+    assert eager_counts.sum() > 0 and np.array_equal(graphed_counts, eager_counts)
+
+
+def _eager_then_graphed(eng, monkeypatch):
+    """Greedy outputs of five prompts, then of three, without graphs and then with fake graphs
+    of sizes 1, 2 and 4 captured; and what each phase added to the expert load (zeros for a
+    dense model). Shuts the engine down."""
     import contextlib
 
     import pyserve.model_executor.cuda_graph_runner as cgr
     from pyserve.layers.attention.base import CapturableAttentionBackend
     from pyserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
-    from tests.conftest import make_stories_engine
 
     class Capturable(TorchNativeAttnBackend, CapturableAttentionBackend):
         def init_cuda_graph_state(self, max_bs: int) -> None:
@@ -134,22 +166,25 @@ def test_replay_through_static_buffers_equals_eager_on_cpu(stories_path, monkeyp
     monkeypatch.setattr(cgr.CudaGraphRunner, "_capture_all", capture_all)
     prompts = [[1, 2, 3, 4], [1, 9, 8], [5] * 11, [1, 300, 301, 302, 7], [1, 44]]
     params = {"temperature": 0, "max_new_tokens": 3, "ignore_eos": True}
-    eng = make_stories_engine(stories_path, 1024, attention_backend="torch_native")
-    try:
-        runner = eng.core.model_runner
-        runner.attn_backend = Capturable(runner.kv_pool)
-        eager = [
+    runner = eng.core.model_runner
+    load = runner.expert_load()
+    totals = (lambda: load.total.copy()) if load is not None else (lambda: np.zeros(1, np.int64))
+
+    def run():
+        before = totals()
+        out = [
             [o["output_ids"] for o in eng.generate(input_ids=p, sampling_params=params)] for p in (prompts, prompts[:3])
         ]
+        return out, totals() - before
+
+    try:
+        runner.attn_backend = Capturable(runner.kv_pool)
+        eager, eager_counts = run()
         runner.graph_sizes = [1, 2, 4]
         runner.init_cuda_graphs(eng.core.worker.state.req_to_token, types.SimpleNamespace(synchronize=lambda: None))
         assert len(captured) == 3 and runner.graph_runner.sizes == [1, 2, 4]
         _FakeGraph.replays = 0
-        graphed = [
-            [o["output_ids"] for o in eng.generate(input_ids=p, sampling_params=params)] for p in (prompts, prompts[:3])
-        ]
+        graphed, graphed_counts = run()
     finally:
         eng.shutdown()
-    assert graphed == eager
-    # 5 requests: eager; 3 (padded to 4): both decode steps replayed
-    assert _FakeGraph.replays == 2
+    return (eager, graphed), (eager_counts, graphed_counts)
