@@ -75,6 +75,9 @@ class ExpertLoad:
         self.recording = True
 
     def stop(self) -> None:
-        """End the record; `recorded` keeps its counts. Loop thread."""
+        """End the record; `recorded` keeps its counts (a stop without a record running
+        changes nothing). Loop thread."""
+        if not self.recording:
+            return
         self._stop = self.total.copy()
         self.recording = False

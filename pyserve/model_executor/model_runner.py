@@ -294,7 +294,7 @@ class ModelRunner(Runner):
             return []
         capturable = getattr(self.model, "graph_capturable", None)
         if capturable is not None and not capturable():
-            logger.info("CUDA graphs off: expert parallelism picks each rank's assignments on the host")
+            logger.info("CUDA graphs off: a mixture's experts are chosen on the host (expert parallelism or no Triton)")
             return []
         return capture_batch_sizes(self.max_running_requests, cuda_graph_max_bs, cuda_graph_bs)
 

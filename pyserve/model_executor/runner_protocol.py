@@ -111,7 +111,7 @@ class Runner(Protocol):
         return _nothing_to_wait_for
 
     def expert_load(self) -> ExpertLoad | None:
-        """The routing counts of a mixture-of-experts model (pyserve.layers.moe.ExpertLoad);
+        """The routing counts of a mixture-of-experts model (pyserve.layers.expert_load.ExpertLoad);
         None for a dense one (the default)."""
         return None
 

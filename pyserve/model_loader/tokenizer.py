@@ -50,7 +50,10 @@ def get_tokenizer(model_path: str, tokenizer_path: str | None = None) -> transfo
         try:
             return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
         except ValueError as exc:  # transformers reads no config of this architecture (e.g. olmoe)
-            kind = _GGUF_TOKENIZER_TYPES.get(str(_gguf_tokenizer_model(path)))
+            model = _gguf_tokenizer_model(path)
+            if model is None:
+                raise ValueError(f"{path} holds no tokenizer (no tokenizer.ggml.model): give --tokenizer-path") from exc
+            kind = _GGUF_TOKENIZER_TYPES.get(str(model))
             if kind is None or "not supported" not in str(exc):
                 raise
             # the tokenizer itself is the GGUF's own: only the class is named here

@@ -34,6 +34,7 @@ from pyserve.layers.expert_load import ExpertLoad
 from pyserve.layers.moe import SparseMoeBlock, StackedExperts
 from pyserve.models.decoder_spec import DecoderSpec
 from pyserve.models.llama import LlamaForCausalLM, LlamaMLP, _linear
+from pyserve_kernels._triton import triton_available
 
 
 def _block(
@@ -117,7 +118,7 @@ def olmoe_mlp(
 
 class MoeForCausalLM(LlamaForCausalLM):
     """A Llama-style decoder whose spec puts `SparseMoeBlock`s in some layers; their routing
-    is counted in `expert_load` (pyserve.layers.moe.ExpertLoad: SGLang's expert distribution
+    is counted in `expert_load` (pyserve.layers.expert_load.ExpertLoad: SGLang's expert distribution
     record and /metrics). Tensor-parallel (`--tp-size`): every rank holds its slice of each
     expert's intermediate size (pyserve.distributed.shard) and the whole router; with
     `--ep-size` its whole experts (`expert_parallel`)."""
@@ -158,9 +159,12 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     def graph_capturable(self) -> bool:
         """Whether a decode step reads nothing back to the host, so CUDA graphs can capture
-        it: every sparse layer holds all its experts (expert parallelism picks its
-        assignments on the host)."""
-        return all(m.expert_range is None for m in self.modules() if isinstance(m, SparseMoeBlock))
+        it: the experts run on the Triton kernel (torch's per-expert loop reads the counts) and
+        every sparse layer holds all its experts (expert parallelism picks its assignments on
+        the host)."""
+        return triton_available() and all(
+            m.expert_range is None for m in self.modules() if isinstance(m, SparseMoeBlock)
+        )
 
     def _hold_whole_experts(
         self, block: SparseMoeBlock, tp: TensorParallelGroup, dtype: torch.dtype, device: str | torch.device

@@ -17,7 +17,10 @@ from tests.unit.test_moe_models import hf_model, moe_config
 
 def test_counts_leave_out_padding_rows_and_records_are_snapshots() -> None:
     load = ExpertLoad([0, 2], num_experts=4)
+    load.add(0, torch.tensor([[3, 3]]))
+    load.stop()  # no record yet: still none
     assert np.array_equal(load.recorded, np.zeros((2, 4), np.int64))
+    load.counts.zero_()
     load.set_valid(torch.tensor([7, 0, 9]))  # the middle row is a padded graph row
     load.add(0, torch.tensor([[1, 3], [1, 2], [3, 0]]))
     assert load.total.tolist() == [[1, 1, 0, 2], [0, 0, 0, 0]]
@@ -27,6 +30,7 @@ def test_counts_leave_out_padding_rows_and_records_are_snapshots() -> None:
     assert load.recorded.tolist() == [[0, 0, 0, 0], [0, 0, 2, 0]]
     load.stop()
     load.add(1, torch.tensor([[0, 1]]))  # after the record: in the totals only
+    load.stop()  # a second stop keeps the record
     assert load.recorded.tolist() == [[0, 0, 0, 0], [0, 0, 2, 0]]
     assert load.total.tolist() == [[1, 1, 0, 2], [1, 1, 2, 0]]
     load.publish()  # CPU: the totals are the counts themselves
@@ -54,10 +58,16 @@ def test_a_mixture_step_counts_its_real_tokens_only(tmp_path) -> None:
     assert load.valid is None  # not left over for a later forward
 
 
-def test_expert_parallelism_is_not_capturable() -> None:
+def test_expert_parallelism_or_no_triton_is_not_capturable(monkeypatch) -> None:
+    import pyserve.models.moe
+
     config = moe_config("qwen3_moe")
     model = Qwen3MoeForCausalLM(config)
+    monkeypatch.setattr(pyserve.models.moe, "triton_available", lambda: True)
     assert model.graph_capturable()
+    monkeypatch.setattr(pyserve.models.moe, "triton_available", lambda: False)
+    assert not model.graph_capturable()  # torch's expert loop reads the counts on the host
+    monkeypatch.setattr(pyserve.models.moe, "triton_available", lambda: True)
     block = next(layer.mlp for layer in model.model.decoder_layers() if isinstance(layer.mlp, SparseMoeBlock))
     block.expert_range = (0, config.num_experts // 2)
     assert not model.graph_capturable()

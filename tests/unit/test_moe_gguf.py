@@ -234,3 +234,12 @@ def test_dequantized_gguf_experts_come_out_per_expert_and_shard_by_rank(tmp_path
     assert torch.equal(rank1["model.layers.1.mlp.experts.3.gate_proj.weight"], gate[inter // 2 :])
     down = want["model.layers.0.mlp.experts.0.down_proj.weight"]
     assert torch.equal(rank1["model.layers.0.mlp.experts.0.down_proj.weight"], down[:, inter // 2 :])
+
+
+def test_a_gguf_without_tokenizer_metadata_says_what_to_give(tmp_path) -> None:
+    from pyserve.model_loader.tokenizer import get_tokenizer
+
+    path = tmp_path / "olmoe-Q8_0.gguf"
+    write_moe_gguf(path, "olmoe", "Q8_0")  # the writer adds no tokenizer.ggml.* fields
+    with pytest.raises(ValueError, match=r"holds no tokenizer \(no tokenizer.ggml.model\): give --tokenizer-path$"):
+        get_tokenizer(str(path))

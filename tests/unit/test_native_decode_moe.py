@@ -77,7 +77,7 @@ def test_bad_mixture_arguments_raise(tmp_path) -> None:
         make(qk_norm_per_head=True)
     with pytest.raises(ValueError, match="q_norm and k_norm come together"):
         make(k_norm=None)
-    hidden = np.zeros((1, config.hidden_size), np.float32)
+    hidden = np.ones((1, config.hidden_size), np.float32)
     residual = np.zeros_like(hidden)
     cos = np.ones((1, attn.head_dim), np.float32)
     k = runner.kv_pool.get_key_buffer(0).numpy()
@@ -85,4 +85,8 @@ def test_bad_mixture_arguments_raise(tmp_path) -> None:
     ints = lambda *xs: np.array(xs, dtype=np.int32)  # noqa: E731
     with pytest.raises(ValueError, match="an expert count row has 7 entries for 8 experts"):
         counts = [np.zeros(7, np.int64)]
+        k1, v1 = k[1].copy(), v[1].copy()
         native.forward(hidden, residual, True, cos, cos, k, v, ints(1), ints(0, 1), ints(1), 0.125, None, 1, counts)
+    # refused before any write: the residual, the pool and the input as they were
+    assert not residual.any() and (hidden == 1).all()
+    assert np.array_equal(k[1], k1) and np.array_equal(v[1], v1)

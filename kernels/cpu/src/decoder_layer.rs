@@ -239,6 +239,15 @@ pub fn decode_layer(
             "k_buffer and v_buffer must be equal whole slots".into(),
         ));
     }
+    if let Some(m) = w.moe {
+        let experts = m.router.len() / h;
+        if let Some(c) = expert_counts.iter().find(|c| c.len() != experts) {
+            return Err(LayerError::Shape(format!(
+                "an expert count row has {} entries for {experts} experts",
+                c.len()
+            )));
+        }
+    }
     let threads = step.num_threads;
     let isa = step.isa;
 
@@ -351,13 +360,8 @@ fn experts(
         &mut ids,
     )
     .map_err(LayerError::Moe)?;
-    if let Some(c) = expert_counts.iter().find(|c| c.len() != num_experts) {
-        return Err(LayerError::Shape(format!(
-            "an expert count row has {} entries for {num_experts} experts",
-            c.len()
-        )));
-    }
     for counts in expert_counts.iter_mut() {
+        // (their lengths checked before any write)
         for &e in &ids {
             counts[e as usize] += 1;
         }

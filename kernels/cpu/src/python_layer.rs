@@ -245,15 +245,14 @@ impl QuantDecoderLayer {
             if let Some(m) = w.moe {
                 read.push(("router", span(m.router)));
             }
-            check_disjoint(
-                &[
-                    ("hidden", span(hidden)),
-                    ("residual", span(residual)),
-                    ("k_buffer", span(kb)),
-                    ("v_buffer", span(vb)),
-                ],
-                &read,
-            )?;
+            let mut written = vec![
+                ("hidden", span(hidden)),
+                ("residual", span(residual)),
+                ("k_buffer", span(kb)),
+                ("v_buffer", span(vb)),
+            ];
+            written.extend(counts.iter().map(|c| ("expert_counts", span(c))));
+            check_disjoint(&written, &read)?;
             py.detach(|| decode_layer(w, &step, hidden, residual, first, kb, vb, &mut counts))
                 .map_err(layer_error)
         })

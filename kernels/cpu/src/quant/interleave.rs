@@ -89,6 +89,7 @@ pub(super) fn matmul_rows(
             Isa::Scalar => (0..8).map(|c| row_major(&w, 8 * g + c)).collect(),
             _ => Vec::new(),
         };
+        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
         let mut r = 0;
         #[cfg(target_arch = "x86_64")]
         while isa != Isa::Scalar && r + ROWS <= m {
